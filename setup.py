@@ -1,0 +1,29 @@
+"""Build mp_offload and its C++ CPU-Adam extension (pybind11, no torch headers)."""
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import find_packages, setup
+
+# No -march=native: one build must run on every x86-64 host; the kernel picks
+# AVX-512 / AVX2 / scalar paths at run time via per-function target attributes.
+compile_args = ["-O3", "-fopenmp", "-std=c++17"]
+
+ext_modules = [
+    Pybind11Extension(
+        "mp_offload._cpu_adam",
+        ["csrc/cpu_adam.cpp"],
+        extra_compile_args=compile_args,
+        extra_link_args=["-fopenmp"],
+    )
+]
+
+setup(
+    name="mp_offload",
+    version="0.1.0",
+    description="Tensor-parallel GPT training with data-parallel ZeRO-Offload (CPU Adam)",
+    python_requires=">=3.10",
+    packages=find_packages(include=["mp_offload", "mp_offload.*"]),
+    install_requires=["torch>=2.1", "numpy", "einops", "sentencepiece"],
+    extras_require={"test": ["pytest"], "apex": []},
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": build_ext},
+)
