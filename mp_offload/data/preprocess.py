@@ -1,0 +1,272 @@
+"""Tokenise JSONL / plain-text files into MMIDIDX datasets (logic of tools/preprocess_data.py).
+
+Outputs ``{output_prefix}_{key}_document.bin/.idx`` per JSON key, one sequence
+per document. Outputs are written under temporary names and renamed only on
+success, so a failed or killed run never leaves files that look complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .indexed_dataset import IndexedDatasetBuilder, best_dtype, data_file_path, index_file_path
+from .tokenizer import build_tokenizer
+
+JSON_SUFFIXES = (".json", ".jsonl")
+_MAX_WARNINGS = 20
+
+
+class PreprocessError(RuntimeError):
+    """A fatal input problem; the message is a single line naming the file (and line)."""
+
+
+@dataclass
+class PreprocessStats:
+    documents: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    input_bytes: int = 0
+    seconds: float = 0.0
+    output_prefixes: list = field(default_factory=list)
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    return f"{output_prefix}_{key}_document"
+
+
+# ---- worker side -----------------------------------------------------------
+_W: dict = {}
+
+
+def _init_worker(tok_spec: dict, json_keys: tuple, append_eod: bool) -> None:
+    _W["tok"] = build_tokenizer(**tok_spec)
+    _W["keys"] = json_keys
+    _W["eod"] = append_eod
+    _W["dtype"] = best_dtype(_W["tok"].vocab_size)
+
+
+def _encode(task):
+    """task = (file_no, line_no, is_json, raw bytes) -> (file_no, line_no, nbytes, ids-per-key | error)."""
+    file_no, line_no, is_json, raw = task
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return file_no, line_no, len(raw), f"invalid UTF-8 ({e.reason} at byte {e.start})"
+    if is_json:
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            return file_no, line_no, len(raw), f"bad JSON ({e.msg})"
+        if not isinstance(obj, dict):
+            return file_no, line_no, len(raw), "JSON line is not an object"
+        docs = []
+        for key in _W["keys"]:
+            if key not in obj:
+                return file_no, line_no, len(raw), f"missing key {key!r}"
+            if not isinstance(obj[key], str):
+                return file_no, line_no, len(raw), f"key {key!r} is not a string"
+            docs.append(obj[key])
+    else:
+        docs = [text]
+    out = []
+    for key, doc in zip(_W["keys"], docs):
+        if not doc.strip():
+            return file_no, line_no, len(raw), f"empty document (key {key!r})"
+        try:
+            ids = _W["tok"].tokenize(doc)
+        except Exception as e:  # tokenizer rejects the text (e.g. NullTokenizer non-ints)
+            return file_no, line_no, len(raw), f"cannot tokenize key {key!r}: {e}"
+        if not ids:
+            return file_no, line_no, len(raw), f"empty document after tokenization (key {key!r})"
+        if _W["eod"]:
+            ids.append(_W["tok"].eod)
+        out.append(np.asarray(ids, dtype=_W["dtype"]))
+    return file_no, line_no, len(raw), out
+
+
+# ---- reader side -----------------------------------------------------------
+def _tasks(inputs: Sequence[str]):
+    """JSON files: one task per non-blank line; any other file: one task (whole file)."""
+    for file_no, path in enumerate(inputs):
+        is_json = path.endswith(JSON_SUFFIXES)
+        with open(path, "rb") as f:
+            if not is_json:
+                yield file_no, 1, False, f.read()
+                continue
+            for line_no, line in enumerate(f, 1):
+                if line.strip():  # blank lines (e.g. a trailing newline) are not documents
+                    yield file_no, line_no, True, line
+
+
+def _results(tasks, tok_spec, json_keys, append_eod, workers, chunksize):
+    init = (tok_spec, tuple(json_keys), append_eod)
+    if workers <= 1:
+        _init_worker(*init)
+        yield from map(_encode, tasks)
+        return
+    # spawn (not fork): the caller may be a training process with torch threads.
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=init) as pool:
+        # Bounded windows keep memory flat; imap keeps input order, so the output
+        # is byte-identical whatever the worker count.
+        window = max(1, chunksize) * workers * 32
+        tasks = iter(tasks)
+        while True:
+            batch = list(itertools.islice(tasks, window))
+            if not batch:
+                break
+            yield from pool.imap(_encode, batch, chunksize=max(1, chunksize))
+
+
+def preprocess(
+    inputs: Sequence[str],
+    output_prefix: str,
+    tokenizer_type: str,
+    tokenizer_model: str | None = None,
+    vocab_size: int | None = None,
+    json_keys: Sequence[str] = ("text",),
+    append_eod: bool = False,
+    workers: int = 1,
+    on_bad_line: str = "skip",
+    log_interval: int = 10000,
+    chunksize: int = 32,
+    log=sys.stderr,
+) -> PreprocessStats:
+    """Tokenise ``inputs`` into one dataset per JSON key. Raises PreprocessError."""
+    if on_bad_line not in ("skip", "fail"):
+        raise ValueError("on_bad_line must be 'skip' or 'fail'")
+    for path in inputs:
+        if not os.path.isfile(path):
+            raise PreprocessError(f"input file not found: {path}")
+    tok_spec = dict(tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model, vocab_size=vocab_size)
+    try:
+        tok = build_tokenizer(**tok_spec)
+    except (ValueError, FileNotFoundError) as e:
+        raise PreprocessError(str(e)) from None
+    dtype = best_dtype(tok.vocab_size)
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+
+    prefixes = [output_prefix_for(output_prefix, k) for k in json_keys]
+    suffix = f".tmp-{os.getpid()}"
+    builders = [IndexedDatasetBuilder(data_file_path(p) + suffix, dtype) for p in prefixes]
+    stats = PreprocessStats(output_prefixes=prefixes)
+    start = time.perf_counter()
+    ok = False
+    results = None
+    try:
+        results = _results(_tasks(inputs), tok_spec, json_keys, append_eod, workers, chunksize)
+        for file_no, line_no, nbytes, out in results:
+            stats.input_bytes += nbytes
+            if isinstance(out, str):
+                where = f"{inputs[file_no]}:{line_no}"
+                if on_bad_line == "fail":
+                    raise PreprocessError(f"{where}: {out}")
+                stats.skipped += 1
+                if stats.skipped <= _MAX_WARNINGS:
+                    print(f"warning: skipping {where}: {out}", file=log)
+                    if stats.skipped == _MAX_WARNINGS:
+                        print("warning: further skipped lines are only counted", file=log)
+                continue
+            for builder, ids in zip(builders, out):
+                builder.add_item(ids)
+                builder.end_document()
+                stats.tokens += len(ids)
+            stats.documents += 1
+            if log_interval and stats.documents % log_interval == 0:
+                _progress(stats, time.perf_counter() - start, log)
+        for builder, p in zip(builders, prefixes):
+            builder.finalize(index_file_path(p) + suffix)
+        # .bin first, .idx last: a present .idx implies its .bin is complete.
+        for p in prefixes:
+            os.replace(data_file_path(p) + suffix, data_file_path(p))
+            os.replace(index_file_path(p) + suffix, index_file_path(p))
+        ok = True
+    finally:
+        if results is not None:
+            results.close()  # stops the worker pool promptly on failure
+        if not ok:
+            for builder, p in zip(builders, prefixes):
+                builder.close()
+                for path in (data_file_path(p) + suffix, index_file_path(p) + suffix):
+                    if os.path.exists(path):
+                        os.remove(path)
+    stats.seconds = time.perf_counter() - start
+    _summary(stats, log)
+    return stats
+
+
+def _progress(stats: PreprocessStats, elapsed: float, log) -> None:
+    elapsed = max(elapsed, 1e-9)
+    print(
+        f"processed {stats.documents} documents ({stats.input_bytes / 1e6:.1f} MB, "
+        f"{stats.input_bytes / 1e6 / elapsed:.2f} MB/s, {stats.tokens / elapsed:,.0f} tokens/s)",
+        file=log,
+        flush=True,
+    )
+
+
+def _summary(stats: PreprocessStats, log) -> None:
+    secs = max(stats.seconds, 1e-9)
+    print(
+        f"done: {stats.documents} documents, {stats.tokens} tokens, {stats.skipped} skipped, "
+        f"{stats.input_bytes / 1e6:.1f} MB in {stats.seconds:.1f}s ({stats.tokens / secs:,.0f} tokens/s)",
+        file=log,
+    )
+    for p in stats.output_prefixes:
+        print(f"  wrote {data_file_path(p)} and {index_file_path(p)}", file=log)
+    log.flush()
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Tokenise documents into Megatron MMIDIDX files "
+        "{output-prefix}_{key}_document.bin/.idx.",
+    )
+    p.add_argument(
+        "--input", nargs="+", required=True,
+        help="input files. *.json/*.jsonl: one JSON object per line, one document per line "
+        "(blank lines ignored). Any other file is plain text and is ONE document (the whole file).",
+    )
+    p.add_argument("--output-prefix", required=True, help="prefix of the output files")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys to tokenise (default: text)")
+    p.add_argument(
+        "--tokenizer-type", default="SentencePieceTokenizer",
+        choices=["SentencePieceTokenizer", "NullTokenizer"],
+    )
+    p.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
+    p.add_argument("--vocab-size", type=int, default=None, help="vocab size (NullTokenizer)")
+    p.add_argument("--append-eod", action="store_true", help="append the EOD token to each document")
+    p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1: in-process)")
+    p.add_argument("--chunksize", type=int, default=32, help="lines per worker task")
+    p.add_argument("--log-interval", type=int, default=10000, help="progress line every N documents")
+    p.add_argument(
+        "--on-bad-line", choices=["skip", "fail"], default="skip",
+        help="bad JSON, missing key or empty document: skip and count (default) or fail with exit code 1",
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = get_parser().parse_args(argv)
+    try:
+        preprocess(
+            args.input, args.output_prefix, args.tokenizer_type,
+            tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
+            json_keys=args.json_keys, append_eod=args.append_eod, workers=args.workers,
+            on_bad_line=args.on_bad_line, log_interval=args.log_interval, chunksize=args.chunksize,
+        )
+    except PreprocessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0

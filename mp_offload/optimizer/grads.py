@@ -1,0 +1,55 @@
+"""Gradient reductions shared by every optimizer: DP averaging and the global norm.
+
+The global norm reads the metadata contract (DESIGN.md §2, reader 1): a parameter
+counts if it is TP-sharded or this is TP rank 0, so replicated parameters are
+counted once; squares are summed over the DP group, then over the TP group.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..parallel_state import group_size
+from ..tensor_parallel.utils import is_duplicate_across_tp
+
+
+def allreduce_gradients(params, dp_group) -> None:
+    """Average ``.grad`` over the DP group with one flat all-reduce (non-ZeRO path)."""
+    world = group_size(dp_group)
+    grads = [p.grad for p in params if p.grad is not None]
+    if world == 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=dp_group)
+    flat.div_(world)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def reduce_norm_squared(local_sq: torch.Tensor, dp_group=None, tp_group=None) -> float:
+    """Sum a local squared norm over DP (if the grads are DP-partitioned), then over TP."""
+    total = local_sq.detach().double().reshape(1).clone()
+    for g in (dp_group, tp_group):
+        if group_size(g) > 1:
+            dist.all_reduce(total, group=g)
+    return float(total.item())
+
+
+def params_grad_norm(params, tp_rank: int, tp_group) -> float:
+    """Global L2 norm of replicated-over-DP ``.grad``s (after DP averaging)."""
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None and not is_duplicate_across_tp(p, tp_rank):
+            sq += p.grad.detach().double().pow(2).sum().cpu()
+    return math.sqrt(reduce_norm_squared(sq, None, tp_group))
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """Factor to multiply grads by (1.0 when clipping is off or not needed)."""
+    if max_norm <= 0 or not math.isfinite(total_norm):
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))

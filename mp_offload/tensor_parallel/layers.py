@@ -1,0 +1,158 @@
+"""Megatron-style parallel layers: column/row-parallel linear and vocab-parallel embedding.
+
+Initialisation is TP-invariant: each layer builds the *full* master weight in fp32
+on the CPU from the default generator, then keeps its own slice, so a model built
+with TP=1 and one built with TP=k from the same seed hold identical weights.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import parallel_state as ps
+from .mappings import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
+                       scatter_to_tp_region)
+from .utils import divide, set_tensor_model_parallel_attributes, split_for_rank
+
+InitMethod = Callable[[torch.Tensor], torch.Tensor]
+
+
+def init_normal(std: float) -> InitMethod:
+    return lambda t: nn.init.normal_(t, mean=0.0, std=std)
+
+
+def scaled_init_normal(std: float, num_layers: int) -> InitMethod:
+    """GPT-2's residual-projection init: std / sqrt(2 * layers)."""
+    return init_normal(std / math.sqrt(2.0 * num_layers))
+
+
+def _resolve(group):
+    """``None``: the TP group of the initialised parallel state (or none at all)."""
+    return ps.get_tensor_model_parallel_group() if group is None else group
+
+
+def _init_partition(param: torch.Tensor, full_shape: tuple[int, ...], partition_dim: int,
+                    stride: int, init_method: InitMethod | None, group,
+                    valid_rows: int | None = None) -> None:
+    """Build the full weight once, keep this rank's slice.
+
+    ``valid_rows``: only the first rows are drawn and the rest (vocabulary padding) are
+    zero, so the draw does not depend on how much padding this TP size needs.
+    """
+    if param.device.type == "meta":
+        return
+    full = torch.zeros(full_shape, dtype=torch.float32)
+    if init_method is not None:
+        init_method(full[:valid_rows] if valid_rows is not None else full)
+    part = split_for_rank(full, partition_dim, ps.group_size(group), ps.group_rank(group), stride)
+    with torch.no_grad():
+        param.copy_(part)
+
+
+def _replicated_param(shape, dtype, device, zero: bool = True) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+    if zero and p.device.type != "meta":
+        with torch.no_grad():
+            p.zero_()
+    set_tensor_model_parallel_attributes(p, False, -1, 1)
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split along its output (column) dimension.
+
+    Weight is [output/tp, input]; the input is replicated (its gradient is
+    all-reduced in backward); the output stays split unless ``gather_output``.
+    ``stride`` > 1 splits a fused weight (e.g. [q; k; v]) block by block.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
+                 gather_output: bool = False, init_method: InitMethod | None = None,
+                 stride: int = 1, tp_group=None, params_dtype=torch.float32, device=None):
+        super().__init__()
+        self.tp_group = _resolve(tp_group)
+        world = ps.group_size(self.tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        self.gather_output = gather_output
+        self.output_size_per_partition = divide(output_size, world, "output size")
+        self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
+                                               dtype=params_dtype, device=device))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+        _init_partition(self.weight, (output_size, input_size), 0, stride,
+                        init_method or init_normal(0.02), self.tp_group)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition,
+                                                 dtype=params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp_region(x, self.tp_group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split along its input (row) dimension.
+
+    Weight is [output, input/tp]; partial products are all-reduced; the bias is
+    replicated and added once, after the reduction.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
+                 input_is_parallel: bool = True, init_method: InitMethod | None = None,
+                 tp_group=None, params_dtype=torch.float32, device=None):
+        super().__init__()
+        self.tp_group = _resolve(tp_group)
+        world = ps.group_size(self.tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        self.input_is_parallel = input_is_parallel
+        self.input_size_per_partition = divide(input_size, world, "input size")
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
+                                               dtype=params_dtype, device=device))
+        set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
+        _init_partition(self.weight, (output_size, input_size), 1, 1,
+                        init_method or init_normal(0.02), self.tp_group)
+        self.bias = _replicated_param((output_size,), params_dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.tp_group)
+        y = reduce_from_tp_region(F.linear(x, self.weight), self.tp_group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split along the (padded) vocabulary.
+
+    Each rank looks up the ids in its own range [start, end), writes zeros for the
+    others, and the partial results are summed across the TP group.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *,
+                 init_method: InitMethod | None = None, tp_group=None,
+                 params_dtype=torch.float32, device=None, num_valid: int | None = None):
+        super().__init__()
+        self.tp_group = _resolve(tp_group)
+        world, rank = ps.group_size(self.tp_group), ps.group_rank(self.tp_group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        per = divide(num_embeddings, world, "padded vocabulary size")
+        self.vocab_start, self.vocab_end = rank * per, (rank + 1) * per
+        self.weight = nn.Parameter(torch.empty(per, embedding_dim, dtype=params_dtype,
+                                               device=device))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        _init_partition(self.weight, (num_embeddings, embedding_dim), 0, 1,
+                        init_method or init_normal(0.02), self.tp_group, valid_rows=num_valid)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ps.group_size(self.tp_group) == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(out, self.tp_group)

@@ -1,0 +1,18 @@
+import os
+import sys
+
+import pytest
+import torch
+
+# Tests run many ranks on two cores: one thread each, and helpers importable by spawned ranks.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
