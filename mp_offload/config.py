@@ -1,0 +1,200 @@
+"""Run configuration: one dataclass per concern, with argparse generated from them.
+
+Field ``foo_bar`` becomes flag ``--foo-bar`` (Megatron's names); a bool that defaults
+to False is a switch; ``help`` and ``choices`` live in the field metadata. Checks
+that need several fields (and the world size) are in ``validate``, which runs on
+every rank before any collective, so a bad config fails everywhere, never hangs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+
+from .model.gpt import GPTConfig
+from .parallel_state import ParallelConfigError, validate_parallel_sizes
+
+
+class ConfigError(ValueError):
+    """A bad flag value; the message names the flag."""
+
+
+def _f(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = _f(1, "ranks that split each layer (TP, innermost)")
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = _f(4, "samples per rank per forward/backward")
+    global_batch_size: int | None = _f(None, "samples per step over all DP ranks "
+                                             "(default micro-batch x DP: no accumulation)")
+    train_iters: int | None = _f(None, "optimizer steps to run")
+    train_samples: int | None = _f(None, "samples to train on (instead of --train-iters)")
+    seed: int = _f(1234, "random seed (model init, data order, dropout)")
+    fp16: bool = _f(False, "fp16 params and compute with dynamic loss scaling")
+    bf16: bool = _f(False, "bf16 params and compute")
+    eval_interval: int = _f(1000, "iterations between validation runs")
+    eval_iters: int = _f(10, "batches per validation run")
+    exit_interval: int | None = _f(None, "stop after this iteration (for tests)")
+    dry_run: bool = _f(False, "build the model on the meta device, print the plan, exit")
+
+
+@dataclass
+class OptimizerConfig:
+    optimizer: str = _f("adam", "adam: the ZeRO optimizer (partitioned over DP; on the CPU "
+                        "with --cpu-offload); torch-adamw: unpartitioned reference",
+                        choices=("adam", "torch-adamw"))
+    cpu_offload: bool = _f(False, "keep optimizer partitions on the CPU (ZeRO-Offload)")
+    lr: float = _f(3e-4, "peak learning rate")
+    min_lr: float = _f(0.0, "learning rate at the end of decay")
+    lr_decay_style: str = _f("cosine", "decay after warmup",
+                             choices=("constant", "linear", "cosine"))
+    lr_warmup_iters: int = _f(0, "iterations of linear warmup")
+    lr_decay_iters: int | None = _f(None, "iterations to decay over (default: train iters)")
+    weight_decay: float = _f(0.01, "decoupled weight decay (not on biases or LayerNorm)")
+    clip_grad: float = _f(1.0, "global gradient-norm clipping threshold (0 = off)")
+    adam_beta1: float = _f(0.9, "Adam beta1")
+    adam_beta2: float = _f(0.999, "Adam beta2")
+    adam_eps: float = _f(1e-8, "Adam epsilon")
+    initial_loss_scale: float = _f(2.0 ** 16, "fp16: starting loss scale")
+    min_loss_scale: float = _f(1.0, "fp16: lowest loss scale")
+    loss_scale_window: int = _f(1000, "fp16: clean steps before the scale doubles")
+    hysteresis: int = _f(2, "fp16: overflows tolerated before the scale halves")
+    reduce_bucket_size: int = _f(5_000_000, "elements per gradient bucket (reduce-scatter)")
+    dpu_warmup_steps: int | None = _f(None, "enable the one-step delayed parameter update "
+                                           "after this many synchronous steps")
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] | None = _f(None, "prefix, or weight prefix weight prefix ... "
+                                           "(default: the embedded stdlib corpus)")
+    split: str = _f("969,30,1", "train,valid,test proportions of the documents")
+    tokenizer_type: str = _f("SentencePieceTokenizer", "tokenizer class",
+                             choices=("SentencePieceTokenizer", "NullTokenizer"))
+    tokenizer_model: str | None = _f(None, "SentencePiece model file")
+    mock_data: bool = _f(False, "train on a synthetic, learnable token stream")
+    data_cache_dir: str | None = _f(None, "where index arrays / the default corpus are cached")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = _f(10, "iterations between log lines")
+    log_json: str | None = _f(None, "append one JSON object per iteration/evaluation here")
+    tensorboard_dir: str | None = _f(None, "write TensorBoard scalars here (if installed)")
+
+
+CONFIG_CLASSES = {"model": GPTConfig, "parallel": ParallelConfig, "train": TrainingConfig,
+                  "optim": OptimizerConfig, "data": DataConfig, "log": LoggingConfig}
+
+_MODEL_HELP = {
+    "num_layers": "transformer layers", "hidden_size": "model width",
+    "num_attention_heads": "attention heads", "ffn_hidden_size": "MLP width (default 4h)",
+    "seq_length": "tokens per sample", "max_position_embeddings": "position table size",
+    "vocab_size": "vocabulary size (mock data / NullTokenizer; else from the tokenizer)",
+    "make_vocab_size_divisible_by": "pad the vocabulary to a multiple of this x TP",
+    "hidden_dropout": "dropout on residual branches", "attention_dropout": "attention dropout",
+    "layernorm_epsilon": "LayerNorm epsilon", "init_method_std": "init std",
+    "recompute_activations": "recompute each layer in backward (activation checkpointing)",
+}
+
+
+@dataclass
+class Args:
+    model: GPTConfig
+    parallel: ParallelConfig
+    train: TrainingConfig
+    optim: OptimizerConfig
+    data: DataConfig
+    log: LoggingConfig
+
+
+def _inner(tp):
+    """Strip ``X | None`` to ``X``."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Pretrain a GPT with TP x ZeRO-Offload DP")
+    for group_name, cls in CONFIG_CLASSES.items():
+        group = parser.add_argument_group(group_name)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            tp = _inner(hints[f.name])
+            help_ = f.metadata.get("help", _MODEL_HELP.get(f.name, ""))
+            dest = f"{group_name}.{f.name}"
+            default = f.default
+            if tp is bool:
+                group.add_argument(flag, dest=dest, action="store_true", help=help_)
+            elif typing.get_origin(tp) is list:
+                group.add_argument(flag, dest=dest, nargs="+", default=default, help=help_)
+            else:
+                group.add_argument(flag, dest=dest, type=tp, default=default, help=help_,
+                                   choices=f.metadata.get("choices"))
+    return parser
+
+
+def parse_args(argv=None) -> Args:
+    ns = vars(build_parser().parse_args(argv))
+    parts = {name: {} for name in CONFIG_CLASSES}
+    for key, value in ns.items():
+        group_name, fname = key.split(".", 1)
+        parts[group_name][fname] = value
+    return Args(**{name: CONFIG_CLASSES[name](**kw) for name, kw in parts.items()})
+
+
+def validate(args: Args, world_size: int) -> None:
+    """Cross-field checks; raises ConfigError naming the flag and the numbers."""
+    m, t, o = args.model, args.train, args.optim
+    tp = args.parallel.tensor_model_parallel_size
+    try:
+        validate_parallel_sizes(world_size, tp, num_attention_heads=m.num_attention_heads,
+                                hidden_size=m.hidden_size)
+    except ParallelConfigError as e:
+        raise ConfigError(str(e)) from None
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by "
+                          f"--num-attention-heads {m.num_attention_heads}")
+    if m.ffn_hidden_size % tp:
+        raise ConfigError(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}")
+    if m.seq_length > m.max_position_embeddings:
+        raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
+                          f"{m.max_position_embeddings}")
+    dp = world_size // tp
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * dp
+    if t.micro_batch_size < 1 or t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(f"--global-batch-size {t.global_batch_size} is not a multiple of "
+                          f"--micro-batch-size {t.micro_batch_size} x data-parallel size {dp}")
+    if t.fp16 and t.bf16:
+        raise ConfigError("--fp16 and --bf16 are mutually exclusive")
+    if o.optimizer == "torch-adamw" and t.fp16:
+        raise ConfigError("--fp16 needs loss scaling: use --optimizer adam")
+    if o.optimizer == "torch-adamw" and (o.cpu_offload or o.dpu_warmup_steps is not None):
+        raise ConfigError("--cpu-offload/--dpu-warmup-steps need --optimizer adam")
+    if o.dpu_warmup_steps is not None and not o.cpu_offload:
+        raise ConfigError("--dpu-warmup-steps needs --cpu-offload")
+    if t.train_iters is None and t.train_samples is None and not t.dry_run:
+        raise ConfigError("give --train-iters or --train-samples")
+    if t.train_iters is not None and t.train_samples is not None:
+        raise ConfigError("--train-iters and --train-samples are mutually exclusive")
+    if t.train_samples is not None:
+        t.train_iters = t.train_samples // t.global_batch_size
+    if args.data.data_path is not None and len(args.data.data_path) > 1:
+        if len(args.data.data_path) % 2:
+            raise ConfigError("--data-path takes one prefix or weight/prefix pairs, got "
+                              f"{len(args.data.data_path)} values")
+    if args.log.log_interval < 1:
+        raise ConfigError(f"--log-interval must be >= 1, got {args.log.log_interval}")

@@ -1,0 +1,72 @@
+"""Progress on stdout, one JSON object per iteration/evaluation, optional TensorBoard."""
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+
+import torch
+
+
+def peak_memory() -> dict:
+    """Peak device and host memory of this process, in GB."""
+    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: KiB
+    dev = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0
+    return dict(peak_device_gb=dev, peak_host_gb=host)
+
+
+class Logger:
+    def __init__(self, cfg, is_main: bool):
+        self.is_main = is_main
+        self.start = time.time()
+        self.json = open(cfg.log_json, "a") if is_main and cfg.log_json else None
+        self.tb = None
+        if is_main and cfg.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(cfg.tensorboard_dir)
+            except ImportError:
+                self.info("--tensorboard-dir given but tensorboard is not installed; skipping")
+
+    def info(self, msg: str) -> None:
+        if self.is_main:
+            print(msg, flush=True)
+
+    def _record(self, rec: dict) -> None:
+        if self.json:
+            self.json.write(json.dumps(rec) + "\n")
+            self.json.flush()
+        if self.tb:
+            for k, v in rec.items():
+                if isinstance(v, (int, float)) and k != "iteration":
+                    self.tb.add_scalar(k, v, rec["iteration"])
+
+    def iteration(self, rec: dict, print_line: bool) -> None:
+        if not self.is_main:
+            return
+        rec = dict(rec, **peak_memory())
+        self._record(rec)
+        if print_line:
+            line = (f" iteration {rec['iteration']:8d} | consumed samples "
+                    f"{rec['consumed_samples']:10d} | elapsed ms/iter {rec['elapsed_ms']:8.1f} | "
+                    f"lr {rec['lr']:.3e} | loss {rec['loss']:.4f} | grad norm "
+                    f"{rec['grad_norm']:.3f} | loss scale {rec['loss_scale']:g} | skipped "
+                    f"{rec['skipped_iterations']} | tokens/s {rec['tokens_per_sec']:.0f} | "
+                    f"TFLOPS/dev {rec['tflops_per_device']:.3f} | peak mem dev/host GB "
+                    f"{rec['peak_device_gb']:.2f}/{rec['peak_host_gb']:.2f}")
+            print(line, flush=True)
+
+    def evaluation(self, iteration: int, split: str, loss: float | None) -> None:
+        if not self.is_main or loss is None:
+            return
+        ppl = math.exp(min(loss, 50.0))
+        self._record({"iteration": iteration, f"{split}_loss": loss, f"{split}_ppl": ppl})
+        print(f" {split} loss at iteration {iteration} | lm loss {loss:.4f} | "
+              f"ppl {ppl:.2f}", flush=True)
+
+    def close(self) -> None:
+        if self.json:
+            self.json.close()
+        if self.tb:
+            self.tb.close()

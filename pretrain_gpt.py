@@ -1,0 +1,12 @@
+"""Pretrain a GPT with tensor parallelism and data-parallel ZeRO-Offload.
+
+    torchrun --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 \
+        --num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256 \
+        --micro-batch-size 4 --train-iters 100 --cpu-offload
+
+The loop lives in mp_offload.training; this file only calls it.
+"""
+from mp_offload.training import pretrain
+
+if __name__ == "__main__":
+    pretrain()
