@@ -23,10 +23,9 @@ def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndar
     if not w or total <= 0 or any(x < 0 for x in w):
         raise ValueError(f"weights must be non-negative with a positive sum: {list(weights)}")
     w = [x / total for x in w]
-    k = len(w)
-    delta = 1.0 / (2 * k - 2) if k > 1 else 0.5
-    live = [d for d in range(k) if w[d] > 0]
-    counts = [0] * k
+    live = [d for d in range(len(w)) if w[d] > 0]  # zero-weight datasets never get samples
+    delta = 1.0 / (2 * len(live) - 2) if len(live) > 1 else 0.5
+    counts = [0] * len(w)
     dataset_index = np.empty(size, dtype=np.int32)
     sample_index = np.empty(size, dtype=np.int64)
     for i in range(size):  # plain Python: a handful of datasets, ~1 us per sample

@@ -140,9 +140,13 @@ def preprocess(
     on_bad_line: str = "skip",
     log_interval: int = 10000,
     chunksize: int = 32,
-    log=sys.stderr,
+    log=None,
 ) -> PreprocessStats:
-    """Tokenise ``inputs`` into one dataset per JSON key. Raises PreprocessError."""
+    """Tokenise ``inputs`` into one dataset per JSON key. Raises PreprocessError.
+
+    ``log``: file-like for warnings/progress/summary (default: sys.stderr).
+    """
+    log = sys.stderr if log is None else log
     if on_bad_line not in ("skip", "fail"):
         raise ValueError("on_bad_line must be 'skip' or 'fail'")
     for path in inputs:
@@ -270,3 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

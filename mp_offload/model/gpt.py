@@ -7,6 +7,7 @@ else (LayerNorms, positions, row-parallel biases) is replicated.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -73,7 +74,7 @@ class ParallelAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, head_dim]
         p = self.dropout if self.training else 0.0
         # Attention dropout acts on this rank's own heads: use the per-TP-rank stream.
-        with get_rng_tracker().fork():
+        with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 

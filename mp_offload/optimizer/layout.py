@@ -1,0 +1,142 @@
+"""Flat layout of one TP rank's parameters: buckets, and each DP rank's partition of them.
+
+Parameters are laid out in reverse model order (the order backward produces their
+gradients) and grouped into buckets of about ``bucket_size`` elements, each padded
+to a multiple of ``dp * ALIGN``. Bucket b is reduce-scattered as a unit, so DP rank
+d owns the d-th chunk of every bucket; its host slice is those chunks back to back.
+The layout is a pure function of (parameter shapes, dp, bucket_size): every rank
+computes the same one, and checkpoints record it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..tensor_parallel.utils import is_duplicate_across_tp
+
+ALIGN = 64  # elements: keeps every chunk SIMD- and cache-line aligned
+
+
+@dataclass
+class Slot:
+    name: str
+    param: torch.nn.Parameter
+    start: int  # offset in the flat buffer
+    numel: int
+    bucket: int
+
+
+@dataclass
+class Bucket:
+    index: int
+    start: int
+    end: int
+    dp: int
+    slots: list[Slot] = field(default_factory=list)
+    host_offset: int = 0  # where this rank's chunk starts in its host slice
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def chunk(self) -> int:
+        return self.numel // self.dp
+
+    def chunk_range(self, dp_rank: int) -> tuple[int, int]:
+        lo = self.start + dp_rank * self.chunk
+        return lo, lo + self.chunk
+
+
+@dataclass
+class Segment:
+    """A run of this rank's host slice belonging to one parameter (or padding)."""
+    host_start: int
+    host_end: int
+    decay: bool  # weight decay applies (matrices, not biases/LayerNorm)
+    counts_for_norm: bool  # TP-sharded, or TP rank 0 (DESIGN.md §2)
+
+
+class FlatLayout:
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], dp: int,
+                 dp_rank: int, tp_rank: int, bucket_size: int):
+        if bucket_size < 1:
+            raise ValueError(f"--reduce-bucket-size must be >= 1, got {bucket_size}")
+        self.dp, self.dp_rank = dp, dp_rank
+        quantum = dp * ALIGN
+        self.slots: list[Slot] = []
+        self.buckets: list[Bucket] = []
+        offset, current = 0, []
+
+        def close_bucket():
+            nonlocal offset, current
+            start = current[0].start
+            used = offset - start
+            end = start + -(-used // quantum) * quantum
+            b = Bucket(len(self.buckets), start, end, dp, current)
+            self.buckets.append(b)
+            offset, current = end, []
+
+        for name, p in reversed(named_params):
+            slot = Slot(name, p, offset, p.numel(), len(self.buckets))
+            self.slots.append(slot)
+            current.append(slot)
+            offset += p.numel()
+            if offset - current[0].start >= bucket_size:
+                close_bucket()
+        if current:
+            close_bucket()
+        self.numel = offset  # padded total
+        host = 0
+        for b in self.buckets:
+            b.host_offset = host
+            host += b.chunk
+        self.host_numel = host
+        self.segments = self._segments(tp_rank)
+
+    def _segments(self, tp_rank: int) -> list[Segment]:
+        segs = []
+        for b in self.buckets:
+            lo, hi = b.chunk_range(self.dp_rank)
+            cursor = lo
+            for s in b.slots:
+                a, z = max(lo, s.start), min(hi, s.start + s.numel)
+                if a >= z:
+                    continue
+                if a > cursor:
+                    segs.append(Segment(cursor - lo + b.host_offset, a - lo + b.host_offset,
+                                        False, False))
+                segs.append(Segment(a - lo + b.host_offset, z - lo + b.host_offset,
+                                    s.param.ndim > 1, not is_duplicate_across_tp(s.param, tp_rank)))
+                cursor = z
+            if cursor < hi:
+                segs.append(Segment(cursor - lo + b.host_offset, hi - lo + b.host_offset,
+                                    False, False))
+        return segs
+
+    def owned_pieces(self):
+        """(slot, flat-offset-in-param, host offset, length) for every owned piece of a param."""
+        for b in self.buckets:
+            lo, hi = b.chunk_range(self.dp_rank)
+            for s in b.slots:
+                a, z = max(lo, s.start), min(hi, s.start + s.numel)
+                if a < z:
+                    yield s, a - s.start, a - lo + b.host_offset, z - a
+
+    def decay_runs(self) -> list[tuple[int, int, bool]]:
+        """Maximal runs of the host slice with one weight-decay setting (one kernel call each)."""
+        runs: list[list] = []
+        for seg in self.segments:
+            if runs and runs[-1][2] == seg.decay and runs[-1][1] == seg.host_start:
+                runs[-1][1] = seg.host_end
+            else:
+                runs.append([seg.host_start, seg.host_end, seg.decay])
+        return [tuple(r) for r in runs]
+
+    def describe(self) -> dict:
+        """What a checkpoint records to re-partition later."""
+        return dict(dp=self.dp, numel=self.numel, host_numel=self.host_numel,
+                    buckets=[dict(start=b.start, end=b.end) for b in self.buckets],
+                    slots=[dict(name=s.name, start=s.start, numel=s.numel,
+                                shape=list(s.param.shape)) for s in self.slots])

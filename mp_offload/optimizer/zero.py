@@ -1,0 +1,279 @@
+"""ZeRO-2 with optional CPU offload (ZeRO-Offload) for one TP shard (DESIGN.md §3).
+
+Device: the model's parameters in the compute dtype, as views of one flat buffer
+laid out by ``FlatLayout``; a small pool of gradient bucket buffers.
+Host (with ``cpu_offload``; on the device otherwise): this DP rank's slice of the
+fp32 master weights, Adam moments and fp32 gradients.
+
+Backward: each parameter's gradient is copied into its bucket as soon as autograd
+has accumulated it (and freed); a full bucket is reduce-scattered (averaged) over
+the DP group asynchronously and this rank's chunk is copied down and added into
+the fp32 host gradient slice. Step: global norm (overflow check for fp16) -> one
+Adam pass over the slice that also writes the new low-precision parameters ->
+one copy up -> all-gather of the slices across the DP group.
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+import torch.distributed as dist
+
+from ..parallel_state import group_size
+from .adam_math import torch_adam_step
+from .grads import clip_coefficient, reduce_norm_squared
+from .layout import FlatLayout
+from .loss_scaler import ConstantLossScaler, DynamicLossScaler
+from .torch_adamw import StepResult
+
+
+def _host_empty(n: int, dtype, pin: bool) -> torch.Tensor:
+    return torch.empty(n, dtype=dtype, pin_memory=pin)
+
+
+class ZeroOptimizer:
+    def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float,
+                 betas: tuple[float, float], eps: float, clip_grad: float, dp_group, tp_group,
+                 tp_rank: int, device: torch.device, dtype=torch.float32,
+                 cpu_offload: bool = True, bucket_size: int = 5_000_000,
+                 dpu_warmup_steps: int | None = None, loss_scale: dict | None = None):
+        self.model, self.device, self.dtype = model, torch.device(device), dtype
+        self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
+        self.clip_grad = clip_grad
+        self.dp_group, self.tp_group = dp_group, tp_group
+        self.dp = group_size(dp_group)
+        self.dp_rank = 0 if self.dp == 1 else dist.get_rank(dp_group)
+        self.cpu_offload = cpu_offload
+        self.dpu_warmup_steps = dpu_warmup_steps
+        self.scaler = DynamicLossScaler(**loss_scale) if loss_scale else ConstantLossScaler()
+        self.layout = FlatLayout(list(model.named_parameters()), self.dp, self.dp_rank, tp_rank,
+                                 bucket_size)
+        self.step_count = 0
+        self.bytes_down = self.bytes_up = 0
+        cuda = self.device.type == "cuda"
+        self.host = torch.device("cpu") if cpu_offload else self.device
+        pin = cuda and cpu_offload
+        n = self.layout.host_numel
+
+        # Host (or device, without offload) state: fp32 master, m, v, grad.
+        self.master = torch.zeros(n, dtype=torch.float32, device=self.host)
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.grads = [torch.zeros_like(self.master)]
+        if dpu_warmup_steps is not None:  # DPU: backward t+1 writes while Adam t reads
+            self.grads.append(torch.zeros_like(self.master))
+        # Low-precision staging: Adam writes new params here in its single pass (pinned on
+        # CUDA so the copy up is asynchronous); grads come down through grad_staging.
+        low = dtype != torch.float32
+        self.param_staging = _host_empty(n, dtype, pin) if low else None
+        self.grad_staging = _host_empty(n, dtype, pin) if cuda and cpu_offload else None
+
+        self._place_model(model)
+        self._init_buckets()
+        self._adam = self._pick_adam()
+        self._thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- set-up
+    def _place_model(self, model: torch.nn.Module) -> None:
+        """fp32 CPU weights -> master slice, then params become views of one flat buffer."""
+        for slot, p_off, h_off, length in self.layout.owned_pieces():
+            src = slot.param.detach().reshape(-1)[p_off:p_off + length]
+            self.master[h_off:h_off + length].copy_(src)
+        self.flat = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
+        for slot in self.layout.slots:
+            view = self.flat[slot.start:slot.start + slot.numel].view_as(slot.param)
+            view.copy_(slot.param.detach())
+            slot.param.data = view
+        model.to(self.device)  # any buffers; the parameters already live there
+
+    def _init_buckets(self) -> None:
+        self._slot_bucket = {id(s.param): s for s in self.layout.slots}
+        self._arrived = [0] * len(self.layout.buckets)
+        self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> its buffer
+        self._pool: list[torch.Tensor] = []
+        self._pending: list[tuple] = []  # (bucket, work, chunk_out, buffer)
+        self._launched = [False] * len(self.layout.buckets)
+        self._staged: list[tuple] = []
+        self.max_bucket = max(b.numel for b in self.layout.buckets)
+        for s in self.layout.slots:
+            s.param.register_post_accumulate_grad_hook(self._grad_ready)
+        self.num_bucket_buffers = 0
+
+    def _pick_adam(self):
+        if self.host.type == "cpu":
+            try:
+                from ..ops.cpu_adam import adam_step
+                return adam_step
+            except ImportError:  # extension not built: still correct, just slower
+                return torch_adam_step
+        return torch_adam_step
+
+    # --------------------------------------------------------------- backward
+    def zero_grad(self) -> None:
+        self.grads[0].zero_()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.scaler.scale).backward() if self.scaler.scale != 1.0 else loss.backward()
+        self._finish_backward()
+
+    def _take_buffer(self) -> torch.Tensor:
+        if not self._pool and self._pending:
+            self._drain_one()  # free the oldest in-flight bucket
+        if self._pool:
+            return self._pool.pop()
+        self.num_bucket_buffers += 1
+        return torch.empty(self.max_bucket, dtype=self.dtype, device=self.device)
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        slot = self._slot_bucket[id(param)]
+        b = self.layout.buckets[slot.bucket]
+        buf = self._buffers.get(b.index)
+        if buf is None:
+            buf = self._buffers[b.index] = self._take_buffer()
+            buf[:b.numel].zero_()
+        off = slot.start - b.start
+        buf[off:off + slot.numel].copy_(param.grad.reshape(-1))
+        param.grad = None  # the device never keeps a full-size gradient
+        self._arrived[b.index] += 1
+        if self._arrived[b.index] == len(b.slots):
+            self._launch(b)
+
+    def _launch(self, b) -> None:
+        buf = self._buffers.pop(b.index, None)
+        if buf is None:  # no gradient reached this bucket: still take part in the collective
+            buf = self._take_buffer()
+            buf[:b.numel].zero_()
+        data = buf[:b.numel]
+        data.div_(self.dp)  # average before summing: keeps fp16 sums in range
+        if self.dp > 1:
+            out = torch.empty(b.chunk, dtype=self.dtype, device=self.device)
+            work = dist.reduce_scatter_tensor(out, data, group=self.dp_group, async_op=True)
+        else:
+            out, work = data, None
+        self._pending.append((b, work, out, buf))
+        self._launched[b.index] = True
+
+    def _drain_one(self) -> None:
+        b, work, out, buf = self._pending.pop(0)
+        if work is not None:
+            work.wait()
+        lo, hi = b.host_offset, b.host_offset + b.chunk
+        grad = self.grads[0][lo:hi]
+        if self.grad_staging is not None:  # CUDA + offload: 2 bytes/param down, add later
+            stage = self.grad_staging[lo:hi]
+            stage.copy_(out, non_blocking=True)
+            self._staged.append((grad, stage))
+        else:
+            grad.add_(out.to(self.host))
+        self.bytes_down += b.chunk * out.element_size()
+        self._pool.append(buf)
+
+    def _finish_backward(self) -> None:
+        # Buckets whose params got no gradient (or an unused param) still launch, in order,
+        # so every DP rank issues the same collectives.
+        for b in self.layout.buckets:
+            if not self._launched[b.index]:
+                self._launch(b)
+        while self._pending:
+            self._drain_one()
+        if self._staged:  # one wait for all the copies down, then fp32 accumulation
+            torch.cuda.current_stream(self.device).synchronize()
+            for grad, stage in self._staged:
+                grad.add_(stage)
+            self._staged = []
+        self._arrived = [0] * len(self.layout.buckets)
+        self._launched = [False] * len(self.layout.buckets)
+
+    # ------------------------------------------------------------------- step
+    def _grad_norm_sq(self, grad: torch.Tensor) -> torch.Tensor:
+        sq = torch.zeros((), dtype=torch.float64, device=self.host)
+        for seg in self.layout.segments:
+            if seg.counts_for_norm and seg.host_end > seg.host_start:
+                sq += torch.linalg.vector_norm(grad[seg.host_start:seg.host_end]).double() ** 2
+        return sq
+
+    @torch.no_grad()
+    def step(self, lr: float) -> StepResult:
+        grad = self.grads[0]
+        norm_sq = reduce_norm_squared(self._grad_norm_sq(grad), self.dp_group, self.tp_group)
+        scale = self.scaler.scale
+        overflow = not math.isfinite(norm_sq)
+        self.scaler.update(overflow)
+        if overflow:  # fp16: skip; every rank sees the same global norm, so all skip
+            return StepResult(grad_norm=float("nan"), skipped=True, loss_scale=scale)
+        norm = math.sqrt(norm_sq) / scale
+        grad_scale = clip_coefficient(norm, self.clip_grad) / scale
+        self.step_count += 1
+        delayed = self.dpu_warmup_steps is not None and self.step_count > self.dpu_warmup_steps
+        if delayed:
+            self._join_and_publish()  # params of step t-1 go up now; t runs behind forward t+1
+            self._thread = threading.Thread(target=self._adam_pass,
+                                            args=(grad, lr, grad_scale, self.step_count))
+            self._thread.start()
+            self.grads.reverse()  # backward t+1 accumulates into the other buffer
+        else:
+            self._adam_pass(grad, lr, grad_scale, self.step_count)
+            self._publish()
+        return StepResult(grad_norm=norm, skipped=False, loss_scale=scale)
+
+    def _adam_pass(self, grad: torch.Tensor, lr: float, grad_scale: float, step: int) -> None:
+        b1, b2 = self.betas
+        for lo, hi, decay in self.layout.decay_runs():
+            self._adam(self.master[lo:hi], grad[lo:hi], self.exp_avg[lo:hi],
+                       self.exp_avg_sq[lo:hi], step=step, lr=lr, beta1=b1, beta2=b2,
+                       eps=self.eps, weight_decay=self.weight_decay if decay else 0.0,
+                       adamw=True, bias_correction=True, grad_scale=grad_scale,
+                       param_out=None if self.param_staging is None
+                       else self.param_staging[lo:hi])
+
+    def _publish(self) -> None:
+        """Copy this rank's new params up (one copy per bucket), then all-gather them."""
+        src = self.master if self.param_staging is None else self.param_staging
+        for b in self.layout.buckets:
+            lo, hi = b.chunk_range(self.dp_rank)
+            self.flat[lo:hi].copy_(src[b.host_offset:b.host_offset + b.chunk],
+                                   non_blocking=True)
+            self.bytes_up += b.chunk * self.flat.element_size()
+        if self.dp > 1:
+            for b in self.layout.buckets:
+                lo, hi = b.chunk_range(self.dp_rank)
+                # gloo needs a separate input; NCCL gathers in place.
+                inp = self.flat[lo:hi] if self.device.type == "cuda" else self.flat[lo:hi].clone()
+                dist.all_gather_into_tensor(self.flat[b.start:b.end], inp, group=self.dp_group)
+
+    def _join_and_publish(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            self._publish()
+
+    def flush(self) -> None:
+        """Apply a delayed (DPU) update still in flight: before saving or at the end."""
+        self._join_and_publish()
+
+    # ---------------------------------------------------------------- reports
+    def step_stats(self) -> dict:
+        steps = max(self.step_count, 1)
+        owned = max(self.layout.host_numel, 1)
+        return dict(host_device_bytes_per_param=(self.bytes_down + self.bytes_up) / steps / owned)
+
+    def memory_bytes(self) -> dict:
+        """Bytes this rank holds, by place and category (from the real buffers)."""
+        def nbytes(t):
+            return 0 if t is None else t.numel() * t.element_size()
+        state = dict(master=nbytes(self.master), exp_avg=nbytes(self.exp_avg),
+                     exp_avg_sq=nbytes(self.exp_avg_sq), grads=sum(nbytes(g) for g in self.grads))
+        staging = nbytes(self.param_staging) + nbytes(self.grad_staging)
+        device = dict(params=nbytes(self.flat),
+                      grad_buckets=self.max_bucket * self.flat.element_size() * max(
+                          self.num_bucket_buffers, 1))
+        host = dict(staging=staging)
+        (host if self.cpu_offload else device).update(state)
+        return dict(device=device, host=host)
+
+    def memory_report(self) -> str:
+        rep = self.memory_bytes()
+        fmt = lambda d: ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in d.items())  # noqa
+        return (f"rank memory: device [{fmt(rep['device'])}] host [{fmt(rep['host'])}] "
+                f"(owned {self.layout.host_numel} of {self.layout.numel} elements)")

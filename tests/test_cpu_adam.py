@@ -1,0 +1,377 @@
+"""Fused CPU Adam (mp_offload.ops.cpu_adam) against torch, on every SIMD path.
+
+Two references:
+  * ``_ref_step``: torch's own single-tensor Adam/AdamW op sequence (lerp_,
+    mul_/addcmul_, addcdiv_) with ONE change: sqrt is taken in float64 and
+    rounded, i.e. correctly rounded. The kernel must match it BIT FOR BIT on
+    every path, size, grad dtype and option (incl. bias_correction=False, which
+    torch.optim lacks, and grad_scale).
+  * torch.optim.AdamW / Adam themselves. torch's vectorised float sqrt is off by
+    one ulp on ~0.7% of inputs, which flips the param's last bit now and then;
+    over 5 steps the measured worst case is |diff| <= 2.4e-7 with |p| < 5 and,
+    for elements that crossed zero, <= 7e-9 beyond the relative part. Hence
+    RTOL = 1e-6 (~8 ulp) and ATOL = 1e-8 for param/exp_avg/exp_avg_sq.
+"""
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from mp_offload import _cpu_adam as _C
+from mp_offload.ops import cpu_adam as ca
+
+RTOL, ATOL = 1e-6, 1e-8
+LEVELS = ["scalar", "avx2", "avx512"]
+SIZES = [0, 1, 7, 15, 17, 33, 1000, 4099]
+GRAD_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+OUT_DTYPES = [None, torch.float16, torch.bfloat16]
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
+# (adamw, weight_decay, bias_correction)
+CONFIGS = [(True, 0.0, True), (True, 0.1, True), (False, 0.0, True), (False, 0.1, True),
+           (True, 0.1, False), (False, 0.1, False)]
+
+
+@pytest.fixture(params=LEVELS)
+def level(request):
+    if request.param not in ca.available_simd_levels():
+        pytest.skip(f"CPU lacks {request.param}")
+    before = ca.simd_level()
+    ca.set_simd_level(request.param)
+    assert ca.simd_level() == request.param
+    yield request.param
+    ca.set_simd_level(before)
+
+
+@pytest.fixture
+def threads():
+    before = ca.get_num_threads()
+    yield
+    ca.set_num_threads(before)
+
+
+def _ref_step(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction):
+    """torch/optim/adam.py _single_tensor_adam, with a correctly rounded sqrt."""
+    if weight_decay != 0:
+        if adamw:
+            p.mul_(1 - lr * weight_decay)
+        else:
+            g = g.add(p, alpha=weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bc1 = 1 - beta1**step if bias_correction else 1.0
+    bc2 = 1 - beta2**step if bias_correction else 1.0
+    denom = (v.double().sqrt().float() / bc2**0.5).add_(eps)
+    p.addcdiv_(m, denom, value=-(lr / bc1))
+
+
+def _bits_equal(a, b):
+    return a.dtype == b.dtype and torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                                              b.view(torch.int16 if b.element_size() == 2 else torch.int32))
+
+
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=["noout", "out_fp16", "out_bf16"])
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=["g_fp32", "g_fp16", "g_bf16"])
+def test_matches_torch(level, grad_dtype, out_dtype):
+    gen = torch.Generator().manual_seed(1234)
+    for n in SIZES:
+        for adamw, wd, bc in CONFIGS:
+            p0 = torch.randn(n, generator=gen)
+            p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+            rp, rm, rv = p0.clone(), torch.zeros(n), torch.zeros(n)
+            out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
+            tp = p0.clone().requires_grad_()
+            opt = (torch.optim.AdamW if adamw else torch.optim.Adam)(
+                [tp], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"], weight_decay=wd)
+            for step in range(1, 6):
+                g = torch.randn(n, generator=gen).to(grad_dtype)
+                ca.adam_step(p, g, m, v, step=step, weight_decay=wd, adamw=adamw, bias_correction=bc,
+                             param_out=out, **HYPER)
+                _ref_step(rp, g.float(), rm, rv, step=step, weight_decay=wd, adamw=adamw, bias_correction=bc,
+                          **HYPER)
+                ctx = f"{level} n={n} adamw={adamw} wd={wd} bc={bc} step={step}"
+                assert torch.equal(p, rp) and torch.equal(m, rm) and torch.equal(v, rv), ctx
+                if out is not None:
+                    assert _bits_equal(out, p.to(out_dtype)), ctx
+                if bc:
+                    tp.grad = g.float()
+                    opt.step()
+            if bc and n:
+                st = opt.state[tp]
+                torch.testing.assert_close(p, tp.detach(), rtol=RTOL, atol=ATOL)
+                torch.testing.assert_close(m, st["exp_avg"], rtol=RTOL, atol=ATOL)
+                torch.testing.assert_close(v, st["exp_avg_sq"], rtol=RTOL, atol=ATOL)
+
+
+def test_lerp_large_weight_and_grad_scale(level):
+    """beta1 < 0.5 takes torch's other lerp formula; grad_scale == running on grad*scale."""
+    gen = torch.Generator().manual_seed(7)
+    n = 4099
+    for grad_dtype in GRAD_DTYPES:
+        for beta1, scale in ((0.3, 1.0), (0.9, 0.37), (0.9, 1 / 1024)):
+            hyper = dict(HYPER, beta1=beta1)
+            p0 = torch.randn(n, generator=gen)
+            p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+            rp, rm, rv = p0.clone(), torch.zeros(n), torch.zeros(n)
+            tp = p0.clone().requires_grad_()
+            opt = torch.optim.AdamW([tp], lr=hyper["lr"], betas=(beta1, hyper["beta2"]), eps=hyper["eps"],
+                                    weight_decay=0.01)
+            for step in range(1, 4):
+                g = (torch.randn(n, generator=gen) * 100).to(grad_dtype)
+                ca.adam_step(p, g, m, v, step=step, weight_decay=0.01, grad_scale=scale, **hyper)
+                _ref_step(rp, g.float() * scale, rm, rv, step=step, weight_decay=0.01, adamw=True,
+                          bias_correction=True, **hyper)
+                assert torch.equal(p, rp) and torch.equal(m, rm) and torch.equal(v, rv)
+                tp.grad = g.float() * scale
+                opt.step()
+            torch.testing.assert_close(p, tp.detach(), rtol=RTOL, atol=ATOL)
+
+
+def _f32(bits):
+    return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def _roundtrip(values, out_dtype):
+    """lr=0, wd=0, zero grad: the param is left unchanged, so param_out shows
+    the kernel's fp32 -> fp16/bf16 conversion of arbitrary hand-built values."""
+    values = values.repeat(3)  # 3x: lands in the vector body and in the tail
+    p, g, m, v = values.clone(), torch.zeros_like(values), torch.zeros_like(values), torch.zeros_like(values)
+    out = torch.empty(values.numel(), dtype=out_dtype)
+    ca.adam_step(p, g, m, v, step=1, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, param_out=out)
+    nan = torch.isnan(values)  # arithmetic quiets signalling NaNs; other bits stay put
+    assert torch.equal(p[~nan].view(torch.int32), values[~nan].view(torch.int32)) and torch.isnan(p[nan]).all()
+    return values, out
+
+
+def test_bf16_rounding(level):
+    one = 0x3F800000
+    bits = [one, one + 0x8000, one + 0x8001, one + 0x7FFF, one + 0x18000, one + 0x10000,  # ties / near ties
+            0xBF808000, 0xBF818000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F7FFF, 0x00000001, 0x80008000, 0x00018000,
+            0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FBFFFFF,
+            0x3EAAAAAB, 0x40490FDB]
+    values, out = _roundtrip(_f32(bits), torch.bfloat16)
+    nan = torch.isnan(values)
+    assert torch.isnan(out[nan].float()).all(), "NaN must stay NaN"
+    assert _bits_equal(out[~nan], values[~nan].to(torch.bfloat16))
+    expect = {0: 0x3F80, 1: 0x3F80, 2: 0x3F81, 3: 0x3F80, 4: 0x3F82, 5: 0x3F81, 6: 0xBF80, 7: 0xBF82,
+              8: 0x7F80, 9: 0xFF80}  # ties go to the even mantissa; max float rounds up to inf
+    got = out.view(torch.int16).to(torch.int32) & 0xFFFF
+    for i, b in expect.items():
+        assert got[i].item() == b, f"value {hex(bits[i])}: got {hex(got[i].item())}, want {hex(b)}"
+    gen = torch.Generator().manual_seed(3)
+    values, out = _roundtrip(torch.randn(4099, generator=gen) * 1e3, torch.bfloat16)
+    assert _bits_equal(out, values.to(torch.bfloat16))
+
+
+def test_fp16_rounding(level):
+    bits = [0x3F801000, 0x3F803000, 0x3F801001, 0x477FE000, 0x477FEFFF, 0x477FF000, 0x47800000,  # ties, overflow
+            0x38800000, 0x387FC000, 0x33800000, 0x33000000, 0x33000001, 0x33C00000, 0x34400000, 0x387FF000,
+            0x00000001, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC12345, 0xC7800000, 0x3DCCCCCD]
+    values, out = _roundtrip(_f32(bits), torch.float16)
+    nan = torch.isnan(values)
+    assert torch.isnan(out[nan].float()).all()
+    assert _bits_equal(out[~nan], values[~nan].to(torch.float16))
+    gen = torch.Generator().manual_seed(4)
+    for scale in (1.0, 1e-5, 3e4, 1e5):  # normals, subnormals, near/over the max
+        values, out = _roundtrip(torch.randn(4099, generator=gen) * scale, torch.float16)
+        assert _bits_equal(out, values.to(torch.float16)), scale
+
+
+def test_threads_bitwise_identical(level, threads):
+    n = 5 * _C.TILE + 13  # several tiles, ragged end
+    gen = torch.Generator().manual_seed(11)
+    p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen).bfloat16()
+    results = []
+    for t in (1, 2):
+        ca.set_num_threads(t)
+        assert ca.get_num_threads() == t
+        p, m, v, out = p0.clone(), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)
+        for step in (1, 2):
+            ca.adam_step(p, g, m, v, step=step, weight_decay=0.1, param_out=out, **HYPER)
+        results.append((p, m, v, out))
+    for a, b in zip(*results):
+        assert _bits_equal(a, b)
+
+
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam_l2"])
+def test_optimizer_matches_torch(adamw):
+    torch.manual_seed(0)
+    ours, ref = nn.Linear(32, 16), nn.Linear(32, 16)
+    ref.load_state_dict(ours.state_dict())
+    kw = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    opt = ca.CPUAdam(ours.parameters(), adamw=adamw, **kw)
+    ropt = (torch.optim.AdamW if adamw else torch.optim.Adam)(ref.parameters(), **kw)
+    for _ in range(10):
+        x, y = torch.randn(8, 32), torch.randn(8, 16)
+        for model, o in ((ours, opt), (ref, ropt)):
+            o.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            o.step()
+        for a, b in zip(ours.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    sd, rsd = opt.state_dict(), ropt.state_dict()
+    assert sd["state"].keys() == rsd["state"].keys()
+    for k, st in sd["state"].items():
+        assert set(st) == {"step", "exp_avg", "exp_avg_sq"}
+        assert st["step"].item() == rsd["state"][k]["step"].item() == 10
+        torch.testing.assert_close(st["exp_avg"], rsd["state"][k]["exp_avg"], rtol=RTOL, atol=ATOL)
+    # state_dict round trip: a fresh optimizer continues identically
+    clone = nn.Linear(32, 16)
+    clone.load_state_dict(ours.state_dict())
+    opt2 = ca.CPUAdam(clone.parameters(), adamw=adamw, **kw)
+    opt2.load_state_dict(copy.deepcopy(sd))  # state_dict() hands out the live tensors
+    x, y = torch.randn(8, 32), torch.randn(8, 16)
+    for model, o in ((ours, opt), (clone, opt2)):
+        o.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        o.step()
+    for a, b in zip(ours.parameters(), clone.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_optimizer_closure_and_bad_params():
+    w = nn.Parameter(torch.ones(3))
+    opt = ca.CPUAdam([w], lr=0.1)
+    assert opt.step() is None  # no grads: nothing happens
+    loss = opt.step(lambda: (w.sum() * 2).backward() or torch.tensor(1.5))
+    assert loss.item() == 1.5 and not torch.equal(w.detach(), torch.ones(3))
+    with pytest.raises(TypeError, match="param must be float32"):
+        ca.CPUAdam([nn.Parameter(torch.ones(3, dtype=torch.float64))])
+    with pytest.raises(ValueError, match="beta1"):
+        ca.CPUAdam([w], betas=(1.0, 0.999))
+
+
+# ------------------------------------------------------------- bad inputs
+def _bufs(n=12, grad_n=None, grad_dtype=torch.float32):
+    return dict(param=torch.zeros(n), grad=torch.zeros(n if grad_n is None else grad_n, dtype=grad_dtype),
+                exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n))
+
+
+def _call(bufs, **kw):
+    args = dict(step=1, weight_decay=0.0, **HYPER)
+    args.update(kw)
+    ca.adam_step(bufs["param"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"], **args)
+
+
+@pytest.mark.parametrize(
+    "make, kw, exc, match",
+    [
+        (lambda: _bufs(grad_n=10), {}, ValueError, "grad has 10 elements, param has 12"),
+        (lambda: dict(_bufs(), exp_avg=torch.zeros(13)), {}, ValueError, "exp_avg has 13 elements, param has 12"),
+        (lambda: _bufs(grad_dtype=torch.float64), {}, TypeError, "grad must be float32/float16/bfloat16, got float64"),
+        (lambda: dict(_bufs(), param=torch.zeros(12, dtype=torch.float16)), {}, TypeError, "param must be float32"),
+        (lambda: dict(_bufs(), exp_avg_sq=torch.zeros(12, dtype=torch.bfloat16)), {}, TypeError, "exp_avg_sq"),
+        (lambda: dict(_bufs(), exp_avg=torch.zeros(24)[::2]), {}, ValueError, "exp_avg must be contiguous"),
+        (lambda: dict(_bufs(), grad=torch.zeros(4, 3).t()), {}, ValueError, "grad must be contiguous"),
+        (lambda: dict(_bufs(), grad=torch.zeros(12, device="meta")), {}, ValueError, "grad must be a CPU tensor"),
+        (lambda: dict(_bufs(), param=torch.zeros(12, device="meta")), {}, ValueError, "param must be a CPU tensor"),
+        (lambda: dict(_bufs(), grad=torch.zeros(12).to_sparse()), {}, ValueError, "dense"),
+        (lambda: dict(_bufs(), grad=[0.0] * 12), {}, TypeError, "grad must be a torch.Tensor"),
+        (_bufs, dict(step=0), ValueError, "step must be >= 1, got 0"),
+        (_bufs, dict(step=-3), ValueError, "step must be >= 1"),
+        (_bufs, dict(step=1.5), ValueError, "step must be an integer"),
+        (_bufs, dict(step=None), TypeError, "step must be an integer"),
+        (_bufs, dict(param_out=torch.zeros(12)), TypeError, "param_out must be float16/bfloat16, got float32"),
+        (_bufs, dict(param_out=torch.zeros(11, dtype=torch.bfloat16)), ValueError,
+         "param_out has 11 elements, param has 12"),
+        (_bufs, dict(param_out=torch.zeros(24, dtype=torch.float16)[::2]), ValueError, "param_out must be contiguous"),
+        (_bufs, dict(lr=-1.0), ValueError, "lr must be >= 0"),
+        (_bufs, dict(beta1=1.0), ValueError, "beta1 must be in"),
+        (_bufs, dict(beta2=-0.1), ValueError, "beta2 must be in"),
+        (_bufs, dict(eps=float("nan")), ValueError, "eps must be a finite"),
+        (_bufs, dict(weight_decay=-0.1), ValueError, "weight_decay must be >= 0"),
+        (_bufs, dict(grad_scale=float("inf")), ValueError, "grad_scale must be a finite"),
+    ],
+)
+def test_bad_inputs_raise_and_touch_nothing(make, kw, exc, match):
+    bufs = make()
+    before = {k: v.clone() for k, v in bufs.items() if isinstance(v, torch.Tensor) and v.device.type == "cpu"
+              and v.layout == torch.strided}
+    with pytest.raises(exc, match=match):
+        _call(bufs, **kw)
+    for k, v in before.items():
+        assert torch.equal(bufs[k], v), f"{k} was modified"
+
+
+def test_aliasing_rejected():
+    b = _bufs()
+    with pytest.raises(ValueError, match="param and exp_avg overlap"):
+        ca.adam_step(b["param"], b["grad"], b["param"], b["exp_avg_sq"], step=1, weight_decay=0.0, **HYPER)
+    big = torch.zeros(30)
+    with pytest.raises(ValueError, match="exp_avg and exp_avg_sq overlap"):
+        ca.adam_step(b["param"], b["grad"], big[:12], big[6:18], step=1, weight_decay=0.0, **HYPER)
+    pout = b["param"].view(torch.bfloat16)  # 24 bf16 views of the same bytes
+    with pytest.raises(ValueError, match="param and param_out overlap"):
+        ca.adam_step(b["param"], b["grad"], b["exp_avg"], b["exp_avg_sq"], param_out=pout[:12], step=1,
+                     weight_decay=0.0, **HYPER)
+
+
+def test_empty_is_noop_and_raw_codes_checked():
+    ca.adam_step(torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0), step=1, weight_decay=0.0,
+                 param_out=torch.zeros(0, dtype=torch.bfloat16), **HYPER)
+    t = torch.zeros(4)
+    with pytest.raises(ValueError, match="grad_dtype"):
+        _C.adam_step(t.data_ptr(), t.data_ptr(), 7, t.data_ptr(), t.data_ptr(), 0, 0, 4, 1, 1e-3, 0.9, 0.999,
+                     1e-8, 0.0, True, True, 1.0)
+    with pytest.raises(ValueError, match="out_dtype"):
+        _C.adam_step(t.data_ptr(), t.data_ptr(), 0, t.data_ptr(), t.data_ptr(), t.data_ptr(), 0, 4, 1, 1e-3, 0.9,
+                     0.999, 1e-8, 0.0, True, True, 1.0)
+    with pytest.raises(ValueError, match="step must be >= 1"):
+        _C.adam_step(t.data_ptr(), t.data_ptr(), 0, t.data_ptr(), t.data_ptr(), 0, 0, 4, 0, 1e-3, 0.9, 0.999,
+                     1e-8, 0.0, True, True, 1.0)
+
+
+# ----------------------------------------------------------- controls
+def test_simd_level_controls():
+    avail = ca.available_simd_levels()
+    assert avail[0] == "scalar" and ca.simd_level() in avail
+    before = ca.simd_level()
+    try:
+        ca.set_simd_level("auto")
+        assert ca.simd_level() == avail[-1]
+        with pytest.raises(ValueError, match="unknown SIMD level 'sse9'"):
+            ca.set_simd_level("sse9")
+        for name in set(LEVELS) - set(avail):
+            with pytest.raises(RuntimeError, match="not supported"):
+                ca.set_simd_level(name)
+    finally:
+        ca.set_simd_level(before)
+    with pytest.raises(ValueError, match="num_threads must be >= 1"):
+        ca.set_num_threads(0)
+
+
+def test_env_var_forces_level_at_import():
+    code = "from mp_offload import _cpu_adam as c; print(c.simd_level())"
+    env = dict(os.environ, MP_OFFLOAD_CPU_ADAM_SIMD="scalar")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "scalar"
+    env["MP_OFFLOAD_CPU_ADAM_SIMD"] = "bogus"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "MP_OFFLOAD_CPU_ADAM_SIMD" in bad.stderr
+
+
+def test_default_num_threads(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert ca.default_num_threads() == cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores * 4))
+    assert ca.default_num_threads() == 1  # never below one
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert ca.default_num_threads() == max(1, cores // 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert ca.default_num_threads() == 3
+
+
+def test_stream_probe_runs(level):
+    n = 3 * _C.TILE + 5
+    b = _bufs(n, grad_dtype=torch.bfloat16)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    secs = ca.stream_probe(b["param"], b["grad"], b["exp_avg"], b["exp_avg_sq"], param_out=out)
+    assert secs > 0.0
+    assert ca.stream_probe(torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0)) == 0.0
+    with pytest.raises(ValueError, match="stream_probe: grad has 3 elements"):
+        ca.stream_probe(b["param"], torch.zeros(3), b["exp_avg"], b["exp_avg_sq"])

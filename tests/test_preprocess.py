@@ -1,0 +1,136 @@
+"""tools/preprocess_data.py logic (in-process) and the cached default corpus."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from mp_offload.data.indexed_dataset import MMapIndexedDataset
+from mp_offload.data.preprocess import main
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(row if isinstance(row, str) else json.dumps(row))
+            f.write("\n")
+
+
+@pytest.fixture
+def messy_jsonl(tmp_path):
+    path = tmp_path / "in.jsonl"
+    _write_jsonl(path, [
+        {"text": "1 2 3"},
+        "{not json",             # line 2: bad JSON
+        {"text": "   "},         # line 3: empty document
+        {"other": "4 5"},        # line 4: missing key
+        "",                      # line 5: blank line, silently ignored
+        {"text": "6 7"},
+    ])
+    return str(path)
+
+
+def _null_args(inp, out, *extra):
+    return ["--input", inp, "--output-prefix", out, "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "100", *extra]
+
+
+def test_skip_bad_lines(messy_jsonl, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    assert main(_null_args(messy_jsonl, out, "--append-eod")) == 0
+    err = capsys.readouterr().err
+    for line_no, what in ((2, "bad JSON"), (3, "empty document"), (4, "missing key 'text'")):
+        assert f"in.jsonl:{line_no}: {what}" in err
+    assert "in.jsonl:5" not in err
+    assert "2 documents" in err and "3 skipped" in err
+    ds = MMapIndexedDataset(out + "_text_document")
+    assert [x.tolist() for x in ds[0:2]] == [[1, 2, 3, 100], [6, 7, 100]]  # EOD = 100
+    assert ds.dtype == np.uint16
+
+
+def test_fail_mode(messy_jsonl, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    assert main(_null_args(messy_jsonl, out, "--on-bad-line", "fail")) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "in.jsonl:2: bad JSON" in err[-1]
+    assert not any(n.startswith("out") for n in os.listdir(tmp_path))  # no partial outputs
+
+
+def test_missing_input(tmp_path, capsys):
+    missing = str(tmp_path / "nope.jsonl")
+    assert main(_null_args(missing, str(tmp_path / "o"))) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: input file not found: {missing}"
+
+
+def test_workers_identical(tmp_path):
+    rng = np.random.RandomState(0)
+    path = str(tmp_path / "big.jsonl")
+    _write_jsonl(path, [
+        {"text": " ".join(map(str, rng.randint(0, 100, rng.randint(1, 30)))), "title": str(i % 100)}
+        for i in range(500)
+    ])
+    outs = []
+    for workers in (1, 2):
+        out = str(tmp_path / f"w{workers}")
+        assert main(_null_args(path, out, "--workers", str(workers), "--chunksize", "7",
+                               "--json-keys", "text", "title", "--append-eod")) == 0
+        outs.append(out)
+    for key in ("text", "title"):
+        for ext in (".bin", ".idx"):
+            a, b = (open(f"{o}_{key}_document{ext}", "rb").read() for o in outs)
+            assert a == b
+    assert len(MMapIndexedDataset(outs[0] + "_title_document")) == 500
+
+
+def test_plain_text_is_one_document_per_file(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("1 2\n\n3\n")
+    b.write_text("4")
+    out = str(tmp_path / "pt")
+    assert main(["--input", str(a), str(b), "--output-prefix", out, "--tokenizer-type",
+                 "NullTokenizer", "--vocab-size", "10"]) == 0
+    ds = MMapIndexedDataset(out + "_text_document")
+    assert [x.tolist() for x in ds[0:2]] == [[1, 2, 3], [4]]
+
+
+def test_sentencepiece_path(tmp_path):
+    from mp_offload.data.tokenizer import build_tokenizer, train_sentencepiece
+
+    text = "import os\nprint(os.getcwd())\n" * 30
+    model = train_sentencepiece([text], str(tmp_path / "sp"), vocab_size=300)
+    path = str(tmp_path / "d.jsonl")
+    _write_jsonl(path, [{"text": text}, {"text": "x = 1\n"}])
+    out = str(tmp_path / "sp_out")
+    assert main(["--input", path, "--output-prefix", out, "--tokenizer-model", model,
+                 "--append-eod"]) == 0
+    tok = build_tokenizer("SentencePieceTokenizer", model)
+    ds = MMapIndexedDataset(out + "_text_document")
+    assert ds[1][-1] == tok.eod
+    assert tok.detokenize(ds[1][:-1].tolist()) == "x = 1\n"
+
+
+def test_default_corpus_small(tmp_path, capsys):
+    from mp_offload.data.default_corpus import prepare_default_corpus
+    from mp_offload.data.tokenizer import build_tokenizer
+
+    cache = str(tmp_path / "corpus")
+    prefix, model = prepare_default_corpus(cache, vocab_size=512, max_bytes=150_000)
+    assert prefix == os.path.join(cache, "stdlib_text_document")
+    assert "[default corpus]" in capsys.readouterr().out
+    ds = MMapIndexedDataset(prefix)
+    tok = build_tokenizer("SentencePieceTokenizer", model)
+    assert len(ds) > 3 and int(ds.sizes.sum()) > 10_000
+    assert all(int(ds[i][-1]) == tok.eod for i in range(len(ds)))
+    assert os.path.getsize(os.path.join(cache, "stdlib.jsonl")) <= 150_000 * 1.1
+
+    mtime = os.path.getmtime(prefix + ".bin")
+    assert prepare_default_corpus(cache, vocab_size=512, max_bytes=150_000) == (prefix, model)
+    assert capsys.readouterr().out == ""  # cache hit: silent, nothing rebuilt
+    assert os.path.getmtime(prefix + ".bin") == mtime
+
+    # A missing stamp (e.g. a run killed before finishing) forces a rebuild.
+    os.remove(os.path.join(cache, "stdlib_corpus.json"))
+    prepare_default_corpus(cache, vocab_size=512, max_bytes=150_000)
+    assert "building" in capsys.readouterr().out
