@@ -63,7 +63,7 @@ def init_distributed() -> torch.device:
 def _num_samples(args: Args) -> tuple[int, int, int]:
     t = args.train
     gbs, iters = t.global_batch_size, t.train_iters
-    evals = (iters // t.eval_interval + 1) * t.eval_iters * gbs
+    evals = (iters // t.eval_interval + 2) * t.eval_iters * gbs
     return iters * gbs, evals, t.eval_iters * gbs
 
 
@@ -177,6 +177,9 @@ def train(args: Args, model, optimizer, train_iter, valid_iter, device, logger: 
     stop = _StopFlag()
     skipped_total, iteration, last = 0, start_iteration, {}
     end = t.train_iters if t.exit_interval is None else min(t.train_iters, t.exit_interval)
+    if t.eval_interval and iteration == 0 and valid_iter is not None:
+        # A baseline, so the log shows how far validation loss has come.
+        logger.evaluation(0, "valid", evaluate(model, valid_iter, args, device, t.eval_iters))
     model.train()
     while iteration < end:
         t0 = time.perf_counter()

@@ -28,6 +28,11 @@ from .loss_scaler import ConstantLossScaler, DynamicLossScaler
 from .torch_adamw import StepResult
 
 
+# torch >= 2.13 renamed the tensor collectives; keep working on older releases too.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _host_empty(n: int, dtype, pin: bool) -> torch.Tensor:
     return torch.empty(n, dtype=dtype, pin_memory=pin)
 
@@ -148,7 +153,7 @@ class ZeroOptimizer:
         data.div_(self.dp)  # average before summing: keeps fp16 sums in range
         if self.dp > 1:
             out = torch.empty(b.chunk, dtype=self.dtype, device=self.device)
-            work = dist.reduce_scatter_tensor(out, data, group=self.dp_group, async_op=True)
+            work = _reduce_scatter(out, data, group=self.dp_group, async_op=True)
         else:
             out, work = data, None
         self._pending.append((b, work, out, buf))
@@ -240,7 +245,7 @@ class ZeroOptimizer:
                 lo, hi = b.chunk_range(self.dp_rank)
                 # gloo needs a separate input; NCCL gathers in place.
                 inp = self.flat[lo:hi] if self.device.type == "cuda" else self.flat[lo:hi].clone()
-                dist.all_gather_into_tensor(self.flat[b.start:b.end], inp, group=self.dp_group)
+                _all_gather(self.flat[b.start:b.end], inp, group=self.dp_group)
 
     def _join_and_publish(self) -> None:
         if self._thread is not None:
