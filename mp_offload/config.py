@@ -28,6 +28,7 @@ def _f(default, help: str, **extra):
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = _f(1, "ranks that split each layer (TP, innermost)")
+    world_size: int | None = _f(None, "ranks to plan for with --dry-run; default WORLD_SIZE or 1")
 
 
 @dataclass
@@ -91,8 +92,20 @@ class LoggingConfig:
     tensorboard_dir: str | None = _f(None, "write TensorBoard scalars here (if installed)")
 
 
+@dataclass
+class CheckpointConfig:
+    save: str | None = _f(None, "directory to save checkpoints to")
+    load: str | None = _f(None, "directory to resume from (its latest checkpoint)")
+    save_interval: int | None = _f(None, "iterations between checkpoints (and one at the end)")
+    keep_checkpoints: int | None = _f(None, "keep only the newest K checkpoints")
+    finetune: bool = _f(False, "load weights only; start at iteration 0")
+    no_load_optim: bool = _f(False, "do not load the optimizer state (weights only)")
+    no_load_rng: bool = _f(False, "do not restore the RNG state")
+
+
 CONFIG_CLASSES = {"model": GPTConfig, "parallel": ParallelConfig, "train": TrainingConfig,
-                  "optim": OptimizerConfig, "data": DataConfig, "log": LoggingConfig}
+                  "optim": OptimizerConfig, "data": DataConfig, "log": LoggingConfig,
+                  "ckpt": CheckpointConfig}
 
 _MODEL_HELP = {
     "num_layers": "transformer layers", "hidden_size": "model width",
@@ -114,6 +127,7 @@ class Args:
     optim: OptimizerConfig
     data: DataConfig
     log: LoggingConfig
+    ckpt: CheckpointConfig
 
 
 def _inner(tp):
@@ -196,5 +210,10 @@ def validate(args: Args, world_size: int) -> None:
         if len(args.data.data_path) % 2:
             raise ConfigError("--data-path takes one prefix or weight/prefix pairs, got "
                               f"{len(args.data.data_path)} values")
+    c = args.ckpt
+    if c.save_interval is not None and c.save_interval < 1:
+        raise ConfigError(f"--save-interval must be >= 1, got {c.save_interval}")
+    if c.keep_checkpoints is not None and c.keep_checkpoints < 1:
+        raise ConfigError(f"--keep-checkpoints must be >= 1, got {c.keep_checkpoints}")
     if args.log.log_interval < 1:
         raise ConfigError(f"--log-interval must be >= 1, got {args.log.log_interval}")

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import parallel_state as ps
+from .checkpointing import CheckpointError, load_checkpoint
 from .config import Args, ConfigError, parse_args, validate
 from .data.loader import BatchIterator, MockGPTDataset
 from .logger import Logger
@@ -162,6 +163,24 @@ class _StopFlag:
         return flag.item() > 0
 
 
+def _fault_once(iteration: int) -> None:
+    """Test hook: MP_OFFLOAD_FAULT_ONCE=<marker file>:<iteration> kills this rank once there."""
+    spec = os.environ.get("MP_OFFLOAD_FAULT_ONCE")
+    if spec:
+        marker, at = spec.rsplit(":", 1)
+        if iteration == int(at) and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(13)
+
+
+def _save(args: Args, iteration: int, consumed: int, model, optimizer, logger) -> None:
+    from .checkpointing import save_checkpoint
+    t0 = time.perf_counter()
+    path = save_checkpoint(args.ckpt.save, iteration, consumed, model, optimizer, args,
+                           keep=args.ckpt.keep_checkpoints)
+    logger.info(f"saved checkpoint {path} in {time.perf_counter() - t0:.1f}s")
+
+
 def train(args: Args, model, optimizer, train_iter, valid_iter, device, logger: Logger,
           start_iteration: int = 0, consumed_samples: int = 0) -> dict:
     t = args.train
@@ -175,7 +194,8 @@ def train(args: Args, model, optimizer, train_iter, valid_iter, device, logger: 
     tp = args.parallel.tensor_model_parallel_size
     flops_tok = flops_per_token(args.model, args.model.recompute_activations, tp)
     stop = _StopFlag()
-    skipped_total, iteration, last = 0, start_iteration, {}
+    skipped_total, iteration, last, saved_at = 0, start_iteration, {}, start_iteration
+    save_every = args.ckpt.save_interval if args.ckpt.save else None
     end = t.train_iters if t.exit_interval is None else min(t.train_iters, t.exit_interval)
     if t.eval_interval and iteration == 0 and valid_iter is not None:
         # A baseline, so the log shows how far validation loss has come.
@@ -212,20 +232,46 @@ def train(args: Args, model, optimizer, train_iter, valid_iter, device, logger: 
                     tflops_per_device=flops_tok * tokens_per_sec / world / 1e12)
         last.update(optimizer.step_stats() if hasattr(optimizer, "step_stats") else {})
         logger.iteration(last, print_line=iteration % args.log.log_interval == 0)
-        if t.eval_interval and iteration % t.eval_interval == 0 and iteration < end:
+        if t.eval_interval and iteration % t.eval_interval == 0 and iteration < t.train_iters:
             logger.evaluation(iteration, "valid",
                               evaluate(model, valid_iter, args, device, t.eval_iters))
+        _fault_once(iteration)
+        if save_every and iteration % save_every == 0:
+            _save(args, iteration, consumed_samples, model, optimizer, logger)
+            saved_at = iteration
         if stop.agreed():
             logger.info(f"stop requested: exiting after iteration {iteration}")
             break
     if hasattr(optimizer, "flush"):
         optimizer.flush()
+    if args.ckpt.save and saved_at != iteration:
+        _save(args, iteration, consumed_samples, model, optimizer, logger)
     return dict(last, iteration=iteration, consumed_samples=consumed_samples)
+
+
+def _maybe_load(args: Args, model, optimizer, logger) -> tuple[int, int]:
+    c = args.ckpt
+    if not c.load:
+        return 0, 0
+    weights_only = c.finetune or c.no_load_optim
+    res = load_checkpoint(c.load, model, optimizer, args, load_optim=not weights_only,
+                          load_rng=not (c.finetune or c.no_load_rng))
+    if res is None:
+        logger.info(f"no checkpoint in {c.load}: starting from scratch")
+        return 0, 0
+    logger.info(f"loaded checkpoint from {c.load} at iteration {res[0]}"
+                f"{' (weights only)' if weights_only else ''}")
+    return (0, 0) if c.finetune else res
 
 
 def pretrain(argv=None) -> dict:
     args = parse_args(argv)
     world = _env_int("WORLD_SIZE", 1)
+    if args.parallel.world_size is not None:  # a dry run plans for any size; a real run
+        if not args.train.dry_run and args.parallel.world_size != world:  # must agree
+            fail(f"--world-size {args.parallel.world_size} disagrees with the launcher's "
+                 f"WORLD_SIZE {world} (--world-size is for --dry-run)")
+        world = args.parallel.world_size
     try:
         validate(args, world)
     except ConfigError as e:
@@ -251,16 +297,23 @@ def pretrain(argv=None) -> dict:
                     f"{' (cpu offload)' if args.optim.cpu_offload else ''}")
         if hasattr(optimizer, "memory_report"):
             logger.info(optimizer.memory_report())
-        train_iter = _batches(train_ds, args, 0, device)
-        valid_iter = _batches(valid_ds, args, 0, device)
-        summary = train(args, model, optimizer, train_iter, valid_iter, device, logger)
+        start, consumed = _maybe_load(args, model, optimizer, logger)
+        # Validation batches continue where the uninterrupted run would be (baseline + evals).
+        t = args.train
+        per_eval = t.eval_iters * t.micro_batch_size * ps.get_data_parallel_world_size()
+        valid_consumed = (start // t.eval_interval + 1) * per_eval \
+            if start and t.eval_interval else 0
+        train_iter = _batches(train_ds, args, consumed, device)
+        valid_iter = _batches(valid_ds, args, valid_consumed, device)
+        summary = train(args, model, optimizer, train_iter, valid_iter, device, logger,
+                        start, consumed)
         if summary.get("iteration", 0) >= args.train.train_iters:
             for name, ds in (("valid", valid_ds), ("test", test_ds)):
                 logger.evaluation(summary["iteration"], name,
                                   evaluate(model, _batches(ds, args, 0, device), args, device,
                                            args.train.eval_iters))
         return summary
-    except TrainingError as e:
+    except (TrainingError, CheckpointError) as e:
         fail(str(e), code=1)
     finally:
         logger.close()

@@ -26,7 +26,8 @@ def _entry(rank, world, port, fn, args):
     finally:
         from mp_offload import parallel_state
         parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        if dist.is_initialized():  # pretrain() tears its own group down
+            dist.destroy_process_group()
 
 
 def run_distributed(fn, world: int, *args) -> None:

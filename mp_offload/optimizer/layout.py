@@ -63,7 +63,7 @@ class FlatLayout:
                  dp_rank: int, tp_rank: int, bucket_size: int):
         if bucket_size < 1:
             raise ValueError(f"--reduce-bucket-size must be >= 1, got {bucket_size}")
-        self.dp, self.dp_rank = dp, dp_rank
+        self.dp, self.dp_rank, self.bucket_size = dp, dp_rank, bucket_size
         quantum = dp * ALIGN
         self.slots: list[Slot] = []
         self.buckets: list[Bucket] = []
@@ -136,7 +136,18 @@ class FlatLayout:
 
     def describe(self) -> dict:
         """What a checkpoint records to re-partition later."""
-        return dict(dp=self.dp, numel=self.numel, host_numel=self.host_numel,
+        return dict(dp=self.dp, bucket_size=self.bucket_size, numel=self.numel,
+                    host_numel=self.host_numel,
                     buckets=[dict(start=b.start, end=b.end) for b in self.buckets],
                     slots=[dict(name=s.name, start=s.start, numel=s.numel,
                                 shape=list(s.param.shape)) for s in self.slots])
+
+
+def layout_from_description(desc: dict, dp_rank: int) -> FlatLayout:
+    """Rebuild a saved layout (shapes only, on the meta device) as seen by ``dp_rank``."""
+    named = [(s["name"], torch.empty(s["shape"], device="meta")) for s in reversed(desc["slots"])]
+    layout = FlatLayout(named, desc["dp"], dp_rank, 0, desc["bucket_size"])
+    got = [dict(start=b.start, end=b.end) for b in layout.buckets]
+    if got != desc["buckets"] or layout.numel != desc["numel"]:
+        raise ValueError("saved optimizer layout cannot be reproduced (bucket boundaries differ)")
+    return layout

@@ -257,6 +257,30 @@ class ZeroOptimizer:
         """Apply a delayed (DPU) update still in flight: before saving or at the end."""
         self._join_and_publish()
 
+    # ------------------------------------------------------------ checkpoints
+    def shard_state(self) -> dict:
+        """This rank's optimizer slice (host tensors, no copies) and what it needs."""
+        self.flush()
+        return dict(master=self.master, exp_avg=self.exp_avg, exp_avg_sq=self.exp_avg_sq,
+                    step=self.step_count, scaler=self.scaler.state_dict(),
+                    layout=self.layout.describe())
+
+    @torch.no_grad()
+    def load_shard(self, master: torch.Tensor, exp_avg: torch.Tensor | None,
+                   exp_avg_sq: torch.Tensor | None, step: int, scaler: dict | None) -> None:
+        """Install a (re-partitioned) slice, then rebuild the device params from it."""
+        self.flush()
+        self.master.copy_(master)
+        if exp_avg is not None:
+            self.exp_avg.copy_(exp_avg)
+            self.exp_avg_sq.copy_(exp_avg_sq)
+        self.step_count = step
+        if scaler:
+            self.scaler.load_state_dict(scaler)
+        if self.param_staging is not None:
+            self.param_staging.copy_(self.master)
+        self._publish()
+
     # ---------------------------------------------------------------- reports
     def step_stats(self) -> dict:
         steps = max(self.step_count, 1)

@@ -1,0 +1,230 @@
+"""Per-rank memory plan (DESIGN.md §4), in bytes, by the same categories as
+``ZeroOptimizer.memory_bytes()``.
+
+Exact (they are the optimizer's own buffers, sized by FlatLayout):
+  device params        e * flat_numel             2Ψ/T (+ bucket padding) in fp16/bf16
+  device grad_buckets  e * max_bucket * buffers   fixed, not Ψ: one bucket buffer is
+                       enough when gradients arrive in layout order, as they do for
+                       this GPT (ZeroOptimizer grows its pool only when two buckets
+                       fill at once)
+  master / exp_avg / exp_avg_sq / grads  4 * host_numel each (grads twice with DPU):
+                       16Ψ/(T·D) on the host with offload, on the device without
+  host staging         e * host_numel for the new low-precision params (not in fp32)
+                       + e * host_numel for gradients coming down (CUDA + offload)
+Estimates: device activations (see activations.py), device workspace (a fixed
+reserve for the CUDA context, cuBLAS/NCCL workspaces and allocator slack, plus the
+reduce-scatter output chunk), host process (Python, torch, CUDA runtime, data).
+
+Modes, for comparison on the same model and layout:
+  offload  this code with --cpu-offload (ZeRO-Offload)
+  zero2    this code without it: the partitioned fp32 state stays on the device,
+           2Ψ/T + 16Ψ/(T·D) (the paper's ZeRO-2 keeps fp16 grad partitions: 14/D)
+  pytorch  plain mixed-precision Adam, no ZeRO: 16Ψ/T on every device
+  pytorch-o2  the same as 2020-era PyTorch/apex "O2" ran it: fp32 master gradients
+           on top, 20Ψ/T (used to explain the paper's PyTorch baseline)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..model.gpt import GPTConfig
+from .activations import estimate_activations
+from .shapes import RankShapes, meta_named_params, rank_shapes, spec_named_params
+
+GiB = 1 << 30
+MODES = ("offload", "zero2", "pytorch")  # compared by --dry-run
+ALL_MODES = MODES + ("pytorch-o2",)
+EXACT = ("params", "grad_buckets", "master", "exp_avg", "exp_avg_sq", "grads", "staging")
+
+
+@dataclass
+class Hardware:
+    """Sizes are GiB (2^30 bytes): "32 GB" V100s and "80 GB" H100s are GiB-sized."""
+    device_memory_gb: float = 80.0
+    host_memory_gb: float = 256.0  # per node
+    devices_per_node: int = 8
+    device_reserved_gb: float = 1.0  # CUDA context + library workspaces + allocator slack
+    host_process_gb: float = 2.0  # per rank: interpreter, torch, CUDA runtime, data loader
+    name: str = ""
+
+
+@dataclass
+class Run:
+    """One training configuration to plan."""
+    cfg: GPTConfig
+    tp: int = 1
+    dp: int = 1
+    mode: str = "offload"
+    elem_bytes: int = 2  # compute dtype: 2 for fp16/bf16, 4 for fp32
+    micro_batch: int = 1
+    bucket_size: int = 5_000_000
+    dpu: bool = False
+    cuda: bool = True  # gradient staging exists only on CUDA
+    flash: bool = True  # fused SDPA kernels keep no s x s scores
+    bucket_buffers: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp
+
+
+@dataclass
+class RankPlan:
+    tp_ranks: list[int]
+    shapes: RankShapes
+    device: dict[str, int]
+    host: dict[str, int]
+    activation_phase: str
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+
+@dataclass
+class JobPlan:
+    run: Run
+    hw: Hardware
+    ranks: list[RankPlan]  # one per kind of rank (identical buffers grouped)
+    node_ranks: list[int] = field(default_factory=list)  # ranks on each node
+
+    @property
+    def device_peak(self) -> int:
+        return max(r.device_total for r in self.ranks)
+
+    @property
+    def host_node_peak(self) -> int:
+        per_rank = max(r.host_total for r in self.ranks)
+        return max(self.node_ranks) * per_rank
+
+    @property
+    def fits_device(self) -> bool:
+        return self.device_peak <= self.hw.device_memory_gb * GiB
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_node_peak <= self.hw.host_memory_gb * GiB
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host
+
+
+def plan_rank(run: Run, shapes: RankShapes, hw: Hardware) -> tuple[dict, dict, str]:
+    """(device bytes, host bytes, activation peak phase) of one rank."""
+    e, n = run.elem_bytes, shapes.host_numel
+    if run.mode not in ALL_MODES:
+        raise ValueError(f"unknown mode {run.mode!r}: one of {ALL_MODES}")
+    plain = run.mode.startswith("pytorch")
+    act = estimate_activations(run.cfg, run.tp, run.micro_batch, e, flash=run.flash,
+                               grads_resident=plain)
+    if plain:
+        p = shapes.params
+        device = dict(params=e * p, grads=e * p, master=4 * p if e < 4 else 0,  # fp32: no copy
+                      exp_avg=4 * p, exp_avg_sq=4 * p)
+        if run.mode == "pytorch-o2":
+            device["master_grads"] = 4 * p
+        host = {}
+    else:
+        state = dict(master=4 * n, exp_avg=4 * n, exp_avg_sq=4 * n,
+                     grads=4 * n * (2 if run.dpu else 1))
+        device = dict(params=e * shapes.flat_numel,
+                      grad_buckets=e * shapes.max_bucket * run.bucket_buffers)
+        offload = run.mode == "offload"
+        staging = (e * n if e < 4 else 0) + (e * n if offload and run.cuda else 0)
+        host = dict(staging=staging)
+        (host if offload else device).update(state)
+    rs_out = e * (shapes.max_bucket // run.dp) if run.dp > 1 and not plain else 0
+    device.update(activations=act.peak, workspace=int(hw.device_reserved_gb * GiB) + rs_out)
+    host["process"] = int(hw.host_process_gb * GiB)
+    return device, host, act.phase
+
+
+def _node_ranks(world: int, per_node: int) -> list[int]:
+    per_node = max(1, min(per_node, world))
+    full, rest = divmod(world, per_node)
+    return [per_node] * full + ([rest] if rest else [])
+
+
+def plan_job(run: Run, hw: Hardware, source: str = "spec") -> JobPlan:
+    """Plan every kind of rank. ``source="meta"`` builds the real model on the meta
+    device for each TP rank; ``"spec"`` uses the written-down shapes (fast)."""
+    kinds: dict[tuple, RankPlan] = {}
+    tp_ranks = range(run.tp) if source == "meta" else [0]
+    for r in tp_ranks:
+        named = (meta_named_params(run.cfg, run.tp, r) if source == "meta"
+                 else spec_named_params(run.cfg, run.tp))
+        shapes = rank_shapes(named, run.dp, run.bucket_size, tp_rank=r)
+        device, host, phase = plan_rank(run, shapes, hw)
+        key = (tuple(device.items()), tuple(host.items()))
+        if key in kinds:
+            kinds[key].tp_ranks.append(r)
+        else:
+            kinds[key] = RankPlan([r], shapes, device, host, phase)
+    if source != "meta":  # every TP rank has the same shapes (vocab padded to a multiple)
+        next(iter(kinds.values())).tp_ranks[:] = list(range(run.tp))
+    return JobPlan(run, hw, list(kinds.values()), _node_ranks(run.world, hw.devices_per_node))
+
+
+def compare_modes(run: Run, hw: Hardware) -> dict[str, JobPlan]:
+    return {m: plan_job(replace(run, mode=m, dpu=run.dpu and m == "offload"), hw)
+            for m in MODES}
+
+
+# ------------------------------------------------------------------ printing
+def gib(x: float) -> str:
+    return f"{x / GiB:9.2f}"
+
+
+def format_rank(rp: RankPlan, run: Run) -> str:
+    s = rp.shapes
+    lines = [f"  rank kind: TP rank(s) {_ranges(rp.tp_ranks)} x DP ranks 0..{run.dp - 1} "
+             f"({len(rp.tp_ranks) * run.dp} of {run.world} ranks)",
+             f"    this TP rank's params {s.params:,} ({s.sharded:,} split over TP, "
+             f"{s.replicated:,} replicated); flat buffer {s.flat_numel:,} elements in "
+             f"{s.num_buckets} buckets (largest {s.max_bucket:,}); host slice {s.host_numel:,}",
+             f"    {'device':<14}{'GiB':>9}      {'host (this rank)':<18}{'GiB':>9}"]
+    dev, host = list(rp.device.items()), list(rp.host.items())
+    for i in range(max(len(dev), len(host))):
+        left = f"{dev[i][0]:<14}{gib(dev[i][1])}{'' if dev[i][0] in EXACT else ' ~'}" \
+            if i < len(dev) else " " * 23
+        right = f"{host[i][0]:<18}{gib(host[i][1])}{'' if host[i][0] in EXACT else ' ~'}" \
+            if i < len(host) else ""
+        lines.append(f"    {left:<29}{right}")
+    lines.append(f"    {'total':<14}{gib(rp.device_total)}      {'total':<18}"
+                 f"{gib(rp.host_total)}")
+    lines.append(f"    (~ estimate; activation peak at: {rp.activation_phase})")
+    return "\n".join(lines)
+
+
+def _ranges(xs: list[int]) -> str:
+    return f"{xs[0]}" if len(xs) == 1 else f"{xs[0]}..{xs[-1]}" \
+        if xs == list(range(xs[0], xs[-1] + 1)) else ",".join(map(str, xs))
+
+
+def format_job(plan: JobPlan) -> str:
+    run, hw = plan.run, plan.hw
+    head = (f"plan: mode {run.mode}{' + DPU' if run.dpu else ''}, TP={run.tp} DP={run.dp} "
+            f"(world {run.world}, {hw.devices_per_node} devices/node, "
+            f"{len(plan.node_ranks)} node(s)), micro-batch {run.micro_batch} x seq "
+            f"{run.cfg.seq_length}, {run.elem_bytes}-byte params, recompute "
+            f"{'on' if run.cfg.recompute_activations else 'off'}")
+    body = [format_rank(rp, run) for rp in plan.ranks]
+    verdict = (f"  device: {plan.device_peak / GiB:.2f} of {hw.device_memory_gb:g} GiB -> "
+               f"{'fits' if plan.fits_device else 'DOES NOT FIT'}; host per node: "
+               f"{plan.host_node_peak / GiB:.2f} of {hw.host_memory_gb:g} GiB "
+               f"({max(plan.node_ranks)} ranks) -> "
+               f"{'fits' if plan.fits_host else 'DOES NOT FIT'}")
+    return "\n".join([head, *body, verdict])
+
+
+def format_comparison(plans: dict[str, JobPlan]) -> str:
+    lines = ["  mode       device GiB/rank  host GiB/node  fits",
+             *(f"  {m:<9}{p.device_peak / GiB:14.2f}{p.host_node_peak / GiB:15.2f}  "
+               f"{'yes' if p.fits else 'no (' + ('device' if not p.fits_device else 'host') + ')'}"
+               for m, p in plans.items())]
+    return "\n".join(lines)

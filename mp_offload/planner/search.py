@@ -1,0 +1,161 @@
+"""The largest GPT that fits, and the ZeRO-Offload paper's size claims redone from the plan.
+
+Shape families (``--family``):
+  gpt3    width and depth grow together, like the GPT-3 table: widths 768 ... 16384,
+          head size 64 below 2048 and 128 from there, and for width h any depth
+          h/128 <= L <= h/64 (so 1.3B = 24x2048, 6.7B = 32x4096, 13B = 40x5120 and
+          70B-class = 80x8192 are all members). Consecutive widths' ranges overlap, so
+          sizes are continuous to within one layer.
+  layers  width, heads and everything else as given; only the depth grows.
+For each width the depth is found by bisection (memory only grows with depth); the
+answer is the member with the most parameters that fits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..model.gpt import GPTConfig, num_parameters
+from .memory import GiB, Hardware, JobPlan, Run, plan_job
+
+GPT3_WIDTHS = (768, 1024, 1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192, 10240,
+               12288, 14336, 16384)
+FAMILIES = ("gpt3", "layers")
+
+
+def family_widths(family: str, base: GPTConfig, tp: int) -> list[tuple[int, int, int, int]]:
+    """(hidden, heads, min layers, max layers) for each width the family allows at ``tp``."""
+    if family == "layers":
+        return [(base.hidden_size, base.num_attention_heads, 1, 4096)]
+    if family != "gpt3":
+        raise ValueError(f"--family must be one of {FAMILIES}, got {family!r}")
+    out = []
+    for h in GPT3_WIDTHS:
+        heads = h // (64 if h < 2048 else 128)
+        if heads % tp == 0 and h % tp == 0:
+            out.append((h, heads, -(-h // 128), h // 64))
+    return out
+
+
+def _shape(base: GPTConfig, h: int, heads: int, layers: int, family: str) -> GPTConfig:
+    if family == "layers":
+        return replace(base, num_layers=layers)
+    return replace(base, num_layers=layers, hidden_size=h, num_attention_heads=heads,
+                   ffn_hidden_size=4 * h)
+
+
+@dataclass
+class Found:
+    cfg: GPTConfig | None  # None: not even the smallest member fits
+    params: int
+    plan: JobPlan | None
+    limit: str  # what stops it from growing: device, host, or the family's range
+
+
+def max_model(run: Run, hw: Hardware, family: str = "gpt3") -> Found:
+    best = Found(None, 0, None, "nothing fits")
+    for h, heads, lo, hi in family_widths(family, run.cfg, run.tp):
+        def plan(layers):
+            return plan_job(replace(run, cfg=_shape(run.cfg, h, heads, layers, family)), hw)
+        if not plan(lo).fits:
+            continue
+        ok = lo  # bisection: ``ok`` fits, ``bad`` is the first depth known not to
+        bad = hi + 1
+        while bad - ok > 1:
+            mid = (ok + bad) // 2
+            ok, bad = (mid, bad) if plan(mid).fits else (ok, mid)
+        p = plan(ok)
+        n = num_parameters(p.run.cfg, run.tp)
+        if n > best.params:
+            if bad <= hi:
+                nxt = plan(bad)
+                limit = "device" if not nxt.fits_device else "host"
+            else:
+                limit = "family range"
+            best = Found(p.run.cfg, n, p, limit)
+    return best
+
+
+# ------------------------------------------------------------------ paper claims
+V100 = dict(device_memory_gb=32, devices_per_node=16, host_memory_gb=1536)  # DGX-2 (1.5 TB)
+
+
+@dataclass
+class Row:
+    label: str
+    hw: Hardware
+    mode: str
+    tp: int = 1
+    dp: int = 1
+    claim: str = ""  # what the paper says, or "" for this project's own rows
+    claim_b: float | None = None  # the paper's number, billions
+
+
+def paper_rows() -> list[Row]:
+    one_v100 = Hardware(**dict(V100, devices_per_node=1), name="1x V100-32GB, 1.5 TB host")
+    dgx2 = Hardware(**V100, name="DGX-2: 16x V100-32GB, 1.5 TB host")
+    # This project's targets. Host sizes assumed: a single-GPU slice of a DGX/HGX node
+    # gets 1/8 of its 2 TiB (256 GiB); the lent device machine has 128 GiB.
+    h100 = Hardware(device_memory_gb=80, host_memory_gb=256, devices_per_node=1,
+                    name="1x 80GB GPU, 256 GiB host")
+    hgx = Hardware(device_memory_gb=80, host_memory_gb=2048, devices_per_node=8,
+                   name="8x 80GB GPU node, 2 TiB host")
+    h200 = Hardware(device_memory_gb=141, host_memory_gb=256, devices_per_node=1,
+                    name="1x H200-141GB, 256 GiB host")
+    h200_lent = Hardware(device_memory_gb=139, host_memory_gb=128, devices_per_node=1,
+                         name="1x H200 (139 GiB usable), 128 GiB host")
+    h200x8 = Hardware(device_memory_gb=141, host_memory_gb=2048, devices_per_node=8,
+                      name="8x H200-141GB node, 2 TiB host")
+    return [
+        Row("PyTorch (mixed-precision Adam)", one_v100, "pytorch", claim="~1.4B", claim_b=1.4),
+        Row("PyTorch as apex O2 ran it (20 B/param)", one_v100, "pytorch-o2", claim="~1.4B",
+            claim_b=1.4),
+        Row("ZeRO-Offload", one_v100, "offload", claim="~13B", claim_b=13.0),
+        Row("model parallelism alone, TP=16", dgx2, "pytorch", tp=16, claim="<15B",
+            claim_b=15.0),
+        Row("model parallelism alone, TP=8 x DP=2", dgx2, "pytorch", tp=8, dp=2, claim="<15B",
+            claim_b=15.0),
+        Row("TP=16, apex O2 (20 B/param)", dgx2, "pytorch-o2", tp=16, claim="<15B",
+            claim_b=15.0),
+        Row("TP=8 x DP=2 + ZeRO-Offload", dgx2, "offload", tp=8, dp=2, claim="~70B",
+            claim_b=70.0),
+        Row("TP=16 + ZeRO-Offload", dgx2, "offload", tp=16, claim="~70B", claim_b=70.0),
+        Row("PyTorch (mixed-precision Adam)", h100, "pytorch"),
+        Row("ZeRO-2, no offload (this code)", h100, "zero2"),
+        Row("ZeRO-Offload (this code)", h100, "offload"),
+        Row("TP=8 + ZeRO-Offload", hgx, "offload", tp=8),
+        Row("PyTorch (mixed-precision Adam)", h200, "pytorch"),
+        Row("ZeRO-Offload (this code)", h200, "offload"),
+        Row("ZeRO-Offload (this code)", h200_lent, "offload"),
+        Row("TP=8 + ZeRO-Offload", h200x8, "offload", tp=8),
+    ]
+
+
+def paper_base(seq: int = 1024, micro_batch: int = 1, vocab: int = 50257) -> GPTConfig:
+    """The shape assumptions of every row: GPT-2 vocabulary, recomputation on."""
+    return GPTConfig(num_layers=1, hidden_size=1024, num_attention_heads=16, seq_length=seq,
+                     vocab_size=vocab, recompute_activations=True)
+
+
+def paper_table(base: GPTConfig | None = None, micro_batch: int = 1,
+                family: str = "gpt3") -> list[tuple[Row, Found]]:
+    base = base or paper_base()
+    return [(row, max_model(Run(base, tp=row.tp, dp=row.dp, mode=row.mode,
+                                micro_batch=micro_batch), row.hw, family))
+            for row in paper_rows()]
+
+
+def format_paper_table(results: list[tuple[Row, Found]]) -> str:
+    lines = [f"{'hardware':<42}{'mode':<38}{'largest':>9}  {'shape (LxH/heads)':<19}"
+             f"{'limit':<14}{'paper':>6}"]
+    for row, found in results:
+        shape = (f"{found.cfg.num_layers}x{found.cfg.hidden_size}/"
+                 f"{found.cfg.num_attention_heads}" if found.cfg else "-")
+        lines.append(f"{row.hw.name:<42}{row.label:<38}{found.params / 1e9:8.2f}B  {shape:<19}"
+                     f"{found.limit:<14}{row.claim or '-':>6}")
+    return "\n".join(lines)
+
+
+def bytes_per_param_note() -> str:
+    return (f"host bytes per parameter with offload on CUDA: 16 (fp32 master, m, v, grad) + 2 "
+            f"(param staging) + 2 (grad staging) = 20; a 1.5 TB host holds "
+            f"{1536 * GiB / 20 / 1e9:.0f}B parameters before any process overhead")
