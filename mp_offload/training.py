@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -54,10 +55,21 @@ def init_distributed() -> torch.device:
             n = max(1, len(os.sched_getaffinity(0)) // _env_int("LOCAL_WORLD_SIZE", 1))
             torch.set_num_threads(n)
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(backend, rank=_env_int("RANK", 0),
-                                world_size=_env_int("WORLD_SIZE", 1))
+        rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if restart is None:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+            dist.init_process_group(backend, rank=rank, world_size=world)
+        else:
+            # After `torchrun --max-restarts` the agent's store may still hold the dead
+            # attempt's addresses (seen with gloo: peers dial stale ports); key by attempt.
+            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  world, is_master=not agent and rank == 0,
+                                  timeout=timedelta(minutes=30))
+            dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{restart}", store),
+                                    rank=rank, world_size=world)
     return device
 
 
