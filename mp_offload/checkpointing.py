@@ -351,3 +351,4 @@ def _load_torch_adamw(read, manifest, model, optimizer, load_optim: bool):
     if load_optim:
         optimizer.load_state_dict(own["torch_adamw"])
     return own
+

@@ -1,0 +1,205 @@
+"""Sampling text from a trained checkpoint at any TP size; ``tools/generate.py`` calls ``main``.
+
+Each step runs the whole (left-truncated) context through the model — no KV cache, which
+is fine at these model sizes — gathers the vocabulary-parallel logits of the last
+position, masks the padded vocabulary, and picks one token. Every TP rank computes the
+same full logits; TP rank 0's choice is broadcast anyway, so the ranks can never drift
+apart (e.g. through a non-deterministic kernel on one GPU).
+
+    torchrun --nproc-per-node 2 tools/generate.py --tensor-model-parallel-size 2 \
+        --load ckpt --prompt "def main(" --max-new-tokens 64 --top-p 0.9
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import parallel_state as ps
+from .checkpoint_offline import CheckpointError, FullTensors, load_weights_resharded, \
+    resolve_checkpoint
+from .model.gpt import GPTModel
+from .tensor_parallel import gather_from_tp_region
+
+
+def sample_token(logits: torch.Tensor, vocab_size: int, *, greedy: bool = False,
+                 top_k: int = 0, top_p: float = 1.0, temperature: float = 1.0,
+                 generator: torch.Generator | None = None) -> int:
+    """One token id from full (padded) logits [padded_vocab]; ids >= vocab_size never."""
+    logits = logits.detach().float().cpu().clone()
+    logits[vocab_size:] = float("-inf")  # padding rows are zero, their logit is not -inf
+    if greedy or temperature <= 0:
+        return int(torch.argmax(logits))
+    logits /= temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, vocab_size)).values[-1]
+        logits[logits < kth] = float("-inf")
+    if top_p < 1.0:
+        order = torch.argsort(logits, descending=True)
+        probs = torch.softmax(logits[order], dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of the better tokens
+        logits[order[before >= top_p]] = float("-inf")  # the best token always stays
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _agree(token: int, group, device) -> int:
+    """TP rank 0's token on every rank of the group."""
+    if ps.group_size(group) == 1:
+        return token
+    t = torch.tensor([token], dtype=torch.int64, device=device)
+    dist.broadcast(t, dist.get_global_rank(group, 0), group=group)
+    return int(t.item())
+
+
+@torch.no_grad()
+def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *,
+             eod: int | None = None, generator: torch.Generator | None = None,
+             **sampling) -> list[int]:
+    """The new token ids after ``prompt`` (stops early at ``eod`` when given)."""
+    if not prompt:
+        raise ValueError("empty prompt (and no end-of-document token to start from)")
+    model.eval()
+    device = next(model.parameters()).device
+    cfg, tokens = model.cfg, list(prompt)
+    for _ in range(max_new_tokens):
+        # Learned positions stop at max_position_embeddings: keep only the newest tokens.
+        ctx = torch.tensor([tokens[-cfg.max_position_embeddings:]], device=device)
+        local = model(ctx)[:, -1]  # [1, padded_vocab / tp]
+        full = gather_from_tp_region(local, model.tp_group)[0]
+        token = _agree(sample_token(full, cfg.vocab_size, generator=generator, **sampling),
+                       model.tp_group, device)
+        tokens.append(token)
+        if eod is not None and token == eod:
+            break
+    return tokens[len(prompt):]
+
+
+def load_model(ckpt: str, tp_group=None, dtype=torch.float32, device="cpu") -> GPTModel:
+    """A GPTModel at this process's TP size holding the checkpoint's weights."""
+    cfg = FullTensors(ckpt).config
+    cfg.recompute_activations = False
+    # Built on the meta device (no random init), then given storage and the weights.
+    model = GPTModel(cfg, tp_group=tp_group, dtype=dtype, device="meta")
+    meta = {n: p for n, p in model.named_parameters()}
+    model.to_empty(device=device)
+    for n, p in model.named_parameters():  # to_empty may make new Parameter objects
+        for a in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+            setattr(p, a, getattr(meta[n], a))
+    load_weights_resharded(ckpt, model)
+    return model.eval()
+
+
+def tokenizer_for(saved_args: dict, vocab_size: int, tokenizer_type: str | None = None,
+                  tokenizer_model: str | None = None):
+    """(tokenizer, stops_at_eod): the flags' tokenizer, else the one the run trained with.
+
+    A NullTokenizer gets the model's vocabulary (its EOD is the last id). Mock-data runs
+    had no tokenizer and no documents: ids as text, and no EOD to stop at.
+    """
+    from .data.tokenizer import build_tokenizer
+    data = saved_args.get("data", {})
+    mock = tokenizer_type is None and data.get("mock_data", False)
+    tokenizer_type = tokenizer_type or ("NullTokenizer" if mock else data.get("tokenizer_type"))
+    tokenizer_model = tokenizer_model or data.get("tokenizer_model")
+    if tokenizer_type == "NullTokenizer":
+        return build_tokenizer("NullTokenizer", vocab_size=vocab_size - 1), not mock
+    return build_tokenizer(tokenizer_type, tokenizer_model), True
+
+
+# ------------------------------------------------------------------------ CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Sample text from an mp_offload checkpoint "
+                                            "(single process, or torchrun with TP)")
+    p.add_argument("--load", required=True, help="checkpoint root (or an iter_* directory)")
+    p.add_argument("--iteration", type=int, help="default: the latest checkpoint")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "NullTokenizer"),
+                   help="default: the one saved with the run")
+    p.add_argument("--tokenizer-model", help="SentencePiece model (default: the run's)")
+    p.add_argument("--prompt", default="", help="text to continue (empty: start at EOD)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", action="store_true", help="always the most likely token")
+    mode.add_argument("--top-k", type=int, default=0, help="sample among the k most likely")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set holding this probability mass")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--ignore-eod", action="store_true", help="keep going past end-of-document")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--output-json", help="also write prompt/generated ids and text here")
+    return p
+
+
+def _setup(tp: int):
+    """Join torchrun's world when there is one; returns (device, created_group)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    created = False
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+        created = True
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    if dist.is_initialized():
+        ps.initialize_model_parallel(tp)
+    elif tp != 1:
+        raise SystemExit(f"generate: --tensor-model-parallel-size {tp} needs torchrun with "
+                         f"a multiple of {tp} processes")
+    return device, created
+
+
+def main(argv=None) -> dict:
+    a = build_parser().parse_args(argv)
+    if a.greedy and a.top_p < 1.0:
+        raise SystemExit("generate: --greedy and --top-p exclude each other")
+    device, created = _setup(a.tensor_model_parallel_size)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    try:
+        error, model = None, None
+        try:  # load everywhere, then agree on failure: one bad rank must not hang the rest
+            ckpt = resolve_checkpoint(a.load, a.iteration)
+            full = FullTensors(ckpt)
+            tok, stops = tokenizer_for(full.common().get("args", {}), full.config.vocab_size,
+                                       a.tokenizer_type, a.tokenizer_model)
+            if tok.vocab_size > full.config.vocab_size:
+                raise CheckpointError(f"the tokenizer has {tok.vocab_size} ids, the model "
+                                      f"only {full.config.vocab_size}")
+            prompt = tok.tokenize(a.prompt) if a.prompt else [tok.eod]
+            model = load_model(ckpt, ps.get_tensor_model_parallel_group(),
+                               getattr(torch, a.dtype), device)
+        except (CheckpointError, ValueError, OSError) as e:
+            error = f"{type(e).__name__}: {e}"
+        if dist.is_initialized():
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            error = next((e for e in errors if e), None)
+        if error:
+            raise SystemExit(f"generate: {error}")
+        gen = torch.Generator().manual_seed(a.seed)  # same stream on every rank
+        new = generate(model, prompt, a.max_new_tokens, generator=gen,
+                       eod=tok.eod if stops and not a.ignore_eod else None,
+                       greedy=a.greedy, top_k=a.top_k, top_p=a.top_p,
+                       temperature=a.temperature)
+        result = dict(checkpoint=ckpt, prompt=a.prompt, prompt_ids=prompt,
+                      generated_ids=new, text=tok.detokenize(new))
+        if rank0:
+            # Detokenize prompt and continuation together so pieces join as they should.
+            print(tok.detokenize(prompt + new) if a.prompt else result["text"], flush=True)
+            if a.output_json:
+                with open(a.output_json, "w") as f:
+                    json.dump(result, f)
+        return result
+    finally:
+        if dist.is_initialized():
+            ps.destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()
+
