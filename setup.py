@@ -5,7 +5,9 @@ from setuptools import find_packages, setup
 
 # No -march=native: one build must run on every x86-64 host; the kernel picks
 # AVX-512 / AVX2 / scalar paths at run time via per-function target attributes.
-compile_args = ["-O3", "-fopenmp", "-std=c++17"]
+# -ffp-contract=off: keep the kernel's rounding identical to torch's on every target (no
+# silent a*b+c -> fma contraction, e.g. by GCC on aarch64).
+compile_args = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
 
 ext_modules = [
     Pybind11Extension(
