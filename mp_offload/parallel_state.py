@@ -120,6 +120,17 @@ def get_tensor_model_parallel_src_rank() -> int:
     return (dist.get_rank() // _TP_SIZE) * _TP_SIZE if dist.is_initialized() else 0
 
 
+def comm_device():
+    """Where small control tensors must live to take part in collectives.
+
+    NCCL only reduces CUDA tensors; gloo takes CPU ones.
+    """
+    import torch
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def group_size(group) -> int:
     """Size of ``group``; ``None`` stands for a single process."""
     return 1 if group is None or group is SINGLE_PROCESS else dist.get_world_size(group)

@@ -109,7 +109,8 @@ def build_datasets(args: Args):
                 cache_dir=d.data_cache_dir)
         dist.barrier()
     # Non-readers hold no datasets: learn from TP rank 0 which splits exist.
-    present = torch.tensor([ds is not None for ds in datasets], dtype=torch.int64)
+    present = torch.tensor([ds is not None for ds in datasets], dtype=torch.int64,
+                           device=ps.comm_device())
     if ps.get_tensor_model_parallel_world_size() > 1:
         dist.broadcast(present, ps.get_tensor_model_parallel_src_rank(),
                        group=ps.get_tensor_model_parallel_group())
@@ -170,7 +171,7 @@ class _StopFlag:
         self.requested = True
 
     def agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.requested else 0.0])
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=ps.comm_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag.item() > 0
 

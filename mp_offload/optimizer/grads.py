@@ -11,7 +11,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..parallel_state import group_size
+from ..parallel_state import comm_device, group_size
 from ..tensor_parallel.utils import is_duplicate_across_tp
 
 
@@ -32,7 +32,7 @@ def allreduce_gradients(params, dp_group) -> None:
 
 def reduce_norm_squared(local_sq: torch.Tensor, dp_group=None, tp_group=None) -> float:
     """Sum a local squared norm over DP (if the grads are DP-partitioned), then over TP."""
-    total = local_sq.detach().double().reshape(1).clone()
+    total = local_sq.detach().double().reshape(1).to(comm_device(), copy=True)
     for g in (dp_group, tp_group):
         if group_size(g) > 1:
             dist.all_reduce(total, group=g)
@@ -44,7 +44,7 @@ def params_grad_norm(params, tp_rank: int, tp_group) -> float:
     sq = torch.zeros((), dtype=torch.float64)
     for p in params:
         if p.grad is not None and not is_duplicate_across_tp(p, tp_rank):
-            sq += p.grad.detach().double().pow(2).sum().cpu()
+            sq = sq + p.grad.detach().double().pow(2).sum().cpu()
     return math.sqrt(reduce_norm_squared(sq, None, tp_group))
 
 

@@ -78,6 +78,7 @@ class ZeroOptimizer:
         self._init_buckets()
         self._adam = self._pick_adam()
         self._thread: threading.Thread | None = None
+        self._uploaded = None  # CUDA event: the last host->device copy of the staging
 
     # ---------------------------------------------------------------- set-up
     def _place_model(self, model: torch.nn.Module) -> None:
@@ -223,6 +224,8 @@ class ZeroOptimizer:
         return StepResult(grad_norm=norm, skipped=False, loss_scale=scale)
 
     def _adam_pass(self, grad: torch.Tensor, lr: float, grad_scale: float, step: int) -> None:
+        if self._uploaded is not None:  # the last copy up may still be reading the staging
+            self._uploaded.synchronize()
         b1, b2 = self.betas
         for lo, hi, decay in self.layout.decay_runs():
             self._adam(self.master[lo:hi], grad[lo:hi], self.exp_avg[lo:hi],
@@ -240,6 +243,9 @@ class ZeroOptimizer:
             self.flat[lo:hi].copy_(src[b.host_offset:b.host_offset + b.chunk],
                                    non_blocking=True)
             self.bytes_up += b.chunk * self.flat.element_size()
+        if self.device.type == "cuda":
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
         if self.dp > 1:
             for b in self.layout.buckets:
                 lo, hi = b.chunk_range(self.dp_rank)
