@@ -28,7 +28,7 @@ ARGS=(
   --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95
   --bf16 "${OFFLOAD_ARGS[@]}"
   "${DATA_ARGS[@]}"
-  --save "$SAVE_DIR" --save-interval 1000 --log-json "$SAVE_DIR/log.jsonl"
+  --save "$SAVE_DIR" --load "$SAVE_DIR" --save-interval 1000 --log-json "$SAVE_DIR/log.jsonl"
   --log-interval 10 --eval-interval 1000 --eval-iters 10
 )
 launch 1 "$NGPUS" "${ARGS[@]}" "$@"

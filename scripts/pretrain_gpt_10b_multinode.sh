@@ -56,7 +56,7 @@ ARGS=(
   --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95
   "--$PRECISION" --cpu-offload --recompute-activations "${DPU_ARGS[@]}"
   "${DATA_ARGS[@]}"
-  --save "$SAVE_DIR" --save-interval 500 --log-json "$SAVE_DIR/log.jsonl"
+  --save "$SAVE_DIR" --load "$SAVE_DIR" --save-interval 500 --log-json "$SAVE_DIR/log.jsonl"
   --log-interval 1 --eval-interval 1000 --eval-iters 10
 )
 launch "$NNODES" "$GPUS_PER_NODE" "${ARGS[@]}" "$@"
