@@ -61,8 +61,11 @@ class ZeroOptimizer:
         pin = cuda and cpu_offload
         n = self.layout.host_numel
 
-        # Host (or device, without offload) state: fp32 master, m, v, grad.
+        # Host (or device, without offload) state: fp32 master, m, v, grad. The master is
+        # filled and the fp32 CPU model freed (params move to the device buffer) before the
+        # rest is allocated, so start-up peaks at model + master, not model + all state.
         self.master = torch.zeros(n, dtype=torch.float32, device=self.host)
+        self._place_model(model)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.grads = [torch.zeros_like(self.master)]
@@ -74,7 +77,6 @@ class ZeroOptimizer:
         self.param_staging = _host_empty(n, dtype, pin) if low else None
         self.grad_staging = _host_empty(n, dtype, pin) if cuda and cpu_offload else None
 
-        self._place_model(model)
         self._init_buckets()
         self._adam = self._pick_adam()
         self._thread: threading.Thread | None = None
