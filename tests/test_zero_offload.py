@@ -173,3 +173,26 @@ def _offload_off_worker(rank, world):
 
 def test_offload_off_equals_offload():
     run_distributed(_offload_off_worker, 2)
+
+
+def test_device_keeps_only_low_precision_params_and_fixed_buckets():
+    """DESIGN.md §4: with offload the device holds 2-byte params and fixed-size buckets."""
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(**CFG), tp_group=ps.SINGLE_PROCESS)
+    opt = ZeroOptimizer(model, **HP, dp_group=None, tp_group=None, tp_rank=0, device="cpu",
+                        dtype=torch.bfloat16, cpu_offload=True, bucket_size=2000)
+    x, y = _batch(0)
+    opt.zero_grad()
+    opt.backward(model(x, y).mean())
+    assert all(p.grad is None for p in model.parameters()), "no gradient kept on the device"
+    flat_ptr = opt.flat.untyped_storage().data_ptr()
+    for p in model.parameters():  # every parameter is a bf16 view of the one flat buffer
+        assert p.dtype == torch.bfloat16 and p.untyped_storage().data_ptr() == flat_ptr
+    rep = opt.memory_bytes()
+    assert set(rep["device"]) == {"params", "grad_buckets"}
+    assert rep["device"]["params"] == 2 * opt.flat.numel()
+    numel = sum(p.numel() for p in model.parameters())
+    assert rep["device"]["grad_buckets"] < 2 * numel / 2, "buckets must not scale with the model"
+    assert {k: rep["host"][k] for k in ("master", "exp_avg", "exp_avg_sq", "grads")} == \
+        {k: 4 * opt.layout.host_numel for k in ("master", "exp_avg", "exp_avg_sq", "grads")}
+    opt.step(1e-3)
