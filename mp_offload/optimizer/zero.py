@@ -33,6 +33,9 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+BUCKET_BUFFERS = 2  # gradient bucket buffers on the device (double buffering)
+
+
 def _host_empty(n: int, dtype, pin: bool) -> torch.Tensor:
     return torch.empty(n, dtype=dtype, pin_memory=pin)
 
@@ -126,7 +129,8 @@ class ZeroOptimizer:
         self._finish_backward()
 
     def _take_buffer(self) -> torch.Tensor:
-        if not self._pool and self._pending:
+        # Two buffers: one bucket's reduce-scatter overlaps the backward that fills the next.
+        if not self._pool and self._pending and self.num_bucket_buffers >= BUCKET_BUFFERS:
             self._drain_one()  # free the oldest in-flight bucket
         if self._pool:
             return self._pool.pop()

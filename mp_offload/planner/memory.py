@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..model.gpt import GPTConfig
+from ..optimizer.zero import BUCKET_BUFFERS
 from .activations import estimate_activations
 from .shapes import RankShapes, meta_named_params, rank_shapes, spec_named_params
 
@@ -61,7 +62,7 @@ class Run:
     dpu: bool = False
     cuda: bool = True  # gradient staging exists only on CUDA
     flash: bool = True  # fused SDPA kernels keep no s x s scores
-    bucket_buffers: int = 1
+    bucket_buffers: int | None = None  # default: ZeroOptimizer's, min(2, number of buckets)
 
     @property
     def world(self) -> int:
@@ -133,7 +134,8 @@ def plan_rank(run: Run, shapes: RankShapes, hw: Hardware) -> tuple[dict, dict, s
         state = dict(master=4 * n, exp_avg=4 * n, exp_avg_sq=4 * n,
                      grads=4 * n * (2 if run.dpu else 1))
         device = dict(params=e * shapes.flat_numel,
-                      grad_buckets=e * shapes.max_bucket * run.bucket_buffers)
+                      grad_buckets=e * shapes.max_bucket * (
+                          run.bucket_buffers or min(BUCKET_BUFFERS, shapes.num_buckets)))
         offload = run.mode == "offload"
         staging = (e * n if e < 4 else 0) + (e * n if offload and run.cuda else 0)
         host = dict(staging=staging)
