@@ -57,7 +57,8 @@ class ZeroOptimizer:
         self.scaler = DynamicLossScaler(**loss_scale) if loss_scale else ConstantLossScaler()
         self.layout = FlatLayout(list(model.named_parameters()), self.dp, self.dp_rank, tp_rank,
                                  bucket_size)
-        self.step_count = 0
+        self.step_count = 0  # Adam steps taken (skipped fp16 steps do not count)
+        self.step_calls = 0
         self.bytes_down = self.bytes_up = 0
         cuda = self.device.type == "cuda"
         self.host = torch.device("cpu") if cpu_offload else self.device
@@ -207,6 +208,7 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
+        self.step_calls += 1  # skipped steps moved their gradients too
         grad = self.grads[0]
         norm_sq = reduce_norm_squared(self._grad_norm_sq(grad), self.dp_group, self.tp_group)
         scale = self.scaler.scale
@@ -295,7 +297,7 @@ class ZeroOptimizer:
 
     # ---------------------------------------------------------------- reports
     def step_stats(self) -> dict:
-        steps = max(self.step_count, 1)
+        steps = max(self.step_calls, 1)
         owned = max(self.layout.host_numel, 1)
         return dict(host_device_bytes_per_param=(self.bytes_down + self.bytes_up) / steps / owned)
 

@@ -1,0 +1,91 @@
+"""Smoke tests: every bench runs end to end at tiny sizes and prints its table."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+
+
+def run_bench(script, *args, timeout=120):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    res = subprocess.run([sys.executable, os.path.join(BENCH, script), *map(str, args)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return res.stdout
+
+
+@pytest.fixture(scope="module")
+def e2e_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("e2e") / "e2e.json"
+    stdout = run_bench("bench_e2e.py", "--layers", 1, "--hidden", 32, "--heads", 2, "--seq", 16,
+                       "--vocab", 64, "--micro-batch", 1, "--iters", 3, "--warmup", 1,
+                       "--repeats", 1, "--pair-iters", 4, "--configs", "ddp,offload",
+                       "--json", out)
+    return stdout, json.loads(out.read_text())
+
+
+def test_bench_e2e_tiny(e2e_report):
+    stdout, rep = e2e_report
+    assert "=== part 1: end-to-end, CPU" in stdout
+    assert "tokens/s" in stdout and "vs DDP" in stdout
+    assert "part 1: (a)/(b) tokens/s" in stdout and "part 2: (a)/(b) tokens/s" in stdout
+    assert "where the time goes" in stdout and "Adam (C++ CPU Adam" in stdout
+    assert set(rep["configs"]) == {"ddp", "offload"}
+    assert rep["configs"]["ddp"]["vs_ddp"] == pytest.approx(1.0)
+    for c in rep["configs"].values():
+        assert c["tokens_per_sec"] > 0 and len(c["samples_ms"][0]) == 2  # 3 iterations - 1
+    assert rep["pair"]["pairs"] == 3 and rep["pair"]["ratio_median"] > 0
+    # the same model on the same data: the baseline and ours train identically (fp32)
+    assert rep["final_loss"]["offload"] == pytest.approx(rep["final_loss"]["ddp"], rel=1e-4)
+    loss = rep["pair"]["final_loss"]
+    assert loss["offload"] == pytest.approx(loss["ddp"], rel=1e-4)
+
+
+def test_bench_traffic_tiny(tmp_path):
+    out = tmp_path / "traffic.json"
+    stdout = run_bench("bench_traffic.py", "--precisions", "bf16,fp32", "--micro", "1,2",
+                       "--dp", "1", "--iters", 2, "--json", out)
+    assert "=== host<->device bytes per parameter per iteration" in stdout
+    assert "paper min" in stdout and "DeepSpeed" in stdout
+    rows = json.loads(out.read_text())["rows"]
+    got = {(r["precision"], r["micro_batches"]): r["total"] for r in rows}
+    # our step: k compute-dtype gradient copies down + one parameter copy up
+    assert got == pytest.approx({("bf16", 1): 4.0, ("bf16", 2): 6.0, ("fp32", 1): 8.0,
+                                 ("fp32", 2): 12.0})
+
+
+def test_bench_cpu_adam_tiny(tmp_path):
+    out = tmp_path / "adam.json"
+    stdout = run_bench("bench_cpu_adam.py", "--sizes", "2e4", "--repeats", 1, "--threads", 1,
+                       "--no-deepspeed", "--json", out)
+    assert "Mparams/s" in stdout and "stream_probe" in stdout
+    assert json.loads(out.read_text())["sizes"]
+
+
+def test_plots(tmp_path, e2e_report):
+    pytest.importorskip("matplotlib")  # genuinely optional: the next test covers its absence
+    sys.path.insert(0, BENCH)
+    try:
+        from plot_results import plot_e2e
+    finally:
+        sys.path.remove(BENCH)
+    png = tmp_path / "e2e.png"
+    assert plot_e2e(e2e_report[1], str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_without_matplotlib(tmp_path, e2e_report):
+    src = tmp_path / "e2e.json"
+    src.write_text(json.dumps(e2e_report[1]))
+    code = ("import sys; sys.modules['matplotlib'] = None; sys.path.insert(0, sys.argv[1]);"
+            "import plot_results; sys.exit(plot_results.main(['e2e', sys.argv[2], sys.argv[3]]))")
+    png = tmp_path / "none.png"
+    res = subprocess.run([sys.executable, "-c", code, BENCH, str(src), str(png)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "matplotlib is not installed" in res.stdout
+    assert not png.exists()
