@@ -36,8 +36,15 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
+CONFIG_ERROR_LINGER_S = 3.0
+
+
 def fail(msg: str, code: int = 2) -> None:
     print(f"pretrain_gpt.py: error: {msg}", file=sys.stderr, flush=True)
+    if code == 2 and _env_int("WORLD_SIZE", 1) > 1:
+        # torchrun stops all workers when the first one exits; linger briefly so sibling
+        # ranks still importing reach validation and print their own reason too.
+        time.sleep(CONFIG_ERROR_LINGER_S)
     sys.exit(code)
 
 
