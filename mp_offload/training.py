@@ -214,7 +214,9 @@ def train(args: Args, model, optimizer, train_iter, valid_iter, device, logger: 
     tp = args.parallel.tensor_model_parallel_size
     flops_tok = flops_per_token(args.model, args.model.recompute_activations, tp)
     stop = _StopFlag()
-    skipped_total, iteration, last, saved_at = 0, start_iteration, {}, start_iteration
+    iteration, last, saved_at = start_iteration, {}, start_iteration
+    # fp16 skips so far (restored with the loss scaler on resume)
+    skipped_total = getattr(getattr(optimizer, "scaler", None), "overflows", 0)
     save_every = args.ckpt.save_interval if args.ckpt.save else None
     end = t.train_iters if t.exit_interval is None else min(t.train_iters, t.exit_interval)
     if t.eval_interval and iteration == 0 and valid_iter is not None:
