@@ -67,3 +67,31 @@ def test_torchrun_restart_resumes_from_latest_checkpoint(tmp_path):
     # first attempt: 1..5 (killed after 5, last save at 3); restart resumes at 4
     assert its == [1, 2, 3, 4, 5, 4, 5, 6, 7, 8], its
     assert "loaded checkpoint" in res.stdout + res.stderr
+
+
+def test_sigterm_finishes_the_step_and_saves(tmp_path):
+    import signal
+    import time
+
+    from mp_offload.checkpointing import read_latest
+
+    ck, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         os.path.join(ROOT, "pretrain_gpt.py"), *MODEL, "--mock-data", "--vocab-size", "128",
+         "--train-iters", "100000", "--eval-interval", "100000", "--save", str(ck),
+         "--log-json", str(log)],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and (not log.exists() or
+                                          sum(1 for _ in open(log)) < 4):
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)  # what a scheduler sends before it kills a job
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    last = [json.loads(line)["iteration"] for line in open(log) if '"loss"' in line][-1]
+    assert "stop requested: exiting after iteration" in out, out[-2000:]
+    assert read_latest(str(ck)) == last, "the finished step must be saved"
