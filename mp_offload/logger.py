@@ -55,6 +55,8 @@ class Logger:
                     f"{rec['skipped_iterations']} | tokens/s {rec['tokens_per_sec']:.0f} | "
                     f"TFLOPS/dev {rec['tflops_per_device']:.3f} | peak mem dev/host GB "
                     f"{rec['peak_device_gb']:.2f}/{rec['peak_host_gb']:.2f}")
+            if "host_device_bytes_per_param" in rec:  # ZeRO-Offload traffic, per owned param
+                line += f" | host<->device B/param {rec['host_device_bytes_per_param']:.2f}"
             print(line, flush=True)
 
     def evaluation(self, iteration: int, split: str, loss: float | None) -> None:
