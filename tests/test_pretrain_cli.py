@@ -53,3 +53,17 @@ def test_tp2_equals_tp1_and_loss_falls(tmp_path):
     for i, (a, b) in enumerate(zip(runs[1], runs[2])):
         assert abs(a - b) <= 1e-5 * abs(a), f"iteration {i + 1}: TP=1 {a} vs TP=2 {b}"
     assert runs[2][-1] < runs[2][0] - 0.3, runs[2]  # 20 steps on 2 cores: ~0.5 drop
+
+
+def test_recompute_with_dropout_matches_exactly(tmp_path):
+    """Activation checkpointing under ZeRO-Offload replays dropout with the same RNG."""
+    runs = []
+    for extra in ([], ["--recompute-activations"]):
+        log = tmp_path / f"run{len(runs)}.jsonl"
+        # TINY without its two "--*-dropout 0" pairs: dropout stays on (0.1)
+        args = TINY[:TINY.index("--hidden-dropout")] + TINY[TINY.index("--lr"):]
+        res = torchrun(4, *args, "--train-iters", "5", "--cpu-offload",
+                       "--tensor-model-parallel-size", "2", "--log-json", str(log), *extra)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs.append(_losses(log))
+    assert runs[0] == runs[1]
