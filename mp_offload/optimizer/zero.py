@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..parallel_state import group_size
 from .adam_math import torch_adam_step
 from .grads import clip_coefficient, reduce_norm_squared
+from .host_accumulator import HostAccumulator
 from .layout import FlatLayout
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
 from .torch_adamw import StepResult
@@ -106,7 +107,7 @@ class ZeroOptimizer:
         self._pool: list[torch.Tensor] = []
         self._pending: list[tuple] = []  # (bucket, work, chunk_out, buffer)
         self._launched = [False] * len(self.layout.buckets)
-        self._staged: list[tuple] = []
+        self._accumulator = HostAccumulator() if self.grad_staging is not None else None
         self.max_bucket = max(b.numel for b in self.layout.buckets)
         for s in self.layout.slots:
             s.param.register_post_accumulate_grad_hook(self._grad_ready)
@@ -173,10 +174,12 @@ class ZeroOptimizer:
             work.wait()
         lo, hi = b.host_offset, b.host_offset + b.chunk
         grad = self.grads[0][lo:hi]
-        if self.grad_staging is not None:  # CUDA + offload: 2 bytes/param down, add later
+        if self.grad_staging is not None:  # CUDA + offload: 2 bytes/param down
             stage = self.grad_staging[lo:hi]
             stage.copy_(out, non_blocking=True)
-            self._staged.append((grad, stage))
+            landed = torch.cuda.Event()
+            landed.record()
+            self._accumulator.add(grad, stage, landed)  # fp32 add overlaps the backward
         else:
             grad.add_(out.to(self.host))
         self.bytes_down += b.chunk * out.element_size()
@@ -190,11 +193,8 @@ class ZeroOptimizer:
                 self._launch(b)
         while self._pending:
             self._drain_one()
-        if self._staged:  # one wait for all the copies down, then fp32 accumulation
-            torch.cuda.current_stream(self.device).synchronize()
-            for grad, stage in self._staged:
-                grad.add_(stage)
-            self._staged = []
+        if self._accumulator is not None:
+            self._accumulator.wait()
         self._arrived = [0] * len(self.layout.buckets)
         self._launched = [False] * len(self.layout.buckets)
 

@@ -1,0 +1,47 @@
+"""Adds gradient chunks into the fp32 host slice on a worker thread, as their copies land.
+
+On CUDA with offload each reduced bucket chunk is copied down (non-blocking, pinned) while
+backward goes on; this thread waits for each copy's event and adds the chunk into the
+fp32 gradient slice, so the host-side accumulation overlaps the rest of backward instead
+of running after it. Chunks cover disjoint parts of the slice, and the main thread only
+reads the slice after ``wait()``, so no locking is needed.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+
+class HostAccumulator:
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="host-grad-accumulate",
+                                        daemon=True)
+        self._thread.start()
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor, ready=None) -> None:
+        """Queue ``dst += src`` once ``ready`` (an event with .synchronize(), or None) is set."""
+        self._queue.put((dst, src, ready))
+
+    def wait(self) -> None:
+        """Block until every queued addition is done; re-raise the worker's failure."""
+        self._queue.join()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("host gradient accumulation failed") from err
+
+    def _run(self) -> None:
+        while True:
+            dst, src, ready = self._queue.get()
+            try:
+                if self._error is None:
+                    if ready is not None:
+                        ready.synchronize()  # the copy down has landed in pinned memory
+                    dst.add_(src)
+            except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+                self._error = e
+            finally:
+                self._queue.task_done()
