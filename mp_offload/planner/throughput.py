@@ -11,8 +11,9 @@ FLOPs per token (flops_per_token, recomputation counted), C = sustained device F
     gradients          reduce-scatter (D-1)/D*e*P bytes over the DP link and e*n bytes
                        down PCIe; both overlap backward (the last 3/4 of the work with
                        recomputation), only the excess counts
-    fp32 accumulation  after backward the host adds the staged grads: 10 B per element
-                       of n (read 4+2, write 4) at this rank's share of host bandwidth
+    fp32 accumulation  a host thread adds each staged chunk as its copy lands: 10 B per
+                       element of n (read 4+2, write 4) at this rank's share of host
+                       bandwidth; it overlaps backward like the copies, only the excess counts
   per step
     grad norm          4 B per element of n
     CPU Adam           n / rate; rate = min(cores_per_rank * per-core rate,
@@ -119,8 +120,10 @@ def step_time(cfg: GPTConfig, gpus: int, machine: Machine, tp: int = 1, batch_pe
         volume = n_ar * 2 * (tp - 1) / tp * e * s * micro_batch * h
         tp_comm = volume / (machine.intra_node_gbs * 1e9)
     rs = (dp - 1) / dp * e * P / dp_bw
+    accumulate_work = 10 * n / host_bw
+    # reduce-scatter, copy down and host accumulation are pipelined under backward
     grad_exposed = max(0.0, max(rs, e * n / pcie) - bwd)
-    accumulate = 10 * n / host_bw
+    accumulate = max(0.0, accumulate_work - bwd - grad_exposed)
     norm = 4 * n / host_bw
     rate = min(machine.cpu_cores_per_node / ranks_node * machine.adam_rate_per_core,
                host_bw / ADAM_BYTES_PER_ELEMENT)
