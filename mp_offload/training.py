@@ -40,7 +40,10 @@ CONFIG_ERROR_LINGER_S = 3.0
 
 
 def fail(msg: str, code: int = 2) -> None:
-    print(f"pretrain_gpt.py: error: {msg}", file=sys.stderr, flush=True)
+    # One write(2) of the whole line: ranks share the launcher's stderr pipe, and print()'s
+    # separate writes of text and newline can interleave into one garbled line.
+    sys.stderr.flush()
+    os.write(2, f"pretrain_gpt.py: error: {msg}\n".encode())
     if code == 2 and _env_int("WORLD_SIZE", 1) > 1:
         # torchrun stops all workers when the first one exits; linger briefly so sibling
         # ranks still importing reach validation and print their own reason too.
