@@ -152,10 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
             if tp is bool:
                 group.add_argument(flag, dest=dest, action="store_true", help=help_)
             elif typing.get_origin(tp) is list:
-                group.add_argument(flag, dest=dest, nargs="+", default=default, help=help_)
+                group.add_argument(flag, dest=dest, nargs="+", default=default, help=help_,
+                                   metavar=f.name.upper())
             else:
                 group.add_argument(flag, dest=dest, type=tp, default=default, help=help_,
-                                   choices=f.metadata.get("choices"))
+                                   choices=f.metadata.get("choices"), metavar=
+                                   None if "choices" in f.metadata else f.name.upper())
     return parser
 
 
