@@ -161,9 +161,7 @@ class DDPTrainer:
                                      fused=True)
         self.dp = ps.get_data_parallel_world_size()
         self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp)
-        self.sched = LRScheduler(o.lr, o.min_lr, o.lr_warmup_iters * t.global_batch_size,
-                                 (o.lr_decay_iters or t.train_iters) * t.global_batch_size,
-                                 o.lr_decay_style)
+        self.sched = LRScheduler.from_args(args)
         self.batches = _batches(args, train_ds, device)
         self.consumed = 0
 
@@ -203,15 +201,13 @@ class OursTrainer:
         from mp_offload.lr_scheduler import LRScheduler
         from mp_offload.optimizer import build_optimizer
 
-        t, o = args.train, args.optim
+        t = args.train
         self.args, self.device = args, device
         self.opt = build_optimizer(model, args, device)
         self.model = model
         self.dp = ps.get_data_parallel_world_size()
         self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp)
-        self.sched = LRScheduler(o.lr, o.min_lr, o.lr_warmup_iters * t.global_batch_size,
-                                 (o.lr_decay_iters or t.train_iters) * t.global_batch_size,
-                                 o.lr_decay_style)
+        self.sched = LRScheduler.from_args(args)
         self.batches = _batches(args, train_ds, device)
         self.consumed = 0
 

@@ -30,6 +30,13 @@ class LRScheduler:
         coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0) if self.style == "cosine" else 1.0 - ratio
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
+    @classmethod
+    def from_args(cls, args) -> "LRScheduler":
+        """The run's schedule: Megatron's iteration flags turned into sample counts."""
+        o, gbs = args.optim, args.train.global_batch_size
+        return cls(o.lr, o.min_lr, o.lr_warmup_iters * gbs,
+                   (o.lr_decay_iters or args.train.train_iters) * gbs, o.lr_decay_style)
+
     def state_dict(self) -> dict:
         return dict(max_lr=self.max_lr, min_lr=self.min_lr, warmup=self.warmup,
                     decay=self.decay, style=self.style)

@@ -210,10 +210,7 @@ def train(args: Args, model, optimizer, train_iter, valid_iter, device, logger: 
     world = dist.get_world_size()
     dp = ps.get_data_parallel_world_size()
     num_micro = t.global_batch_size // (t.micro_batch_size * dp)
-    sched = LRScheduler(args.optim.lr, args.optim.min_lr,
-                        args.optim.lr_warmup_iters * t.global_batch_size,
-                        (args.optim.lr_decay_iters or t.train_iters) * t.global_batch_size,
-                        args.optim.lr_decay_style)
+    sched = LRScheduler.from_args(args)
     tp = args.parallel.tensor_model_parallel_size
     flops_tok = flops_per_token(args.model, args.model.recompute_activations, tp)
     stop = _StopFlag()

@@ -69,6 +69,15 @@ data_args() {
              --tokenizer-model "${TOKENIZER_MODEL:-missing}")
 }
 
+# dpu_args: DPU_ARGS holds --dpu-warmup-steps when DPU_WARMUP is set (DPU is off by default).
+dpu_args() {
+  DPU_ARGS=()
+  if [ -n "${DPU_WARMUP:-}" ]; then
+    require_int DPU_WARMUP 0
+    DPU_ARGS=(--dpu-warmup-steps "$DPU_WARMUP")
+  fi
+}
+
 # check_save_dir: SAVE_DIR can be created and written (not created on a dry run).
 check_save_dir() {
   [ -n "${SAVE_DIR:-}" ] || die "SAVE_DIR is empty"

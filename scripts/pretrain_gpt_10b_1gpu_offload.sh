@@ -20,8 +20,7 @@ check_gpus NGPUS
 check_save_dir
 data_args
 plan_target 32 256
-DPU_ARGS=()
-[ -n "${DPU_WARMUP:-}" ] && DPU_ARGS=(--dpu-warmup-steps "$DPU_WARMUP")
+dpu_args
 ARGS=(
   --num-layers 50 --hidden-size 4096 --num-attention-heads 32
   --seq-length 1024 --max-position-embeddings 1024 --vocab-size 50257

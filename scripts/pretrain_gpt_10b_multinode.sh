@@ -45,8 +45,7 @@ require_int BATCH_PER_GPU 1
 check_save_dir
 data_args
 plan_target 32 1536
-DPU_ARGS=()
-[ -n "${DPU_WARMUP:-}" ] && DPU_ARGS=(--dpu-warmup-steps "$DPU_WARMUP")
+dpu_args
 ARGS=(
   --tensor-model-parallel-size "$TP"
   --num-layers 50 --hidden-size 4096 --num-attention-heads 32

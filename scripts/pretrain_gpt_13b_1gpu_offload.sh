@@ -19,8 +19,7 @@ check_gpus NGPUS
 check_save_dir
 data_args
 plan_target 32 384
-DPU_ARGS=()
-[ -n "${DPU_WARMUP:-}" ] && DPU_ARGS=(--dpu-warmup-steps "$DPU_WARMUP")
+dpu_args
 ARGS=(
   --num-layers 40 --hidden-size 5120 --num-attention-heads 40
   --seq-length 1024 --max-position-embeddings 1024 --vocab-size 50257

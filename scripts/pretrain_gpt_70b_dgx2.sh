@@ -31,8 +31,7 @@ require_int TP 1
 check_save_dir
 data_args
 plan_target 32 1536
-DPU_ARGS=()
-[ -n "${DPU_WARMUP:-}" ] && DPU_ARGS=(--dpu-warmup-steps "$DPU_WARMUP")
+dpu_args
 ARGS=(
   --tensor-model-parallel-size "$TP"
   --num-layers 86 --hidden-size 8192 --num-attention-heads 64
