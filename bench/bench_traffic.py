@@ -78,10 +78,10 @@ def measure(pretrain_argv) -> dict:
         for s, h in handlers.items():  # pretrain() installs its own stop handlers
             signal.signal(s, h)
     opt = captured[0]
-    return dict(bytes_down=opt.bytes_down, bytes_up=opt.bytes_up, steps=opt.step_count,
+    return dict(bytes_down=opt.reducer.bytes_down, bytes_up=opt.bytes_up, steps=opt.step_count,
                 iterations=summary["iteration"], owned=opt.layout.host_numel,
                 total_params=opt.layout.numel,
-                step_stats=opt.step_stats()["host_device_bytes_per_param"],
+                step_stats=opt.stats()["host_device_bytes_per_param"],
                 skipped=summary.get("skipped_iterations", 0))
 
 

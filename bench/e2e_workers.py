@@ -61,22 +61,23 @@ class Phases:
 
 def instrument_zero(ph: Phases) -> None:
     """Wrap the ZeRO optimizer's pieces (class level: the backward hooks bind at construction)."""
+    import mp_offload.optimizer.reducer as reducer
     import mp_offload.optimizer.zero as zero
     from mp_offload.model.gpt import GPTModel
 
-    Z = zero.ZeroOptimizer
+    Z, R = zero.ZeroOptimizer, reducer.GradientReducer
     Z.backward = ph.wrap("backward: autograd compute", Z.backward)
-    Z._grad_ready = ph.wrap("backward hook: grad -> bucket copy", Z._grad_ready)
-    Z._launch = ph.wrap("reduce-scatter: divide + launch", Z._launch)
-    Z._drain_one = ph.wrap("host accumulate (fp32 add)", Z._drain_one)
-    Z._finish_backward = ph.wrap("finish backward", Z._finish_backward)
+    R._grad_ready = ph.wrap("backward hook: grad -> bucket copy", R._grad_ready)
+    R._launch = ph.wrap("reduce-scatter: divide + launch", R._launch)
+    R._drain_one = ph.wrap("host accumulate (fp32 add)", R._drain_one)
+    R.finish = ph.wrap("finish backward", R.finish)
     Z._grad_norm_sq = ph.wrap("grad norm (local)", Z._grad_norm_sq)
     Z._adam_pass = ph.wrap("Adam (C++ CPU Adam, own slice)", Z._adam_pass)
     Z._publish = ph.wrap("publish: copy up + clone", Z._publish)
     Z.step = ph.wrap("step: other", Z.step)
     zero.reduce_norm_squared = ph.wrap("grad norm all-reduce", zero.reduce_norm_squared)
     zero._all_gather = ph.wrap("all-gather params", zero._all_gather)
-    rs, wait = zero._reduce_scatter, ph.wrap("reduce-scatter: wait", lambda w: w.wait())
+    rs, wait = reducer._reduce_scatter, ph.wrap("reduce-scatter: wait", lambda w: w.wait())
 
     class _TimedWork:
         def __init__(self, work):
@@ -89,7 +90,7 @@ def instrument_zero(ph: Phases) -> None:
         work = rs(*args, **kwargs)
         return _TimedWork(work) if work is not None else None
 
-    zero._reduce_scatter = reduce_scatter
+    reducer._reduce_scatter = reduce_scatter
     GPTModel.forward = ph.wrap("forward", GPTModel.forward)
 
 

@@ -14,10 +14,23 @@ import shutil
 import torch
 
 from . import parallel_state as ps
-from .checkpointing import (FORMAT_VERSION, LATEST, SHAPE_FIELDS, CheckpointError, _Reader,
-                            _check_manifest, _fsync_dir, _old_local, _optim_file, _rng_state,
-                            _write, iter_dir, read_latest)
+from .checkpointing import (
+    FORMAT_VERSION,
+    LATEST,
+    SHAPE_FIELDS,
+    CheckpointError,
+    _check_manifest,
+    _fsync_dir,
+    _old_local,
+    _optim_file,
+    _Reader,
+    _rng_state,
+    _write,
+    iter_dir,
+    read_latest,
+)
 from .tensor_parallel.utils import merge_partitions, split_for_rank
+
 
 def resolve_checkpoint(path: str, iteration: int | None = None) -> str:
     """The iteration directory meant by ``path``: a save root (its latest checkpoint, or
@@ -133,7 +146,7 @@ def load_weights_resharded(ckpt: str, model) -> None:
     parameter, re-pads the vocabulary for its TP size and keeps its own slice.
     """
     full = FullTensors(ckpt)
-    tp, rank = ps.group_size(model.tp_group), ps.group_rank(model.tp_group)
+    tp, rank = model.tp_group.size, model.tp_group.rank
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name not in full.manifest["params"]:
@@ -172,7 +185,7 @@ def write_checkpoint(root: str, iteration: int, consumed_samples: int, cfg, tp: 
     # A meta model at TP=1 gives names, full shapes and partition metadata; multiplying the
     # divisor by tp pads the vocabulary exactly as a TP=tp model does.
     meta_cfg = replace(cfg, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by * tp)
-    meta = GPTModel(meta_cfg, tp_group=ps.SINGLE_PROCESS, device="meta")
+    meta = GPTModel(meta_cfg, tp_group=ps.ParallelGroup.single(), device="meta")
     params = list(meta.named_parameters())
     info = {n: dict(shape=list(p.shape), tensor_model_parallel=bool(p.tensor_model_parallel),
                     partition_dim=int(p.partition_dim), stride=int(p.partition_stride))

@@ -123,8 +123,8 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model, opt
         weights = {n: p.detach().cpu() for n, p in model.named_parameters()}
         rel = os.path.join(f"mp_rank_{tp_rank:02d}", "model.pt")
         files[rel] = _write(weights, os.path.join(tmp, rel))
-    shard = optimizer.shard_state() if hasattr(optimizer, "shard_state") else \
-        dict(torch_adamw=optimizer.state_dict())
+    kind = optimizer.checkpoint_kind
+    shard = optimizer.state_dict() if kind == "zero" else dict(torch_adamw=optimizer.state_dict())
     shard["rng"] = _rng_state()
     rel = _optim_file(tp_rank, dp_rank)
     files[rel] = _write(shard, os.path.join(tmp, rel))
@@ -138,7 +138,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model, opt
         all_files["common.pt"] = _write(common, os.path.join(tmp, "common.pt"))
         manifest = dict(format_version=FORMAT_VERSION, iteration=iteration,
                         tensor_model_parallel_size=tp, data_parallel_size=dp,
-                        optimizer="zero" if hasattr(optimizer, "shard_state") else "torch-adamw",
+                        optimizer=kind,
                         model_config=dataclasses.asdict(args.model),
                         params=_param_info(model, tp), files=all_files)
         _fault("before_manifest", iteration)
@@ -288,10 +288,9 @@ def _read_zero(read, manifest, optimizer, load_optim: bool):
 def _install_zero(optimizer, tensors, shard, load_optim: bool) -> None:
     """Phase 2 (collective: republishes the device params)."""
     if load_optim:
-        optimizer.load_shard(tensors["master"], tensors["exp_avg"], tensors["exp_avg_sq"],
-                             shard["step"], shard["scaler"])
+        optimizer.load_state_dict(dict(tensors, step=shard["step"], scaler=shard["scaler"]))
     else:
-        optimizer.load_shard(tensors["master"], None, None, 0, None)
+        optimizer.load_state_dict(dict(master=tensors["master"]))
 
 
 def load_checkpoint(root: str, model, optimizer, args, *, load_optim: bool = True,
@@ -309,11 +308,13 @@ def load_checkpoint(root: str, model, optimizer, args, *, load_optim: bool = Tru
             manifest = _check_manifest(ckpt, args)
             read = _Reader(ckpt, manifest)
             common = read("common.pt")
-            if manifest["optimizer"] == "zero" and hasattr(optimizer, "load_shard"):
+            kind = optimizer.checkpoint_kind
+            if manifest["optimizer"] != kind:
+                raise CheckpointError(f"{ckpt}: saved with optimizer {manifest['optimizer']}, "
+                                      f"this run uses --optimizer {args.optim.optimizer}")
+            if kind == "zero":
                 tensors, shard, own = _read_zero(read, manifest, optimizer, load_optim)
                 staged = (tensors, shard)
-            elif manifest["optimizer"] == "torch-adamw" and not hasattr(optimizer, "load_shard"):
-                own = _load_torch_adamw(read, manifest, model, optimizer, load_optim)
             else:
                 raise CheckpointError(f"{ckpt}: saved with optimizer {manifest['optimizer']}, "
                                       f"this run uses --optimizer {args.optim.optimizer}")

@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 
 from .model.gpt import GPTConfig
+from .optimizer.base import DEFAULT_BUCKET_SIZE
 from .parallel_state import ParallelConfigError, validate_parallel_sizes
 
 
@@ -68,7 +69,7 @@ class OptimizerConfig:
     min_loss_scale: float = _f(1.0, "fp16: lowest loss scale")
     loss_scale_window: int = _f(1000, "fp16: clean steps before the scale doubles")
     hysteresis: int = _f(2, "fp16: overflows tolerated before the scale halves")
-    reduce_bucket_size: int = _f(5_000_000, "elements per gradient bucket (reduce-scatter)")
+    reduce_bucket_size: int = _f(DEFAULT_BUCKET_SIZE, "elements per gradient bucket (reduce-scatter)")
     dpu_warmup_steps: int | None = _f(None, "enable the one-step delayed parameter update "
                                            "after this many synchronous steps")
 

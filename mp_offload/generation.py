@@ -19,8 +19,12 @@ import torch
 import torch.distributed as dist
 
 from . import parallel_state as ps
-from .checkpoint_offline import CheckpointError, FullTensors, load_weights_resharded, \
-    resolve_checkpoint
+from .checkpoint_offline import (
+    CheckpointError,
+    FullTensors,
+    load_weights_resharded,
+    resolve_checkpoint,
+)
 from .model.gpt import GPTModel
 from .tensor_parallel import gather_from_tp_region
 
@@ -46,12 +50,13 @@ def sample_token(logits: torch.Tensor, vocab_size: int, *, greedy: bool = False,
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def _agree(token: int, group, device) -> int:
+def _agree(token: int, group: ps.ParallelGroup, device) -> int:
     """TP rank 0's token on every rank of the group."""
-    if ps.group_size(group) == 1:
+    if group.size == 1:
         return token
     t = torch.tensor([token], dtype=torch.int64, device=device)
-    dist.broadcast(t, dist.get_global_rank(group, 0), group=group)
+    pg = group.torch_group()
+    dist.broadcast(t, dist.get_global_rank(pg, 0), group=pg)
     return int(t.item())
 
 
@@ -78,8 +83,11 @@ def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *,
     return tokens[len(prompt):]
 
 
-def load_model(ckpt: str, tp_group=None, dtype=torch.float32, device="cpu") -> GPTModel:
-    """A GPTModel at this process's TP size holding the checkpoint's weights."""
+def load_model(ckpt: str, tp_group: ps.ParallelGroup | None = None, dtype=torch.float32,
+               device="cpu") -> GPTModel:
+    """A GPTModel holding the checkpoint's weights, split for ``tp_group`` (default: one
+    process)."""
+    tp_group = tp_group or ps.ParallelGroup.single()
     cfg = FullTensors(ckpt).config
     cfg.recompute_activations = False
     # Built on the meta device (no random init), then given storage and the weights.
@@ -173,8 +181,9 @@ def main(argv=None) -> dict:
                 raise CheckpointError(f"the tokenizer has {tok.vocab_size} ids, the model "
                                       f"only {full.config.vocab_size}")
             prompt = tok.tokenize(a.prompt) if a.prompt else [tok.eod]
-            model = load_model(ckpt, ps.get_tensor_model_parallel_group(),
-                               getattr(torch, a.dtype), device)
+            tp = ps.get_tensor_model_parallel_group() if dist.is_initialized() \
+                else ps.ParallelGroup.single()
+            model = load_model(ckpt, tp, getattr(torch, a.dtype), device)
         except (CheckpointError, ValueError, OSError) as e:
             error = f"{type(e).__name__}: {e}"
         if dist.is_initialized():

@@ -1,33 +1,73 @@
 """Process groups for tensor parallelism (TP) and data parallelism (DP).
 
-Rank layout (DESIGN.md §1): ``rank = dp_rank * tp + tp_rank`` — TP innermost, so a
-TP group is a block of consecutive ranks and stays inside one node.
+Rank layout (docs/DESIGN.md §1): ``rank = dp_rank * tp + tp_rank`` — TP innermost, so
+a TP group is a block of consecutive ranks and stays inside one node.
   TP group i: ranks [i*tp, (i+1)*tp)      DP group j: ranks j, j+tp, j+2tp, ...
 
-A group of ``None`` (or ``SINGLE_PROCESS``, which layers take to mean "unsplit even
-though parallel state is initialised") is a group of size 1, so layers and the
-optimizer run unchanged without torch.distributed.
+Layers, primitives and the optimizer take a ``ParallelGroup`` handle (size, rank,
+process group) rather than a bare process group, so "one process" is a value
+(``ParallelGroup.single()``) and not a ``None`` that could also mean "the default
+group". The getters below hand out the handles of the initialised job and raise
+before ``initialize_model_parallel``: a script that forgets it fails loudly instead
+of silently training an unsplit model.
 Pipeline parallelism would add a third axis between TP and DP; the code keeps the
 groups in one place so that it could.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import torch.distributed as dist
-
-_TP_GROUP = None
-_DP_GROUP = None
-_TP_SIZE = 1
-_DP_SIZE = 1
-_TP_RANK = 0
-_DP_RANK = 0
-_INITIALIZED = False
-
-
-SINGLE_PROCESS = "single-process"
 
 
 class ParallelConfigError(ValueError):
     """An invalid parallel layout; the message names the flag and the numbers."""
+
+
+class ParallelStateError(RuntimeError):
+    """Parallel state used before ``initialize_model_parallel`` (or after destroying it)."""
+
+
+@dataclass(frozen=True)
+class ParallelGroup:
+    """One rank's view of a group: its size, its rank in it, and the process group.
+
+    ``group`` is None for a single process and for a *planned* group (a meta-device
+    build for the planner), which knows its size and rank but can run no collective.
+    """
+    size: int
+    rank: int
+    group: object | None = None
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} outside a group of {self.size}")
+
+    @classmethod
+    def single(cls) -> "ParallelGroup":
+        return cls(1, 0, None)
+
+    @classmethod
+    def planned(cls, size: int, rank: int = 0) -> "ParallelGroup":
+        """Rank ``rank`` of a group of ``size`` that exists only on paper (meta builds)."""
+        return cls(size, rank, None)
+
+    @classmethod
+    def of(cls, group) -> "ParallelGroup":
+        """The handle of a live torch.distributed group, from this rank's point of view."""
+        return cls(dist.get_world_size(group), dist.get_rank(group), group)
+
+    def torch_group(self):
+        """The process group to pass to a collective (only when ``size > 1``)."""
+        if self.group is None and self.size > 1:
+            raise ParallelStateError(f"a planned group of {self.size} ranks cannot communicate "
+                                     f"(it was built for the meta device)")
+        return self.group
+
+
+_TP: ParallelGroup | None = None
+_DP: ParallelGroup | None = None
 
 
 def validate_parallel_sizes(world_size: int, tp: int, *, num_attention_heads: int | None = None,
@@ -58,9 +98,10 @@ def rank_layout(world_size: int, tp: int) -> tuple[list[list[int]], list[list[in
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
     """Create the TP and DP groups of the running job (torch.distributed must be up)."""
-    global _TP_GROUP, _DP_GROUP, _TP_SIZE, _DP_SIZE, _TP_RANK, _DP_RANK, _INITIALIZED
+    global _TP, _DP
     if not dist.is_initialized():
-        raise RuntimeError("initialize_model_parallel: torch.distributed is not initialized")
+        raise ParallelStateError("initialize_model_parallel: torch.distributed is not "
+                                 "initialized")
     world, rank = dist.get_world_size(), dist.get_rank()
     tp = tensor_model_parallel_size
     validate_parallel_sizes(world, tp)
@@ -69,72 +110,62 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
     for ranks in tp_groups:
         g = dist.new_group(ranks)
         if rank in ranks:
-            _TP_GROUP = g
+            _TP = ParallelGroup(tp, rank % tp, g)
     for ranks in dp_groups:
         g = dist.new_group(ranks)
         if rank in ranks:
-            _DP_GROUP = g
-    _TP_SIZE, _DP_SIZE = tp, world // tp
-    _TP_RANK, _DP_RANK = rank % tp, rank // tp
-    _INITIALIZED = True
+            _DP = ParallelGroup(world // tp, rank // tp, g)
 
 
 def destroy_model_parallel() -> None:
-    global _TP_GROUP, _DP_GROUP, _TP_SIZE, _DP_SIZE, _TP_RANK, _DP_RANK, _INITIALIZED
-    _TP_GROUP = _DP_GROUP = None
-    _TP_SIZE = _DP_SIZE = 1
-    _TP_RANK = _DP_RANK = 0
-    _INITIALIZED = False
+    global _TP, _DP
+    _TP = _DP = None
 
 
-def model_parallel_is_initialized() -> bool:
-    return _INITIALIZED
+def _need(handle: ParallelGroup | None, what: str) -> ParallelGroup:
+    if handle is None:
+        raise ParallelStateError(
+            f"the {what} group is not initialised: call "
+            f"mp_offload.parallel_state.initialize_model_parallel() first, or pass "
+            f"tp_group=ParallelGroup.single() to build an unsplit model")
+    return handle
 
 
-def get_tensor_model_parallel_group():
-    return _TP_GROUP
+def get_tensor_model_parallel_group() -> ParallelGroup:
+    return _need(_TP, "tensor-parallel")
 
 
-def get_data_parallel_group():
-    return _DP_GROUP
+def get_data_parallel_group() -> ParallelGroup:
+    return _need(_DP, "data-parallel")
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    return _TP_SIZE
+    return get_tensor_model_parallel_group().size
 
 
 def get_tensor_model_parallel_rank() -> int:
-    return _TP_RANK
+    return get_tensor_model_parallel_group().rank
 
 
 def get_data_parallel_world_size() -> int:
-    return _DP_SIZE
+    return get_data_parallel_group().size
 
 
 def get_data_parallel_rank() -> int:
-    return _DP_RANK
+    return get_data_parallel_group().rank
 
 
 def get_tensor_model_parallel_src_rank() -> int:
     """Global rank of TP rank 0 in this rank's TP group (the one that reads data)."""
-    return (dist.get_rank() // _TP_SIZE) * _TP_SIZE if dist.is_initialized() else 0
+    tp = get_tensor_model_parallel_group()
+    return dist.get_rank() - tp.rank if dist.is_initialized() else 0
 
 
-def comm_device():
+def comm_device() -> torch.device:
     """Where small control tensors must live to take part in collectives.
 
     NCCL only reduces CUDA tensors; gloo takes CPU ones.
     """
-    import torch
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def group_size(group) -> int:
-    """Size of ``group``; ``None`` stands for a single process."""
-    return 1 if group is None or group is SINGLE_PROCESS else dist.get_world_size(group)
-
-
-def group_rank(group) -> int:
-    return 0 if group is None or group is SINGLE_PROCESS else dist.get_rank(group)

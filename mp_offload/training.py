@@ -123,7 +123,7 @@ def build_datasets(args: Args):
                            device=ps.comm_device())
     if ps.get_tensor_model_parallel_world_size() > 1:
         dist.broadcast(present, ps.get_tensor_model_parallel_src_rank(),
-                       group=ps.get_tensor_model_parallel_group())
+                       group=ps.get_tensor_model_parallel_group().torch_group())
     datasets = tuple(ds if is_reader else (True if p else None)
                      for ds, p in zip(datasets, present.tolist()))
     return (*datasets, tok.vocab_size)
@@ -143,21 +143,21 @@ def _batches(dataset, args, consumed, device):
 def _dp_mean(value: torch.Tensor) -> float:
     v = value.detach().float().reshape(1).clone()
     if ps.get_data_parallel_world_size() > 1:
-        dist.all_reduce(v, group=ps.get_data_parallel_group())
+        dist.all_reduce(v, group=ps.get_data_parallel_group().torch_group())
     return float(v.item()) / ps.get_data_parallel_world_size()
 
 
-def _autocast(args: Args, device):
-    on = args.optim.optimizer == "torch-adamw" and args.train.bf16
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
+def _autocast(optimizer, device):
+    dtype = optimizer.autocast_dtype
+    return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
 
-def evaluate(model, batches, args, device, num_iters: int) -> float | None:
+def evaluate(model, optimizer, batches, device, num_iters: int) -> float | None:
     if batches is None:
         return None
     model.eval()
     total, n = 0.0, 0
-    with torch.no_grad(), _autocast(args, device):
+    with torch.no_grad(), _autocast(optimizer, device):
         for _ in range(num_iters):
             try:
                 tokens = next(batches)
@@ -216,12 +216,11 @@ def train(args: Args, model, optimizer, train_iter, valid_iter, device, logger: 
     stop = _StopFlag()
     iteration, last, saved_at = start_iteration, {}, start_iteration
     # fp16 skips so far (restored with the loss scaler on resume)
-    skipped_total = getattr(getattr(optimizer, "scaler", None), "overflows", 0)
     save_every = args.ckpt.save_interval if args.ckpt.save else None
     end = t.train_iters if t.exit_interval is None else min(t.train_iters, t.exit_interval)
     if t.eval_interval and iteration == 0 and valid_iter is not None:
         # A baseline, so the log shows how far validation loss has come.
-        logger.evaluation(0, "valid", evaluate(model, valid_iter, args, device, t.eval_iters))
+        logger.evaluation(0, "valid", evaluate(model, optimizer, valid_iter, device, t.eval_iters))
     model.train()
     while iteration < end:
         t0 = time.perf_counter()
@@ -233,7 +232,7 @@ def train(args: Args, model, optimizer, train_iter, valid_iter, device, logger: 
                 tokens = next(train_iter)
             except StopIteration:
                 raise TrainingError(f"training data ran out at iteration {iteration}") from None
-            with _autocast(args, device):
+            with _autocast(optimizer, device):
                 loss = model(tokens[:, :-1], tokens[:, 1:]).mean() / num_micro
             optimizer.backward(loss)
             loss_sum += loss.detach()
@@ -244,19 +243,18 @@ def train(args: Args, model, optimizer, train_iter, valid_iter, device, logger: 
         if not math.isfinite(loss_val) and not t.fp16:
             raise TrainingError(f"loss is {loss_val} at iteration {iteration}; stopping "
                                 f"(lower --lr, check the data, or use --fp16/--bf16 carefully)")
-        skipped_total += int(result.skipped)
         elapsed = time.perf_counter() - t0
         tokens_per_sec = t.global_batch_size * args.model.seq_length / elapsed
         last = dict(iteration=iteration, consumed_samples=consumed_samples, loss=loss_val,
                     lr=lr, grad_norm=result.grad_norm, loss_scale=result.loss_scale,
-                    skipped_iterations=skipped_total, tokens_per_sec=tokens_per_sec,
+                    skipped_iterations=optimizer.skipped_steps, tokens_per_sec=tokens_per_sec,
                     elapsed_ms=elapsed * 1e3,
                     tflops_per_device=flops_tok * tokens_per_sec / world / 1e12)
-        last.update(optimizer.step_stats() if hasattr(optimizer, "step_stats") else {})
+        last.update(optimizer.stats())
         logger.iteration(last, print_line=iteration % args.log.log_interval == 0)
         if t.eval_interval and iteration % t.eval_interval == 0 and iteration < t.train_iters:
             logger.evaluation(iteration, "valid",
-                              evaluate(model, valid_iter, args, device, t.eval_iters))
+                              evaluate(model, optimizer, valid_iter, device, t.eval_iters))
         _fault_once(iteration)
         if save_every and iteration % save_every == 0:
             _save(args, iteration, consumed_samples, model, optimizer, logger)
@@ -264,8 +262,7 @@ def train(args: Args, model, optimizer, train_iter, valid_iter, device, logger: 
         if stop.agreed():
             logger.info(f"stop requested: exiting after iteration {iteration}")
             break
-    if hasattr(optimizer, "flush"):
-        optimizer.flush()
+    optimizer.flush()
     if args.ckpt.save and saved_at != iteration:
         _save(args, iteration, consumed_samples, model, optimizer, logger)
     return dict(last, iteration=iteration, consumed_samples=consumed_samples)
@@ -317,8 +314,9 @@ def pretrain(argv=None) -> dict:
                     f"TP={tp} DP={ps.get_data_parallel_world_size()} device={device.type} "
                     f"optimizer={args.optim.optimizer}"
                     f"{' (cpu offload)' if args.optim.cpu_offload else ''}")
-        if hasattr(optimizer, "memory_report"):
-            logger.info(optimizer.memory_report())
+        report = optimizer.memory_report()
+        if report:
+            logger.info(report)
         start, consumed = _maybe_load(args, model, optimizer, logger)
         # Validation batches continue where the uninterrupted run would be (baseline + evals).
         t = args.train
@@ -332,8 +330,8 @@ def pretrain(argv=None) -> dict:
         if summary.get("iteration", 0) >= args.train.train_iters:
             for name, ds in (("valid", valid_ds), ("test", test_ds)):
                 logger.evaluation(summary["iteration"], name,
-                                  evaluate(model, _batches(ds, args, 0, device), args, device,
-                                           args.train.eval_iters))
+                                  evaluate(model, optimizer, _batches(ds, args, 0, device),
+                                           device, args.train.eval_iters))
         return summary
     except (TrainingError, CheckpointError) as e:
         fail(str(e), code=1)

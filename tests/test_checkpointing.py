@@ -6,8 +6,8 @@ import sys
 
 import pytest
 import torch
-
 from dist_helpers import run_distributed
+
 from mp_offload import parallel_state as ps
 from mp_offload.checkpointing import CheckpointError, load_checkpoint, read_latest
 from mp_offload.config import parse_args, validate

@@ -4,7 +4,11 @@ import numpy as np
 import pytest
 
 from mp_offload.data.blended_dataset import BlendedDataset, build_blending_indices
-from mp_offload.data.gpt_dataset import GPTDataset, build_train_valid_test_datasets, split_bounds
+from mp_offload.data.gpt_dataset import (
+    GPTDataset,
+    build_train_valid_test_datasets,
+    split_bounds,
+)
 from mp_offload.data.indexed_dataset import IndexedDatasetBuilder, MMapIndexedDataset
 from mp_offload.data.samplers import PretrainingSampler, collate
 

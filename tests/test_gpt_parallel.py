@@ -2,8 +2,8 @@
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_helpers import run_distributed
+
 from mp_offload import parallel_state as ps
 from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer.grads import allreduce_gradients
@@ -21,7 +21,7 @@ def _batch(n, seed=0):
 
 def _model(group, recompute=False):
     torch.manual_seed(42)
-    model_parallel_seed(42, ps.group_rank(group) if group is not ps.SINGLE_PROCESS else 0)
+    model_parallel_seed(42, group.rank)
     return GPTModel(GPTConfig(**CFG, recompute_activations=recompute), tp_group=group)
 
 
@@ -33,17 +33,17 @@ def _loss_and_grads(model, x, y):
 
 
 def _merged(param, group):
-    if not param.tensor_model_parallel or ps.group_size(group) == 1:
+    if not param.tensor_model_parallel or group.size == 1:
         return param.grad
-    parts = [torch.empty_like(param.grad) for _ in range(ps.group_size(group))]
-    dist.all_gather(parts, param.grad.contiguous(), group=group)
+    parts = [torch.empty_like(param.grad) for _ in range(group.size)]
+    dist.all_gather(parts, param.grad.contiguous(), group=group.torch_group())
     return merge_partitions(parts, param.partition_dim, param.partition_stride)
 
 
 def _tp_worker(rank, world, tp, recompute):
     ps.initialize_model_parallel(tp)
     x, y = _batch(4)
-    ref = _model(ps.SINGLE_PROCESS)
+    ref = _model(ps.ParallelGroup.single())
     ref_loss, ref_grads = _loss_and_grads(ref, x, y)
     group = ps.get_tensor_model_parallel_group()
     model = _model(group, recompute)
@@ -67,7 +67,7 @@ def test_gpt_tp_equals_tp1(tp, recompute):
 def _dp_worker(rank, world):
     ps.initialize_model_parallel(1)
     x, y = _batch(4)
-    ref_loss, ref_grads = _loss_and_grads(_model(ps.SINGLE_PROCESS), x, y)
+    ref_loss, ref_grads = _loss_and_grads(_model(ps.ParallelGroup.single()), x, y)
     model = _model(ps.get_tensor_model_parallel_group())
     half = slice(2 * rank, 2 * rank + 2)
     loss, grads = _loss_and_grads(model, x[half], y[half])

@@ -7,14 +7,25 @@ import time
 
 import pytest
 import torch
-
 from dist_helpers import run_distributed
+
 from mp_offload import parallel_state as ps
 from mp_offload.model.gpt import GPTConfig, GPTModel, num_parameters
 from mp_offload.optimizer.zero import ZeroOptimizer
-from mp_offload.planner import (EXACT, Hardware, Run, check_spec, estimate_activations,
-                                max_model, meta_named_params, paper_table, plan_job,
-                                plan_rank, rank_shapes, spec_named_params)
+from mp_offload.planner import (
+    EXACT,
+    Hardware,
+    Run,
+    check_spec,
+    estimate_activations,
+    max_model,
+    meta_named_params,
+    paper_table,
+    plan_job,
+    plan_rank,
+    rank_shapes,
+    spec_named_params,
+)
 from mp_offload.planner.throughput import Machine, plot_scaling, scaling, ten_b
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,7 +71,7 @@ def _check_against_optimizer(opt, cfg, tp, dp, tp_rank, bucket, offload, dpu, dt
         shapes = rank_shapes(named, dp, bucket, tp_rank=tp_rank)
         assert shapes.flat_numel == opt.flat.numel()
         assert shapes.host_numel == opt.layout.host_numel == opt.master.numel()
-        assert shapes.max_bucket == opt.max_bucket
+        assert shapes.max_bucket == opt.reducer.max_bucket
         device, host, _ = plan_rank(run, shapes, Hardware())
         for place, plan in (("device", device), ("host", host)):
             exact = {k: v for k, v in plan.items() if k in EXACT}
@@ -73,8 +84,8 @@ def test_plan_equals_real_buffers_tp1_dp1(bucket):
     for offload, dpu, dtype in ((True, False, torch.bfloat16), (False, False, torch.bfloat16),
                                 (True, True, torch.bfloat16), (True, False, torch.float32)):
         torch.manual_seed(0)
-        model = GPTModel(cfg, tp_group=None)
-        opt = ZeroOptimizer(model, **HP, dp_group=None, tp_group=None, tp_rank=0, device="cpu",
+        model = GPTModel(cfg, tp_group=ps.ParallelGroup.single())
+        opt = ZeroOptimizer(model, **HP, dp=ps.ParallelGroup.single(), tp=ps.ParallelGroup.single(), device="cpu",
                             dtype=dtype, cpu_offload=offload, bucket_size=bucket,
                             dpu_warmup_steps=0 if dpu else None)
         _one_step(opt, model)
@@ -88,8 +99,8 @@ def _tp2_dp2_worker(rank, world):
     for bucket in BUCKETS:
         torch.manual_seed(0)
         model = GPTModel(cfg)
-        opt = ZeroOptimizer(model, **HP, dp_group=ps.get_data_parallel_group(),
-                            tp_group=ps.get_tensor_model_parallel_group(), tp_rank=tp_rank,
+        opt = ZeroOptimizer(model, **HP, dp=ps.get_data_parallel_group(),
+                            tp=ps.get_tensor_model_parallel_group(),
                             device="cpu", dtype=torch.bfloat16, cpu_offload=True,
                             bucket_size=bucket)
         _one_step(opt, model, dp_rank, 2)
@@ -223,8 +234,8 @@ def test_activation_estimate_vs_measured_cuda_peak(recompute):
     cfg = GPTConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=1024,
                     vocab_size=50257, recompute_activations=recompute)
     model_parallel_seed(1234, 0, "cuda")
-    model = GPTModel(cfg, tp_group=None)
-    opt = ZeroOptimizer(model, **HP, dp_group=None, tp_group=None, tp_rank=0,
+    model = GPTModel(cfg, tp_group=ps.ParallelGroup.single())
+    opt = ZeroOptimizer(model, **HP, dp=ps.ParallelGroup.single(), tp=ps.ParallelGroup.single(),
                         device="cuda", dtype=torch.bfloat16, cpu_offload=True)
     micro = 4
     x = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_length + 1), device="cuda")

@@ -1,16 +1,16 @@
 """RNG tracker streams and activation checkpointing."""
 import torch
 import torch.distributed as dist
+from dist_helpers import run_distributed
 from torch import nn
 
-from dist_helpers import run_distributed
 from mp_offload import parallel_state as ps
 from mp_offload.tensor_parallel import checkpoint, get_rng_tracker, model_parallel_seed
 
 
 def _gather(x, group):
-    parts = [torch.empty_like(x) for _ in range(ps.group_size(group))]
-    dist.all_gather(parts, x, group=group)
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    dist.all_gather(parts, x, group=group.torch_group())
     return parts
 
 

@@ -7,8 +7,8 @@ order of reductions differs); the real buffers shrink as 1/(TP*DP) on the host a
 import json
 
 import pytest
-
 from dist_helpers import run_distributed
+
 from mp_offload.training import pretrain
 
 ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

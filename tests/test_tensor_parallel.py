@@ -3,14 +3,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from dist_helpers import run_distributed
+
 from mp_offload import parallel_state as ps
-from mp_offload.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                        VocabParallelEmbedding, copy_to_tp_region,
-                                        gather_from_tp_region, reduce_from_tp_region,
-                                        scatter_to_tp_region, split_for_rank,
-                                        vocab_parallel_cross_entropy)
+from mp_offload.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    scatter_to_tp_region,
+    split_for_rank,
+    vocab_parallel_cross_entropy,
+)
 from mp_offload.tensor_parallel.utils import merge_partitions
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -56,7 +62,7 @@ def _check_layers(rank, tp, group):
     x = torch.randn(3, 5, 16)
     for stride in (1, 3):
         torch.manual_seed(10)
-        ref = ColumnParallelLinear(16, 24, stride=stride, tp_group=ps.SINGLE_PROCESS)
+        ref = ColumnParallelLinear(16, 24, stride=stride, tp_group=ps.ParallelGroup.single())
         torch.manual_seed(10)
         par = ColumnParallelLinear(16, 24, stride=stride, tp_group=group)
         _grads_equal(par.weight.data, ref.weight.data, rank, tp, 0, stride)
@@ -72,7 +78,7 @@ def _check_layers(rank, tp, group):
 
     # Column with gather_output, then row-parallel with a replicated input.
     torch.manual_seed(11)
-    ref = ColumnParallelLinear(16, 8, gather_output=True, tp_group=ps.SINGLE_PROCESS)
+    ref = ColumnParallelLinear(16, 8, gather_output=True, tp_group=ps.ParallelGroup.single())
     torch.manual_seed(11)
     par = ColumnParallelLinear(16, 8, gather_output=True, tp_group=group)
     assert torch.allclose(par(x), ref(x), **TOL)
@@ -80,7 +86,7 @@ def _check_layers(rank, tp, group):
     for input_is_parallel in (False, True):
         torch.manual_seed(12)
         ref = RowParallelLinear(16, 12, input_is_parallel=input_is_parallel,
-                                tp_group=ps.SINGLE_PROCESS)
+                                tp_group=ps.ParallelGroup.single())
         torch.manual_seed(12)
         par = RowParallelLinear(16, 12, input_is_parallel=input_is_parallel, tp_group=group)
         xr = x.clone().requires_grad_()
@@ -96,7 +102,7 @@ def _check_layers(rank, tp, group):
         assert torch.allclose(xp.grad, want, **TOL)
 
     torch.manual_seed(13)
-    ref = VocabParallelEmbedding(32, 6, tp_group=ps.SINGLE_PROCESS)
+    ref = VocabParallelEmbedding(32, 6, tp_group=ps.ParallelGroup.single())
     torch.manual_seed(13)
     par = VocabParallelEmbedding(32, 6, tp_group=group)
     ids = torch.randint(0, 32, (4, 7))
@@ -138,9 +144,34 @@ def test_parallel_layers_equal_unsplit(tp):
 
 
 def test_tp1_layers_and_loss_single_process():
-    _check_primitives(0, 1, None)
-    _check_layers(0, 1, None)
-    _check_cross_entropy(0, 1, None)
+    single = ps.ParallelGroup.single()
+    _check_primitives(0, 1, single)
+    _check_layers(0, 1, single)
+    _check_cross_entropy(0, 1, single)
+
+
+def test_layers_before_initialisation_raise():
+    """No silent unsplit model: without initialize_model_parallel a layer must be told."""
+    from mp_offload.model.gpt import GPTConfig, GPTModel
+    ps.destroy_model_parallel()
+    for build in (lambda: ColumnParallelLinear(16, 8), lambda: RowParallelLinear(16, 8),
+                  lambda: VocabParallelEmbedding(32, 6),
+                  lambda: GPTModel(GPTConfig(num_layers=1, hidden_size=16,
+                                             num_attention_heads=2, vocab_size=32))):
+        with pytest.raises(ps.ParallelStateError, match="initialize_model_parallel"):
+            build()
+    with pytest.raises(ps.ParallelStateError):
+        ps.get_data_parallel_rank()
+    with pytest.raises(TypeError, match="ParallelGroup"):
+        ColumnParallelLinear(16, 8, tp_group="single-process")
+
+
+def test_planned_group_builds_shapes_but_cannot_communicate():
+    planned = ps.ParallelGroup.planned(4, 3)
+    layer = ColumnParallelLinear(16, 8, tp_group=planned, device="meta")
+    assert layer.weight.shape == (2, 16)
+    with pytest.raises(ps.ParallelStateError, match="planned group of 4"):
+        reduce_from_tp_region(torch.ones(2), planned)
 
 
 def test_split_merge_roundtrip():

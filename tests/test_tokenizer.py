@@ -4,7 +4,11 @@ import json
 
 import pytest
 
-from mp_offload.data.tokenizer import NullTokenizer, build_tokenizer, train_sentencepiece
+from mp_offload.data.tokenizer import (
+    NullTokenizer,
+    build_tokenizer,
+    train_sentencepiece,
+)
 
 TEXT = (
     "def greet(name):\n"

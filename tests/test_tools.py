@@ -5,12 +5,17 @@ import os
 
 import pytest
 import torch
-
 from dist_helpers import run_distributed
+
 from mp_offload.checkpoint_offline import FullTensors, read_latest, resolve_checkpoint
 from mp_offload.data.loader import MockGPTDataset
-from mp_offload.export import (ConversionError, SafeTensorsFile, check_gpt2_compatible,
-                               import_hf, write_safetensors)
+from mp_offload.export import (
+    ConversionError,
+    SafeTensorsFile,
+    check_gpt2_compatible,
+    import_hf,
+    write_safetensors,
+)
 from mp_offload.generation import load_model, sample_token
 from mp_offload.generation import main as generate_main
 from mp_offload.training import pretrain

@@ -1,11 +1,10 @@
 """ZeRO(-Offload) optimizer vs a single-process torch.optim.AdamW run (gloo, CPU)."""
 import math
 
-import pytest
 import torch
 import torch.distributed as dist
-
 from dist_helpers import run_distributed
+
 from mp_offload import parallel_state as ps
 from mp_offload.data.loader import MockGPTDataset
 from mp_offload.model.gpt import GPTConfig, GPTModel
@@ -34,7 +33,7 @@ def _model(group):
 
 def _reference(steps):
     """Unsplit model, full batch, torch AdamW + clip_grad_norm_: (losses, norms, model)."""
-    model = _model(ps.SINGLE_PROCESS)
+    model = _model(ps.ParallelGroup.single())
     opt = torch.optim.AdamW(param_groups(model, HP["weight_decay"]), lr=HP["lr"],
                             betas=HP["betas"], eps=HP["eps"])
     losses, norms = [], []
@@ -56,9 +55,8 @@ def _ours(steps, *, dtype=torch.float32, micro=None, dpu=None, offload=True, buc
     per_rank = GBS // dp
     micro = micro or per_rank
     model = _model(None)
-    opt = ZeroOptimizer(model, **HP, dp_group=ps.get_data_parallel_group(),
-                        tp_group=ps.get_tensor_model_parallel_group(),
-                        tp_rank=ps.get_tensor_model_parallel_rank(), device="cpu", dtype=dtype,
+    opt = ZeroOptimizer(model, **HP, dp=ps.get_data_parallel_group(),
+                        tp=ps.get_tensor_model_parallel_group(), device="cpu", dtype=dtype,
                         cpu_offload=offload, bucket_size=bucket, dpu_warmup_steps=dpu,
                         loss_scale=loss_scale)
     losses, norms, skipped = [], [], []
@@ -73,7 +71,7 @@ def _ours(steps, *, dtype=torch.float32, micro=None, dpu=None, offload=True, buc
             total += loss.detach().float()
         res = opt.step(HP["lr"])
         if dp > 1:
-            dist.all_reduce(total, group=ps.get_data_parallel_group())
+            dist.all_reduce(total, group=ps.get_data_parallel_group().torch_group())
         losses.append(float(total) / dp)
         norms.append(res.grad_norm)
         skipped.append(res.skipped)
@@ -86,9 +84,9 @@ def _merged_params(model):
     out = {}
     for name, p in model.named_parameters():
         t = p.detach().float()
-        if p.tensor_model_parallel and ps.group_size(group) > 1:
-            parts = [torch.empty_like(t) for _ in range(ps.group_size(group))]
-            dist.all_gather(parts, t.contiguous(), group=group)
+        if p.tensor_model_parallel and group.size > 1:
+            parts = [torch.empty_like(t) for _ in range(group.size)]
+            dist.all_gather(parts, t.contiguous(), group=group.torch_group())
             t = merge_partitions(parts, p.partition_dim, p.partition_stride)
         out[name] = t[:96] if name == "wte.weight" else t
     return out
@@ -178,8 +176,8 @@ def test_offload_off_equals_offload():
 def test_device_keeps_only_low_precision_params_and_fixed_buckets():
     """DESIGN.md §4: with offload the device holds 2-byte params and fixed-size buckets."""
     torch.manual_seed(0)
-    model = GPTModel(GPTConfig(**CFG), tp_group=ps.SINGLE_PROCESS)
-    opt = ZeroOptimizer(model, **HP, dp_group=None, tp_group=None, tp_rank=0, device="cpu",
+    model = GPTModel(GPTConfig(**CFG), tp_group=ps.ParallelGroup.single())
+    opt = ZeroOptimizer(model, **HP, dp=ps.ParallelGroup.single(), tp=ps.ParallelGroup.single(), device="cpu",
                         dtype=torch.bfloat16, cpu_offload=True, bucket_size=2000)
     x, y = _batch(0)
     opt.zero_grad()

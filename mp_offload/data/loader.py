@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..parallel_state import group_size
+from ..parallel_state import ParallelGroup
 from .samplers import PretrainingSampler, collate
 
 
@@ -40,11 +40,13 @@ class BatchIterator:
     """Yields [micro, seq+1] int64 token tensors on ``device``, resumable from a sample count."""
 
     def __init__(self, dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int,
-                 dp_size: int, seq_length: int, device, tp_group=None, tp_src: int = 0,
+                 dp_size: int, seq_length: int, device, tp_group: ParallelGroup | None = None,
+                 tp_src: int = 0,
                  is_reader: bool = True):
         self.dataset, self.device = dataset, device
         self.shape = (micro_batch_size, seq_length + 1)
-        self.tp_group, self.tp_src, self.is_reader = tp_group, tp_src, is_reader
+        self.tp_group = tp_group or ParallelGroup.single()
+        self.tp_src, self.is_reader = tp_src, is_reader
         self._indices = None
         if is_reader:
             sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
@@ -63,8 +65,8 @@ class BatchIterator:
             else:
                 batch = torch.from_numpy(collate([self.dataset[i] for i in idx])["text"])
         batch = batch.to(self.device)
-        if group_size(self.tp_group) > 1:
-            dist.broadcast(batch, self.tp_src, group=self.tp_group)
+        if self.tp_group.size > 1:
+            dist.broadcast(batch, self.tp_src, group=self.tp_group.torch_group())
         if batch[0, 0].item() < 0:
             raise StopIteration
         return batch

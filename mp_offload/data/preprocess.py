@@ -19,7 +19,12 @@ from typing import Sequence
 
 import numpy as np
 
-from .indexed_dataset import IndexedDatasetBuilder, best_dtype, data_file_path, index_file_path
+from .indexed_dataset import (
+    IndexedDatasetBuilder,
+    best_dtype,
+    data_file_path,
+    index_file_path,
+)
 from .tokenizer import build_tokenizer
 
 JSON_SUFFIXES = (".json", ".jsonl")

@@ -14,11 +14,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import parallel_state as ps
-from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                               checkpoint, copy_to_tp_region, get_rng_tracker, pad_vocab_size,
-                               vocab_parallel_cross_entropy)
-from ..tensor_parallel.layers import init_normal, scaled_init_normal
+from ..tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    checkpoint,
+    copy_to_tp_region,
+    get_rng_tracker,
+    pad_vocab_size,
+    vocab_parallel_cross_entropy,
+)
+from ..tensor_parallel.layers import init_normal, resolve_tp_group, scaled_init_normal
 from ..tensor_parallel.utils import divide, set_defaults_if_not_set
 
 
@@ -55,8 +61,7 @@ def _layer_norm(cfg: GPTConfig, dtype, device) -> nn.LayerNorm:
 class ParallelAttention(nn.Module):
     def __init__(self, cfg: GPTConfig, tp_group, dtype, device):
         super().__init__()
-        tp = ps.group_size(tp_group)
-        self.heads = divide(cfg.num_attention_heads, tp, "--num-attention-heads")
+        self.heads = divide(cfg.num_attention_heads, tp_group.size, "--num-attention-heads")
         self.head_dim = divide(cfg.hidden_size, cfg.num_attention_heads, "--hidden-size")
         self.dropout = cfg.attention_dropout
         # Fused [q; k; v] weight, stride 3: each rank gets [q_r; k_r; v_r] of its heads.
@@ -109,19 +114,31 @@ class TransformerBlock(nn.Module):
 
 
 class GPTModel(nn.Module):
+    """The whole decoder as TP rank ``tp_group.rank`` of ``tp_group.size`` holds it.
+
+    ``tp_group``: a ``ParallelGroup`` (None: the initialised TP group;
+    ``ParallelGroup.single()``: the unsplit model; ``ParallelGroup.planned(T, r)`` with
+    ``device="meta"``: rank r's shapes without any process group, for the planner).
+    Weights are drawn in fp32 on the CPU from the default generator, the full tensor of
+    each layer at a time, so every TP size starts from the same model.
+    ``forward(tokens, labels)`` returns per-token fp32 losses; without labels, this
+    rank's slice of the logits.
+    """
+
     def __init__(self, cfg: GPTConfig, tp_group=None, dtype=torch.float32, device=None):
         super().__init__()
         self.cfg = cfg
-        self.tp_group = ps.get_tensor_model_parallel_group() if tp_group is None else tp_group
-        tp = ps.group_size(self.tp_group)
-        self.padded_vocab_size = cfg.padded_vocab_size(tp)
+        self.tp_group = resolve_tp_group(tp_group)
+        self.padded_vocab_size = cfg.padded_vocab_size(self.tp_group.size)
         std = cfg.init_method_std
         self.wte = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size,
                                           init_method=init_normal(std), tp_group=self.tp_group,
                                           params_dtype=dtype, device=device,
                                           num_valid=cfg.vocab_size)
-        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, dtype=dtype,
-                                device=device)
+        # _weight: skip nn.Embedding's own draw (the real one follows, the same on every rank).
+        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
+                                _weight=torch.empty(cfg.max_position_embeddings,
+                                                    cfg.hidden_size, dtype=dtype, device=device))
         if self.wpe.weight.device.type != "meta":
             with torch.no_grad():  # same draw on every rank: the default CPU generator
                 self.wpe.weight.copy_(init_normal(std)(torch.empty_like(self.wpe.weight,

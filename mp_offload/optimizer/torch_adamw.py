@@ -1,22 +1,16 @@
 """The unpartitioned reference: torch.optim.AdamW on the device, DP-averaged grads.
 
-Kept for good as what the ZeRO optimizer is checked against. Same interface as
-ZeRO's: ``zero_grad``, ``backward(loss)``, ``step(lr) -> StepResult``.
+Kept for good as what the ZeRO optimizer is checked against. Implements the same
+``Optimizer`` contract (``base.py``); with ``--bf16`` the fp32 model runs its forward
+under bf16 autocast.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from ..parallel_state import ParallelGroup
+from .base import StepResult
 from .grads import allreduce_gradients, clip_coefficient, params_grad_norm
-
-
-@dataclass
-class StepResult:
-    grad_norm: float
-    skipped: bool = False
-    loss_scale: float = 1.0
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -28,15 +22,19 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 class TorchAdamWOptimizer:
+    checkpoint_kind = "torch-adamw"
+    skipped_steps = 0  # no loss scaling: never skips
+
     def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float,
                  betas: tuple[float, float], eps: float, clip_grad: float,
-                 dp_group, tp_group, tp_rank: int):
+                 dp: ParallelGroup, tp: ParallelGroup, autocast_dtype=None):
         self.model = model
+        self.autocast_dtype = autocast_dtype
         self.params = list(model.parameters())
         self.inner = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas,
                                        eps=eps)
         self.clip_grad = clip_grad
-        self.dp_group, self.tp_group, self.tp_rank = dp_group, tp_group, tp_rank
+        self.dp_group, self.tp_group = dp, tp
 
     def zero_grad(self) -> None:
         self.inner.zero_grad(set_to_none=True)
@@ -47,7 +45,7 @@ class TorchAdamWOptimizer:
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
         allreduce_gradients(self.params, self.dp_group)
-        norm = params_grad_norm(self.params, self.tp_rank, self.tp_group)
+        norm = params_grad_norm(self.params, self.tp_group)
         coeff = clip_coefficient(norm, self.clip_grad)
         if coeff < 1.0:
             for p in self.params:
@@ -57,6 +55,15 @@ class TorchAdamWOptimizer:
             g["lr"] = lr
         self.inner.step()
         return StepResult(grad_norm=norm)
+
+    def flush(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+    def memory_report(self) -> str | None:
+        return None
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()

@@ -1,14 +1,12 @@
-"""ZeRO-2 with optional CPU offload (ZeRO-Offload) for one TP shard (DESIGN.md §3).
+"""ZeRO-2 with optional CPU offload (ZeRO-Offload) for one TP shard (docs/DESIGN.md §3).
 
 Device: the model's parameters in the compute dtype, as views of one flat buffer
-laid out by ``FlatLayout``; a small pool of gradient bucket buffers.
+laid out by ``FlatLayout``; the gradient reducer's bucket buffers.
 Host (with ``cpu_offload``; on the device otherwise): this DP rank's slice of the
 fp32 master weights, Adam moments and fp32 gradients.
 
-Backward: each parameter's gradient is copied into its bucket as soon as autograd
-has accumulated it (and freed); a full bucket is reduce-scattered (averaged) over
-the DP group asynchronously and this rank's chunk is copied down and added into
-the fp32 host gradient slice. Step: global norm (overflow check for fp16) -> one
+Backward (``reducer.py``): gradients are bucketed, reduce-scattered over the DP
+group and this rank's chunks added into the fp32 gradient slice. Step: global norm (overflow check for fp16) -> one
 Adam pass over the slice that also writes the new low-precision parameters ->
 one copy up -> all-gather of the slices across the DP group.
 """
@@ -20,21 +18,16 @@ import threading
 import torch
 import torch.distributed as dist
 
-from ..parallel_state import group_size
+from ..parallel_state import ParallelGroup
 from .adam_math import torch_adam_step
+from .base import DEFAULT_BUCKET_SIZE, StepResult
 from .grads import clip_coefficient, reduce_norm_squared
-from .host_accumulator import HostAccumulator
 from .layout import FlatLayout
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
-from .torch_adamw import StepResult
-
+from .reducer import GradientReducer
 
 # torch >= 2.13 renamed the tensor collectives; keep working on older releases too.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-BUCKET_BUFFERS = 2  # gradient bucket buffers on the device (double buffering)
 
 
 def _host_empty(n: int, dtype, pin: bool) -> torch.Tensor:
@@ -42,25 +35,36 @@ def _host_empty(n: int, dtype, pin: bool) -> torch.Tensor:
 
 
 class ZeroOptimizer:
+    """ZeRO-2 over the DP group for one TP shard, its state on the CPU with ``cpu_offload``.
+
+    Implements the ``Optimizer`` contract (``base.py``). It takes over ``model``: the
+    fp32 CPU weights become this rank's master slice and the parameters become views of
+    one flat device buffer in ``dtype``. ``dp``/``tp`` are ``ParallelGroup`` handles;
+    ``dpu_warmup_steps`` turns on the one-step delayed update after that many steps;
+    ``loss_scale`` (fp16) holds the dynamic loss scaler's settings.
+    """
+
+    checkpoint_kind = "zero"
+    autocast_dtype = None  # the parameters themselves are in the compute dtype
+
     def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float,
-                 betas: tuple[float, float], eps: float, clip_grad: float, dp_group, tp_group,
-                 tp_rank: int, device: torch.device, dtype=torch.float32,
-                 cpu_offload: bool = True, bucket_size: int = 5_000_000,
+                 betas: tuple[float, float], eps: float, clip_grad: float, dp: ParallelGroup,
+                 tp: ParallelGroup, device: torch.device, dtype=torch.float32,
+                 cpu_offload: bool = True, bucket_size: int = DEFAULT_BUCKET_SIZE,
                  dpu_warmup_steps: int | None = None, loss_scale: dict | None = None):
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.clip_grad = clip_grad
-        self.dp_group, self.tp_group = dp_group, tp_group
-        self.dp = group_size(dp_group)
-        self.dp_rank = 0 if self.dp == 1 else dist.get_rank(dp_group)
+        self.dp_group, self.tp_group = dp, tp
+        self.dp, self.dp_rank = dp.size, dp.rank
         self.cpu_offload = cpu_offload
         self.dpu_warmup_steps = dpu_warmup_steps
         self.scaler = DynamicLossScaler(**loss_scale) if loss_scale else ConstantLossScaler()
-        self.layout = FlatLayout(list(model.named_parameters()), self.dp, self.dp_rank, tp_rank,
+        self.layout = FlatLayout(list(model.named_parameters()), self.dp, self.dp_rank, tp.rank,
                                  bucket_size)
         self.step_count = 0  # Adam steps taken (skipped fp16 steps do not count)
         self.step_calls = 0
-        self.bytes_down = self.bytes_up = 0
+        self.bytes_up = 0
         cuda = self.device.type == "cuda"
         self.host = torch.device("cpu") if cpu_offload else self.device
         pin = cuda and cpu_offload
@@ -82,7 +86,8 @@ class ZeroOptimizer:
         self.param_staging = _host_empty(n, dtype, pin) if low else None
         self.grad_staging = _host_empty(n, dtype, pin) if cuda and cpu_offload else None
 
-        self._init_buckets()
+        self.reducer = GradientReducer(self.layout, dp, self.device, dtype, self.grad_staging)
+        self.reducer.target = self.grads[0]
         self._adam = self._pick_adam()
         self._thread: threading.Thread | None = None
         self._uploaded = None  # CUDA event: the last host->device copy of the staging
@@ -100,19 +105,6 @@ class ZeroOptimizer:
             slot.param.data = view
         model.to(self.device)  # any buffers; the parameters already live there
 
-    def _init_buckets(self) -> None:
-        self._slot_bucket = {id(s.param): s for s in self.layout.slots}
-        self._arrived = [0] * len(self.layout.buckets)
-        self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> its buffer
-        self._pool: list[torch.Tensor] = []
-        self._pending: list[tuple] = []  # (bucket, work, chunk_out, buffer)
-        self._launched = [False] * len(self.layout.buckets)
-        self._accumulator = HostAccumulator() if self.grad_staging is not None else None
-        self.max_bucket = max(b.numel for b in self.layout.buckets)
-        for s in self.layout.slots:
-            s.param.register_post_accumulate_grad_hook(self._grad_ready)
-        self.num_bucket_buffers = 0
-
     def _pick_adam(self):
         if self.host.type == "cpu":
             try:
@@ -128,75 +120,7 @@ class ZeroOptimizer:
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss * self.scaler.scale).backward() if self.scaler.scale != 1.0 else loss.backward()
-        self._finish_backward()
-
-    def _take_buffer(self) -> torch.Tensor:
-        # Two buffers: one bucket's reduce-scatter overlaps the backward that fills the next.
-        if not self._pool and self._pending and self.num_bucket_buffers >= BUCKET_BUFFERS:
-            self._drain_one()  # free the oldest in-flight bucket
-        if self._pool:
-            return self._pool.pop()
-        self.num_bucket_buffers += 1
-        return torch.empty(self.max_bucket, dtype=self.dtype, device=self.device)
-
-    def _grad_ready(self, param: torch.Tensor) -> None:
-        slot = self._slot_bucket[id(param)]
-        b = self.layout.buckets[slot.bucket]
-        buf = self._buffers.get(b.index)
-        if buf is None:
-            buf = self._buffers[b.index] = self._take_buffer()
-            buf[:b.numel].zero_()
-        off = slot.start - b.start
-        buf[off:off + slot.numel].copy_(param.grad.reshape(-1))
-        param.grad = None  # the device never keeps a full-size gradient
-        self._arrived[b.index] += 1
-        if self._arrived[b.index] == len(b.slots):
-            self._launch(b)
-
-    def _launch(self, b) -> None:
-        buf = self._buffers.pop(b.index, None)
-        if buf is None:  # no gradient reached this bucket: still take part in the collective
-            buf = self._take_buffer()
-            buf[:b.numel].zero_()
-        data = buf[:b.numel]
-        data.div_(self.dp)  # average before summing: keeps fp16 sums in range
-        if self.dp > 1:
-            out = torch.empty(b.chunk, dtype=self.dtype, device=self.device)
-            work = _reduce_scatter(out, data, group=self.dp_group, async_op=True)
-        else:
-            out, work = data, None
-        self._pending.append((b, work, out, buf))
-        self._launched[b.index] = True
-
-    def _drain_one(self) -> None:
-        b, work, out, buf = self._pending.pop(0)
-        if work is not None:
-            work.wait()
-        lo, hi = b.host_offset, b.host_offset + b.chunk
-        grad = self.grads[0][lo:hi]
-        if self.grad_staging is not None:  # CUDA + offload: 2 bytes/param down
-            stage = self.grad_staging[lo:hi]
-            stage.copy_(out, non_blocking=True)
-            landed = torch.cuda.Event()
-            landed.record()
-            self._accumulator.add(grad, stage, landed)  # fp32 add overlaps the backward
-        else:
-            grad.add_(out.to(self.host))
-        self.bytes_down += b.chunk * out.element_size()
-        self._pool.append(buf)
-
-    def _finish_backward(self) -> None:
-        # Buckets whose params got no gradient (or an unused param) still launch, in order,
-        # so every DP rank issues the same collectives.
-        for b in self.layout.buckets:
-            if not self._launched[b.index]:
-                self._launch(b)
-        while self._pending:
-            self._drain_one()
-        if self._accumulator is not None:
-            self._accumulator.wait()
-        self._arrived = [0] * len(self.layout.buckets)
-        self._launched = [False] * len(self.layout.buckets)
+        self.reducer.finish()
 
     # ------------------------------------------------------------------- step
     def _grad_norm_sq(self, grad: torch.Tensor) -> torch.Tensor:
@@ -208,6 +132,7 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
+        """Global norm (fp16: overflow -> skip) -> clip -> Adam on the slice -> publish."""
         self.step_calls += 1  # skipped steps moved their gradients too
         grad = self.grads[0]
         norm_sq = reduce_norm_squared(self._grad_norm_sq(grad), self.dp_group, self.tp_group)
@@ -226,6 +151,7 @@ class ZeroOptimizer:
                                             args=(grad, lr, grad_scale, self.step_count))
             self._thread.start()
             self.grads.reverse()  # backward t+1 accumulates into the other buffer
+            self.reducer.target = self.grads[0]
         else:
             self._adam_pass(grad, lr, grad_scale, self.step_count)
             self._publish()
@@ -259,7 +185,7 @@ class ZeroOptimizer:
                 lo, hi = b.chunk_range(self.dp_rank)
                 # gloo needs a separate input; NCCL gathers in place.
                 inp = self.flat[lo:hi] if self.device.type == "cuda" else self.flat[lo:hi].clone()
-                _all_gather(self.flat[b.start:b.end], inp, group=self.dp_group)
+                _all_gather(self.flat[b.start:b.end], inp, group=self.dp_group.torch_group())
 
     def _join_and_publish(self) -> None:
         if self._thread is not None:
@@ -272,7 +198,11 @@ class ZeroOptimizer:
         self._join_and_publish()
 
     # ------------------------------------------------------------ checkpoints
-    def shard_state(self) -> dict:
+    @property
+    def skipped_steps(self) -> int:
+        return self.scaler.overflows
+
+    def state_dict(self) -> dict:
         """This rank's optimizer slice (host tensors, no copies) and what it needs."""
         self.flush()
         return dict(master=self.master, exp_avg=self.exp_avg, exp_avg_sq=self.exp_avg_sq,
@@ -280,26 +210,30 @@ class ZeroOptimizer:
                     layout=self.layout.describe())
 
     @torch.no_grad()
-    def load_shard(self, master: torch.Tensor, exp_avg: torch.Tensor | None,
-                   exp_avg_sq: torch.Tensor | None, step: int, scaler: dict | None) -> None:
-        """Install a (re-partitioned) slice, then rebuild the device params from it."""
+    def load_state_dict(self, state: dict) -> None:
+        """Install a (re-partitioned) slice, then rebuild the device params from it.
+
+        ``state``: ``master`` and optionally ``exp_avg``/``exp_avg_sq``, ``step`` and
+        ``scaler`` (a weights-only load gives the master alone). Collective (all-gather).
+        """
         self.flush()
-        self.master.copy_(master)
-        if exp_avg is not None:
-            self.exp_avg.copy_(exp_avg)
-            self.exp_avg_sq.copy_(exp_avg_sq)
-        self.step_count = step
-        if scaler:
-            self.scaler.load_state_dict(scaler)
+        self.master.copy_(state["master"])
+        if state.get("exp_avg") is not None:
+            self.exp_avg.copy_(state["exp_avg"])
+            self.exp_avg_sq.copy_(state["exp_avg_sq"])
+        self.step_count = state.get("step", 0)
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
         if self.param_staging is not None:
             self.param_staging.copy_(self.master)
         self._publish()
 
     # ---------------------------------------------------------------- reports
-    def step_stats(self) -> dict:
+    def stats(self) -> dict:
         steps = max(self.step_calls, 1)
         owned = max(self.layout.host_numel, 1)
-        return dict(host_device_bytes_per_param=(self.bytes_down + self.bytes_up) / steps / owned)
+        moved = self.reducer.bytes_down + self.bytes_up
+        return dict(host_device_bytes_per_param=moved / steps / owned)
 
     def memory_bytes(self) -> dict:
         """Bytes this rank holds, by place and category (from the real buffers)."""
@@ -308,9 +242,7 @@ class ZeroOptimizer:
         state = dict(master=nbytes(self.master), exp_avg=nbytes(self.exp_avg),
                      exp_avg_sq=nbytes(self.exp_avg_sq), grads=sum(nbytes(g) for g in self.grads))
         staging = nbytes(self.param_staging) + nbytes(self.grad_staging)
-        device = dict(params=nbytes(self.flat),
-                      grad_buckets=self.max_bucket * self.flat.element_size() * max(
-                          self.num_bucket_buffers, 1))
+        device = dict(params=nbytes(self.flat), grad_buckets=self.reducer.buffer_bytes())
         host = dict(staging=staging)
         (host if self.cpu_offload else device).update(state)
         return dict(device=device, host=host)

@@ -15,10 +15,32 @@ from dataclasses import replace
 
 from ..config import CONFIG_CLASSES, Args, ConfigError, build_parser, validate
 from ..model.gpt import flops_per_token, num_parameters
-from .memory import (ALL_MODES, EXACT, GiB, Hardware, Run, compare_modes, format_comparison,
-                     format_job, plan_job)
-from .search import (FAMILIES, bytes_per_param_note, format_paper_table, max_model, paper_table)
-from .throughput import Machine, format_scaling, measure_adam_rate, plot_scaling, scaling, ten_b
+from .memory import (
+    ALL_MODES,
+    EXACT,
+    GiB,
+    Hardware,
+    Run,
+    compare_modes,
+    format_comparison,
+    format_job,
+    plan_job,
+)
+from .search import (
+    FAMILIES,
+    bytes_per_param_note,
+    format_paper_table,
+    max_model,
+    paper_table,
+)
+from .throughput import (
+    Machine,
+    format_scaling,
+    measure_adam_rate,
+    plot_scaling,
+    scaling,
+    ten_b,
+)
 
 
 def run_from_args(args: Args, world: int, mode: str | None = None, cuda: bool = True) -> Run:

@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..model.gpt import GPTConfig
-from ..optimizer.zero import BUCKET_BUFFERS
+from ..optimizer.base import DEFAULT_BUCKET_SIZE
+from ..optimizer.reducer import BUCKET_BUFFERS
 from .activations import estimate_activations
 from .shapes import RankShapes, meta_named_params, rank_shapes, spec_named_params
 
@@ -58,7 +59,7 @@ class Run:
     mode: str = "offload"
     elem_bytes: int = 2  # compute dtype: 2 for fp16/bf16, 4 for fp32
     micro_batch: int = 1
-    bucket_size: int = 5_000_000
+    bucket_size: int = DEFAULT_BUCKET_SIZE
     dpu: bool = False
     cuda: bool = True  # gradient staging exists only on CUDA
     flash: bool = True  # fused SDPA kernels keep no s x s scores

@@ -13,7 +13,6 @@ each DP rank's host slice come from the very rules the optimizer allocates with.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -24,47 +23,13 @@ from ..model.gpt import GPTConfig
 from ..optimizer.layout import FlatLayout
 
 
-class _PlannedTPGroup:
-    """Stands in for a TP process group of ``size`` ranks, seen from rank ``rank``."""
-
-    def __init__(self, size: int, rank: int):
-        self.size, self.rank = size, rank
-
-
-@contextlib.contextmanager
-def _pretend_tp(group: _PlannedTPGroup):
-    """Make the parallel layers see ``group`` as a real TP group while the model is built.
-
-    Only the size and rank are asked for at construction (no collective runs), so the
-    two lookups are answered here and everything else goes to the real functions.
-    ``nn.init.normal_`` on meta tensors is skipped: there is nothing to draw, and the
-    first call would import torch's reference kernels (seconds on a small machine).
-    """
-    size, rank, normal = ps.group_size, ps.group_rank, torch.nn.init.normal_
-    ps.group_size = lambda g: group.size if g is group else size(g)
-    ps.group_rank = lambda g: group.rank if g is group else rank(g)
-    torch.nn.init.normal_ = lambda t, *a, **k: t if t.is_meta else normal(t, *a, **k)
-    try:
-        yield
-    finally:
-        ps.group_size, ps.group_rank, torch.nn.init.normal_ = size, rank, normal
-
-
 def meta_named_params(cfg: GPTConfig, tp: int, tp_rank: int = 0,
                       dtype=torch.bfloat16) -> list[tuple[str, torch.nn.Parameter]]:
     """The real model's ``named_parameters()`` on TP rank ``tp_rank`` of ``tp``, on meta."""
     from ..model.gpt import GPTModel
-    group = _PlannedTPGroup(tp, tp_rank)
-    with _pretend_tp(group):
-        model = GPTModel(cfg, tp_group=group, dtype=dtype, device="meta")
-    named = list(model.named_parameters())
-    # If a layer stopped asking parallel_state for the TP size, the patch above would
-    # silently plan an unsplit model: check the vocabulary slice really is 1/tp.
-    wte = dict(named).get("wte.weight")
-    if wte is not None and wte.shape[0] != cfg.padded_vocab_size(tp) // tp:
-        raise RuntimeError(f"planner: meta model at TP={tp} has a {wte.shape[0]}-row "
-                           f"embedding slice, expected {cfg.padded_vocab_size(tp) // tp}")
-    return named
+    model = GPTModel(cfg, tp_group=ps.ParallelGroup.planned(tp, tp_rank), dtype=dtype,
+                     device="meta")
+    return list(model.named_parameters())
 
 
 class ShapeParam:

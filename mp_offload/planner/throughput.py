@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 
 from ..model.gpt import GPTConfig, flops_per_token
+from ..optimizer.base import DEFAULT_BUCKET_SIZE
 from .shapes import rank_shapes, spec_named_params
 
 ADAM_BYTES_PER_ELEMENT = 30
@@ -57,6 +58,7 @@ def measure_adam_rate(numel: int = 1 << 22, repeats: int = 3) -> float | None:
     """Elements/s of one thread of the C++ CPU Adam here, or None without the extension."""
     try:
         import torch
+
         from ..ops import cpu_adam
     except ImportError:
         return None
@@ -96,7 +98,7 @@ class StepTime:
 
 
 def step_time(cfg: GPTConfig, gpus: int, machine: Machine, tp: int = 1, batch_per_gpu: int = 16,
-              micro_batch: int = 4, elem_bytes: int = 2, bucket_size: int = 5_000_000) -> StepTime:
+              micro_batch: int = 4, elem_bytes: int = 2, bucket_size: int = DEFAULT_BUCKET_SIZE) -> StepTime:
     if gpus % tp:
         raise ValueError(f"{gpus} GPUs do not split into TP={tp}")
     dp = gpus // tp

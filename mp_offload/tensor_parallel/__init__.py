@@ -1,11 +1,19 @@
 """Megatron-style tensor parallelism: primitives, layers, loss, RNG."""
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from .mappings import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
-                       scatter_to_tp_region)
+from .mappings import (
+                       copy_to_tp_region,
+                       gather_from_tp_region,
+                       reduce_from_tp_region,
+                       scatter_to_tp_region,
+)
 from .random import checkpoint, get_rng_tracker, model_parallel_seed
-from .utils import (merge_partitions, pad_vocab_size, set_tensor_model_parallel_attributes,
-                    split_for_rank)
+from .utils import (
+                       merge_partitions,
+                       pad_vocab_size,
+                       set_tensor_model_parallel_attributes,
+                       split_for_rank,
+)
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",

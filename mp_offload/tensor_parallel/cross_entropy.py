@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..parallel_state import group_rank, group_size
+from ..parallel_state import ParallelGroup
 
 
-def _all_reduce(x: torch.Tensor, op, group) -> None:
-    if group_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
+def _all_reduce(x: torch.Tensor, op, group: ParallelGroup) -> None:
+    if group.size > 1:
+        dist.all_reduce(x, op=op, group=group.torch_group())
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -23,7 +23,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # Work in fp32: the softmax of low-precision logits loses too much.
         logits = logits.float()
         per = logits.shape[-1]
-        start = group_rank(group) * per
+        start = group.rank * per
         if vocab_size is not None and start + per > vocab_size:
             # Padding columns get no probability, so the loss does not depend on the padding.
             logits = logits.clone()
@@ -57,7 +57,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                 group: ParallelGroup,
                                  vocab_size: int | None = None) -> torch.Tensor:
     """Per-token loss (fp32, shape of ``target``) for logits split over the vocabulary.
 

@@ -14,8 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import parallel_state as ps
-from .mappings import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
-                       scatter_to_tp_region)
+from .mappings import (
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    scatter_to_tp_region,
+)
 from .utils import divide, set_tensor_model_parallel_attributes, split_for_rank
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
@@ -30,13 +34,17 @@ def scaled_init_normal(std: float, num_layers: int) -> InitMethod:
     return init_normal(std / math.sqrt(2.0 * num_layers))
 
 
-def _resolve(group):
-    """``None``: the TP group of the initialised parallel state (or none at all)."""
-    return ps.get_tensor_model_parallel_group() if group is None else group
+def resolve_tp_group(group: ps.ParallelGroup | None) -> ps.ParallelGroup:
+    """``None``: the TP group of the initialised parallel state (raises before it exists)."""
+    if group is None:
+        return ps.get_tensor_model_parallel_group()
+    if not isinstance(group, ps.ParallelGroup):
+        raise TypeError(f"tp_group must be a ParallelGroup, got {type(group).__name__}")
+    return group
 
 
 def _init_partition(param: torch.Tensor, full_shape: tuple[int, ...], partition_dim: int,
-                    stride: int, init_method: InitMethod | None, group,
+                    stride: int, init_method: InitMethod | None, group: ps.ParallelGroup,
                     valid_rows: int | None = None) -> None:
     """Build the full weight once, keep this rank's slice.
 
@@ -48,7 +56,7 @@ def _init_partition(param: torch.Tensor, full_shape: tuple[int, ...], partition_
     full = torch.zeros(full_shape, dtype=torch.float32)
     if init_method is not None:
         init_method(full[:valid_rows] if valid_rows is not None else full)
-    part = split_for_rank(full, partition_dim, ps.group_size(group), ps.group_rank(group), stride)
+    part = split_for_rank(full, partition_dim, group.size, group.rank, stride)
     with torch.no_grad():
         param.copy_(part)
 
@@ -67,15 +75,18 @@ class ColumnParallelLinear(nn.Module):
 
     Weight is [output/tp, input]; the input is replicated (its gradient is
     all-reduced in backward); the output stays split unless ``gather_output``.
-    ``stride`` > 1 splits a fused weight (e.g. [q; k; v]) block by block.
+    ``stride`` is the number of equal blocks a fused weight stacks along the output
+    (3 for [q; k; v]): each block is split across the ranks separately, so rank r
+    holds [q_r; k_r; v_r] and its output columns are its own heads' q, k and v.
+    ``tp_group``: a ``ParallelGroup``; None takes the initialised TP group.
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
                  gather_output: bool = False, init_method: InitMethod | None = None,
                  stride: int = 1, tp_group=None, params_dtype=torch.float32, device=None):
         super().__init__()
-        self.tp_group = _resolve(tp_group)
-        world = ps.group_size(self.tp_group)
+        self.tp_group = resolve_tp_group(tp_group)
+        world = self.tp_group.size
         self.input_size, self.output_size = input_size, output_size
         self.gather_output = gather_output
         self.output_size_per_partition = divide(output_size, world, "output size")
@@ -108,8 +119,8 @@ class RowParallelLinear(nn.Module):
                  input_is_parallel: bool = True, init_method: InitMethod | None = None,
                  tp_group=None, params_dtype=torch.float32, device=None):
         super().__init__()
-        self.tp_group = _resolve(tp_group)
-        world = ps.group_size(self.tp_group)
+        self.tp_group = resolve_tp_group(tp_group)
+        world = self.tp_group.size
         self.input_size, self.output_size = input_size, output_size
         self.input_is_parallel = input_is_parallel
         self.input_size_per_partition = divide(input_size, world, "input size")
@@ -138,8 +149,8 @@ class VocabParallelEmbedding(nn.Module):
                  init_method: InitMethod | None = None, tp_group=None,
                  params_dtype=torch.float32, device=None, num_valid: int | None = None):
         super().__init__()
-        self.tp_group = _resolve(tp_group)
-        world, rank = ps.group_size(self.tp_group), ps.group_rank(self.tp_group)
+        self.tp_group = resolve_tp_group(tp_group)
+        world, rank = self.tp_group.size, self.tp_group.rank
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         per = divide(num_embeddings, world, "padded vocabulary size")
         self.vocab_start, self.vocab_end = rank * per, (rank + 1) * per
@@ -150,7 +161,7 @@ class VocabParallelEmbedding(nn.Module):
                         init_method or init_normal(0.02), self.tp_group, valid_rows=num_valid)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ps.group_size(self.tp_group) == 1:
+        if self.tp_group.size == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)

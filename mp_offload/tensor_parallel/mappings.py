@@ -5,42 +5,41 @@ They come in conjugate pairs: what one does in forward, its partner does in back
   reduce_from_tp_region  fwd all-reduce      bwd identity
   scatter_to_tp_region   fwd split last dim  bwd all-gather last dim
   gather_from_tp_region  fwd all-gather      bwd split last dim
-Every function takes the TP group explicitly; ``None`` means a single process, where
-they are all identities.
+Every function takes the TP group explicitly as a ``ParallelGroup``; for a group of one
+process they are all identities.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from ..parallel_state import group_rank, group_size
+from ..parallel_state import ParallelGroup
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if group_size(group) == 1:
+def _all_reduce(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
+    if group.size == 1:
         return x
     # Clone: the input may be saved by autograd elsewhere; never reduce it in place.
     out = x.clone()
-    dist.all_reduce(out, group=group)
+    dist.all_reduce(out, group=group.torch_group())
     return out
 
 
-def _split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    world = group_size(group)
-    if world == 1:
+def _split_last_dim(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
+    if group.size == 1:
         return x
-    if x.shape[-1] % world != 0:
-        raise ValueError(f"last dimension {x.shape[-1]} is not divisible by the TP size {world}")
-    return x.chunk(world, dim=-1)[group_rank(group)].contiguous()
+    if x.shape[-1] % group.size != 0:
+        raise ValueError(f"last dimension {x.shape[-1]} is not divisible by the TP size "
+                         f"{group.size}")
+    return x.chunk(group.size, dim=-1)[group.rank].contiguous()
 
 
-def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    world = group_size(group)
-    if world == 1:
+def _gather_last_dim(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
+    if group.size == 1:
         return x
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x, group=group)
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    dist.all_gather(parts, x, group=group.torch_group())
     return torch.cat(parts, dim=-1)
 
 
@@ -87,17 +86,17 @@ class _GatherFromTP(torch.autograd.Function):
         return _split_last_dim(grad, ctx.group), None
 
 
-def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+def copy_to_tp_region(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     return _CopyToTP.apply(x, group)
 
 
-def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_from_tp_region(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     return _ReduceFromTP.apply(x, group)
 
 
-def scatter_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+def scatter_to_tp_region(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     return _ScatterToTP.apply(x, group)
 
 
-def gather_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+def gather_from_tp_region(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     return _GatherFromTP.apply(x, group)
