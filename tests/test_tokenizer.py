@@ -1,10 +1,22 @@
-"""Tokenizers: a tiny SentencePiece model trained in the test, and NullTokenizer."""
+"""Tokenizers, all built in the tests (nothing is downloaded): SentencePiece,
+Hugging Face tokenizer.json, GPT-2 vocab.json + merges.txt, NullTokenizer, and the
+SentencePiece -> tokenizer.json conversion."""
 
+import itertools
 import json
+import os
+import random
 
 import pytest
 
-from mp_offload.data.tokenizer import NullTokenizer, build_tokenizer, train_sentencepiece
+from mp_offload.data.tokenizer import (
+    EOD_TOKEN_NAMES,
+    TOKENIZER_TYPES,
+    NullTokenizer,
+    build_tokenizer,
+    train_bpe_bytelevel,
+    train_sentencepiece,
+)
 
 TEXT = (
     "def greet(name):\n"
@@ -24,8 +36,8 @@ def sp_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("sp")
     path = d / "corpus.jsonl"
     with open(path, "w") as f:
-        for i in range(40):  # a few KB
-            f.write(json.dumps({"text": TEXT.replace("name", f"name{i}")}) + "\n")
+        f.writelines(json.dumps({"text": TEXT.replace("name", f"name{i}")}) + "\n"
+                     for i in range(40))  # a few KB
     return train_sentencepiece([str(path)], str(d / "tok"), vocab_size=400, model_type="bpe")
 
 
@@ -93,3 +105,162 @@ def test_cli(tmp_path):
     assert (tmp_path / "m.model").exists() and (tmp_path / "m.vocab").exists()
     assert train.main(["--input", str(tmp_path / "missing.txt"), "--model-prefix",
                        str(tmp_path / "m2"), "--vocab-size", "380"]) == 1
+
+
+# ----------------------------------------------- Hugging Face tokenizer.json / GPT-2 BPE
+VARIED = [
+    TEXT,
+    "  indented\n\ttabs\t\tand  double  spaces \n\n\n",
+    "unseen ✓ ünïcode 数字 123 😀 Ωмега",
+    "x = {'a': [1, 2.5e-3]}  # comment\r\n",
+    "the literal <|endoftext|> and </s> are plain text",
+    " ",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def bbpe_dir(tmp_path_factory):
+    pytest.importorskip("tokenizers")
+    d = tmp_path_factory.mktemp("bbpe")
+    docs = [TEXT.replace("name", f"name{i}") for i in range(40)] + ["prose about cafés, naïve résumés"]
+    train_bpe_bytelevel(docs, str(d), vocab_size=330)
+    return d
+
+
+def test_bpe_bytelevel_training_writes_both_formats(bbpe_dir):
+    assert sorted(os.listdir(bbpe_dir)) == ["merges.txt", "tokenizer.json", "vocab.json"]
+    with open(bbpe_dir / "merges.txt", encoding="utf-8") as f:
+        assert f.readline().startswith("#version")
+    with open(bbpe_dir / "vocab.json", encoding="utf-8") as f:
+        vocab = json.load(f)
+    assert vocab["<|endoftext|>"] == 0 and len(vocab) == 330
+
+
+def test_huggingface_tokenizer(bbpe_dir):
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(bbpe_dir / "tokenizer.json"))
+    for path in (bbpe_dir, bbpe_dir / "tokenizer.json"):  # a directory or the file itself
+        tok = build_tokenizer("HuggingFaceTokenizer", str(path))
+        assert tok.vocab_size == raw.get_vocab_size() == 330
+        assert tok.eod == raw.token_to_id("<|endoftext|>") == 0 and tok.pad is None
+    for text in VARIED:
+        ids = tok.tokenize(text)
+        assert all(0 <= i < tok.vocab_size for i in ids)
+        assert tok.eod not in ids  # "<|endoftext|>" in a document never becomes EOD
+        assert tok.detokenize(ids) == text  # byte level: lossless
+    assert tok.detokenize(tok.tokenize("x = 1") + [tok.eod]) == "x = 1"
+
+
+def _word_level_json(path, words):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("eod_name", EOD_TOKEN_NAMES)
+def test_huggingface_eod_names(tmp_path, eod_name):
+    pytest.importorskip("tokenizers")
+    later = list(EOD_TOKEN_NAMES[EOD_TOKEN_NAMES.index(eod_name) + 1:])
+    path = _word_level_json(tmp_path / "t.json", ["<unk>", "a", "<pad>", *later, eod_name])
+    tok = build_tokenizer("HuggingFaceTokenizer", path)
+    assert tok.eod == 3 + len(later)  # the first name in the list wins
+    assert tok.pad == 2 and tok.tokenize("a a") == [1, 1]
+
+
+def test_huggingface_errors(tmp_path, monkeypatch):
+    pytest.importorskip("tokenizers")
+    no_eod = _word_level_json(tmp_path / "t.json", ["<unk>", "a"])
+    with pytest.raises(ValueError, match="no end-of-text token.*<\\|endoftext\\|>"):
+        build_tokenizer("HuggingFaceTokenizer", no_eod)
+    with pytest.raises(FileNotFoundError, match="--tokenizer-model"):
+        build_tokenizer("HuggingFaceTokenizer", str(tmp_path))  # a directory without one
+    with pytest.raises(FileNotFoundError, match="--tokenizer-model"):
+        build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="--tokenizer-model"):
+        build_tokenizer("HuggingFaceTokenizer")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a tokenizer.json"):
+        build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "bad.json"))
+    monkeypatch.setitem(__import__("sys").modules, "tokenizers", None)  # not installed
+    for kind, kw in (("HuggingFaceTokenizer", {"tokenizer_model": no_eod}),
+                     ("GPT2BPETokenizer", {"vocab_file": no_eod, "merge_file": no_eod})):
+        with pytest.raises(ValueError, match=f"--tokenizer-type {kind} needs .*tokenizers"):
+            build_tokenizer(kind, **kw)
+
+
+def _gpt2_reference(vocab_file, merge_file):
+    """GPT-2's byte-level BPE written out plainly (regex split, byte->char map, rank merges)."""
+    regex = pytest.importorskip("regex")
+    with open(vocab_file, encoding="utf-8") as f:
+        vocab = json.load(f)
+    with open(merge_file, encoding="utf-8") as f:
+        lines = [ln for ln in f.read().split("\n") if ln and not ln.startswith("#version")]
+    ranks = {tuple(ln.split(" ")): r for r, ln in enumerate(lines)}
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = [b for b in range(256) if b not in printable]
+    byte_char = {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(extra)}
+    split = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+
+    def bpe(word):
+        parts = list(word)
+        while len(parts) > 1:
+            pairs = [(ranks.get(p, float("inf")), i) for i, p in enumerate(itertools.pairwise(parts))]
+            best = min(pairs)[0]
+            if best == float("inf"):
+                break
+            pair, out, i = lines[best].split(" "), [], 0
+            while i < len(parts):  # merge every occurrence, left to right
+                if i + 1 < len(parts) and [parts[i], parts[i + 1]] == pair:
+                    out.append(parts[i] + parts[i + 1])
+                    i += 2
+                else:
+                    out.append(parts[i])
+                    i += 1
+            parts = out
+        return parts
+
+    def encode(text):
+        return [vocab[p] for w in split.findall(text)
+                for p in bpe("".join(byte_char[b] for b in w.encode("utf-8")))]
+    return encode
+
+
+def test_gpt2_bpe_matches_reference_and_tokenizer_json(bbpe_dir):
+    vocab, merges = str(bbpe_dir / "vocab.json"), str(bbpe_dir / "merges.txt")
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
+    hf = build_tokenizer("HuggingFaceTokenizer", str(bbpe_dir))
+    reference = _gpt2_reference(vocab, merges)
+    assert tok.vocab_size == 330 and tok.eod == 0 and tok.pad is None
+    rng = random.Random(0)
+    alphabet = list("abcdefg XYZ_019\t\n'.,(){}=-#✓é数😀") + ["'s", "'ll", "  ", "\n\n"]
+    texts = VARIED + ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
+                      for _ in range(200)]
+    for text in texts:
+        ids = tok.tokenize(text)
+        assert ids == reference(text) == hf.tokenize(text), text
+        assert tok.detokenize(ids) == text
+    assert tok.detokenize(tok.tokenize("y") + [tok.eod]) == "y"
+
+
+def test_gpt2_bpe_errors(bbpe_dir, tmp_path):
+    vocab, merges = str(bbpe_dir / "vocab.json"), str(bbpe_dir / "merges.txt")
+    with pytest.raises(ValueError, match="--vocab-file and --merge-file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab)
+    with pytest.raises(FileNotFoundError, match="--merge-file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=str(tmp_path / "no.txt"))
+    with open(vocab, encoding="utf-8") as f:
+        entries = json.load(f)
+    del entries["<|endoftext|>"]
+    (tmp_path / "vocab.json").write_text(json.dumps(entries))
+    with pytest.raises(ValueError, match="--vocab-file .*<\\|endoftext\\|>"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
+                        merge_file=merges)
+    with pytest.raises(ValueError, match="unknown tokenizer type"):
+        build_tokenizer("BertWordPieceLowerCase")
+    assert set(TOKENIZER_TYPES) == {"SentencePieceTokenizer", "HuggingFaceTokenizer",
+                                    "GPT2BPETokenizer", "NullTokenizer"}

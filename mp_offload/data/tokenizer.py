@@ -1,7 +1,11 @@
-"""Tokenizers (SentencePiece, and a NullTokenizer for tests) plus SentencePiece training.
+"""Tokenizers plus tokenizer training.
 
-All tokenizers expose ``vocab_size``, ``tokenize(text) -> list[int]``,
-``detokenize(ids) -> str``, ``eod`` (end-of-document id) and ``pad`` (or None).
+Types (``--tokenizer-type``): SentencePieceTokenizer, HuggingFaceTokenizer (a
+``tokenizers`` tokenizer.json), GPT2BPETokenizer (GPT-2 vocab.json + merges.txt)
+and NullTokenizer (for tests). All expose ``vocab_size``,
+``tokenize(text) -> list[int]``, ``detokenize(ids) -> str``, ``eod``
+(end-of-document id) and ``pad`` (or None). The Hugging Face ``tokenizers``
+package is imported only when one of its types is built.
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -109,25 +113,154 @@ class SentencePieceTokenizer:
         return "".join(out)
 
 
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+# End-of-text token names, in the order they are looked for.
+EOD_TOKEN_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+_PAD_TOKEN_NAMES = ("<pad>", "<|pad|>", "[PAD]")
+GPT2_EOD = "<|endoftext|>"
+
+
+def _import_tokenizers(flag: str):
+    """The ``tokenizers`` module, or a one-line ValueError naming the flag that needs it."""
+    try:
+        import tokenizers
+    except ImportError:
+        raise ValueError(f"{flag} needs the Hugging Face `tokenizers` package "
+                         "(pip install tokenizers)") from None
+    return tokenizers
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+class _TokenizersWrapper:
+    """Shared by the types built on a ``tokenizers.Tokenizer``.
+
+    ``tokenize`` adds no special tokens (no BOS/EOS post-processing) and encodes
+    special-token strings found in the text as ordinary text, so a document can
+    never forge an EOD (as with SentencePiece's control pieces). ``detokenize``
+    leaves special tokens (EOD) out, as SentencePiece does with control ids.
+    """
+
+    def __init__(self, tok, eod: int, where: str):
+        tok.encode_special_tokens = True
+        self._tok = tok
+        self._eod = int(eod)
+        vocab = tok.get_vocab(with_added_tokens=True)
+        # Added tokens may leave holes: size the vocabulary by the largest id.
+        self._vocab_size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
+        self._pad = next((vocab[n] for n in _PAD_TOKEN_NAMES if n in vocab), None)
+        self.where = where
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self):
+        return self._pad
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+class HuggingFaceTokenizer(_TokenizersWrapper):
+    """A Hugging Face ``tokenizers`` tokenizer.json (``--tokenizer-model`` names the file
+    or a directory holding ``tokenizer.json``).
+
+    EOD is the first of EOD_TOKEN_NAMES the tokenizer knows; ``vocab_size`` is
+    ``get_vocab_size()`` (or one past the largest id, if added tokens leave holes).
+    """
+
+    def __init__(self, path: str):
+        file = os.path.join(path, "tokenizer.json") if path and os.path.isdir(path) else path
+        if not file or not os.path.isfile(file):
+            raise FileNotFoundError(f"--tokenizer-model {path}: no tokenizer.json file there "
+                                    "(HuggingFaceTokenizer)")
+        tk = _import_tokenizers("--tokenizer-type HuggingFaceTokenizer")
+        try:
+            tok = tk.Tokenizer.from_file(file)
+        except Exception as e:  # noqa: BLE001 - the Rust side raises a plain Exception
+            raise ValueError(f"--tokenizer-model {file}: not a tokenizer.json ({_first_line(e)})") from None
+        eod = next((i for i in map(tok.token_to_id, EOD_TOKEN_NAMES) if i is not None), None)
+        if eod is None:
+            raise ValueError(f"--tokenizer-model {file}: no end-of-text token to use as EOD "
+                             f"(looked for {', '.join(EOD_TOKEN_NAMES)})")
+        self.model_file = file
+        super().__init__(tok, eod, file)
+
+
+class GPT2BPETokenizer(_TokenizersWrapper):
+    """GPT-2's byte-level BPE from ``--vocab-file`` (vocab.json) and ``--merge-file``
+    (merges.txt), as Megatron's GPT2BPETokenizer: GPT-2's pre-tokenisation regex, no
+    prefix space, EOD ``<|endoftext|>``, ``vocab_size`` = the vocab.json entries.
+    """
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not path or not os.path.isfile(path):
+                raise FileNotFoundError(f"{flag} {path}: file not found (GPT2BPETokenizer)")
+        tk = _import_tokenizers("--tokenizer-type GPT2BPETokenizer")
+        try:
+            model = tk.models.BPE.from_file(vocab_file, merge_file)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"--vocab-file {vocab_file} / --merge-file {merge_file}: "
+                             f"cannot read them ({_first_line(e)})") from None
+        tok = tk.Tokenizer(model)
+        tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = tk.decoders.ByteLevel()
+        eod = tok.token_to_id(GPT2_EOD)
+        if eod is None:
+            raise ValueError(f"--vocab-file {vocab_file}: no {GPT2_EOD} entry to use as EOD")
+        # Special, so that detokenize leaves it out; the text "<|endoftext|>" still
+        # encodes as ordinary bytes (encode_special_tokens), as in Megatron's GPT-2 BPE.
+        tok.add_special_tokens([tk.AddedToken(GPT2_EOD, special=True, normalized=False)])
+        self.vocab_file, self.merge_file = vocab_file, merge_file
+        super().__init__(tok, eod, vocab_file)
+
+
 def build_tokenizer(
     tokenizer_type: str,
     tokenizer_model: str | None = None,
     vocab_size: int | None = None,
     vocab_extra_ids: int = 0,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
 ):
-    """``tokenizer_type``: "SentencePieceTokenizer" (needs tokenizer_model) or
-    "NullTokenizer" (needs vocab_size)."""
+    """One of TOKENIZER_TYPES. SentencePieceTokenizer and HuggingFaceTokenizer need
+    ``tokenizer_model``; GPT2BPETokenizer needs ``vocab_file`` and ``merge_file``;
+    NullTokenizer needs ``vocab_size``. ``vocab_extra_ids`` is SentencePiece only.
+    Errors are one-line ValueError/FileNotFoundError naming the flag."""
     if tokenizer_type == "SentencePieceTokenizer":
         if tokenizer_model is None:
             raise ValueError("SentencePieceTokenizer needs --tokenizer-model")
         return SentencePieceTokenizer(tokenizer_model, vocab_extra_ids=vocab_extra_ids)
+    if tokenizer_type in ("HuggingFaceTokenizer", "GPT2BPETokenizer") and vocab_extra_ids:
+        raise ValueError(f"vocab_extra_ids is only supported by SentencePieceTokenizer, "
+                         f"not {tokenizer_type}")
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if tokenizer_model is None:
+            raise ValueError("HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json "
+                             "or a directory holding one)")
+        return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "GPT2BPETokenizer":
+        if vocab_file is None or merge_file is None:
+            raise ValueError("GPT2BPETokenizer needs --vocab-file and --merge-file")
+        return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
-    raise ValueError(
-        f"unknown tokenizer type {tokenizer_type!r} (expected SentencePieceTokenizer or NullTokenizer)"
-    )
+    raise ValueError(f"unknown tokenizer type {tokenizer_type!r} (expected one of "
+                     f"{', '.join(TOKENIZER_TYPES)})")
 
 
 def iter_documents(path: str, json_keys: Sequence[str] = ("text",)) -> Iterator[str]:
@@ -153,6 +286,16 @@ def iter_documents(path: str, json_keys: Sequence[str] = ("text",)) -> Iterator[
     else:
         with open(path, "r", encoding="utf-8", errors="replace") as f:
             yield f.read()
+
+
+def _training_documents(inputs, json_keys: Sequence[str]) -> Iterable[str]:
+    """``inputs``: file paths (JSONL via ``json_keys``, else plain text) or document strings."""
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [os.fspath(inputs)]
+    inputs = list(inputs)
+    if inputs and all(isinstance(x, (str, os.PathLike)) and os.path.isfile(x) for x in inputs):
+        return (d for p in inputs for d in iter_documents(os.fspath(p), json_keys))
+    return inputs
 
 
 def train_sentencepiece(
@@ -185,17 +328,9 @@ def train_sentencepiece(
 
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
-    if isinstance(inputs, (str, os.PathLike)):
-        inputs = [os.fspath(inputs)]
-    inputs = list(inputs)
-    if inputs and all(isinstance(x, (str, os.PathLike)) and os.path.isfile(x) for x in inputs):
-        docs: Iterable[str] = (d for p in inputs for d in iter_documents(os.fspath(p), json_keys))
-    else:
-        docs = inputs
-
     lines: list[str] = []
     total = 0
-    for doc in docs:
+    for doc in _training_documents(inputs, json_keys):
         for line in doc.split("\n"):
             if line.strip() and len(line.encode("utf-8")) <= max_sentence_length:
                 lines.append(line)
@@ -210,22 +345,22 @@ def train_sentencepiece(
         keep = np.sort(np.random.RandomState(seed).choice(len(lines), input_sentence_size, replace=False))
         lines = [lines[i] for i in keep]
 
-    options = dict(
-        vocab_size=int(vocab_size),
-        model_type=model_type,
-        byte_fallback=True,
-        unk_id=0,
-        bos_id=1,
-        eos_id=2,
-        pad_id=3,
-        character_coverage=0.9995,
-        input_sentence_size=0,
-        shuffle_input_sentence=False,
-        max_sentence_length=max_sentence_length,
-        num_threads=int(num_threads or min(os.cpu_count() or 1, 8)),
-        hard_vocab_limit=False,  # tiny corpora may not support the full size
-        minloglevel=2,
-    )
+    options = {
+        "vocab_size": int(vocab_size),
+        "model_type": model_type,
+        "byte_fallback": True,
+        "unk_id": 0,
+        "bos_id": 1,
+        "eos_id": 2,
+        "pad_id": 3,
+        "character_coverage": 0.9995,
+        "input_sentence_size": 0,
+        "shuffle_input_sentence": False,
+        "max_sentence_length": max_sentence_length,
+        "num_threads": int(num_threads or min(os.cpu_count() or 1, 8)),
+        "hard_vocab_limit": False,  # tiny corpora may not support the full size
+        "minloglevel": 2,
+    }
     if code_friendly:
         options.update(
             normalization_rule_name="identity",
@@ -251,6 +386,59 @@ def train_sentencepiece(
     vocab = "".join(rows)
     _atomic_write(model_prefix + ".vocab", vocab.encode("utf-8"))
     return model_path
+
+
+def train_bpe_bytelevel(
+    inputs,
+    output_dir: str,
+    vocab_size: int,
+    json_keys: Sequence[str] = ("text",),
+    max_train_bytes: int = 32 << 20,
+    min_frequency: int = 2,
+    eod_token: str = GPT2_EOD,
+) -> str:
+    """Train a GPT-2 style byte-level BPE with ``tokenizers``; returns the tokenizer.json path.
+
+    Writes ``{output_dir}/tokenizer.json`` (for HuggingFaceTokenizer) and the same
+    model as ``vocab.json`` + ``merges.txt`` (for GPT2BPETokenizer). ``eod_token``
+    is a special token with id 0. ``inputs`` as for train_sentencepiece; whole
+    documents (newlines included) are trained on, up to ``max_train_bytes``.
+    Every byte is in the vocabulary, so any text encodes without an unknown token.
+    """
+    tk = _import_tokenizers("--type bpe-bytelevel")
+    if int(vocab_size) <= 257:
+        raise ValueError(f"vocab_size {vocab_size} leaves no room for merges (256 bytes + {eod_token})")
+    docs: list[str] = []
+    total = 0
+    for doc in _training_documents(inputs, json_keys):
+        if doc.strip():
+            docs.append(doc)
+            total += len(doc)
+        if total >= max_train_bytes:
+            break
+    if not docs:
+        raise ValueError("no training text for the tokenizer")
+    byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = byte_level
+    tok.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=int(vocab_size), min_frequency=int(min_frequency), show_progress=False,
+        special_tokens=[eod_token], initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(docs, trainer=trainer, length=len(docs))
+
+    os.makedirs(output_dir, exist_ok=True)
+    out = os.path.join(output_dir, "tokenizer.json")
+    _atomic_write(out, tok.to_str(pretty=True).encode("utf-8"))
+    tmp = os.path.join(output_dir, f".model-{os.getpid()}")
+    os.makedirs(tmp, exist_ok=True)
+    try:
+        for name in tok.model.save(tmp):  # vocab.json, merges.txt
+            os.replace(name, os.path.join(output_dir, os.path.basename(name)))
+    finally:
+        os.rmdir(tmp)
+    return out
 
 
 def _atomic_write(path: str, data: bytes) -> None:
