@@ -267,6 +267,36 @@ def test_gpt2_bpe_errors(bbpe_dir, tmp_path):
                                     "GPT2BPETokenizer", "NullTokenizer"}
 
 
+def test_cli_bpe_bytelevel(tmp_path):
+    pytest.importorskip("tokenizers")
+    src = tmp_path / "a.txt"
+    src.write_text(TEXT * 10)
+    train = _load_tool("train_tokenizer")
+    out = tmp_path / "bb"
+    assert train.main(["--type", "bpe-bytelevel", "--input", str(src), "--model-prefix",
+                       str(out), "--vocab-size", "300"]) == 0
+    tok = build_tokenizer("HuggingFaceTokenizer", str(out))
+    assert tok.vocab_size == 300 and tok.detokenize(tok.tokenize(TEXT)) == TEXT
+    assert (out / "vocab.json").exists() and (out / "merges.txt").exists()
+    assert train.main(["--type", "bpe-bytelevel", "--input", str(src), "--model-prefix",
+                       str(tmp_path / "b2"), "--vocab-size", "200"]) == 1  # < 256 bytes
+
+
+def test_cli_sentencepiece_with_tokenizer_json(tmp_path):
+    pytest.importorskip("tokenizers")
+    src = tmp_path / "a.txt"
+    src.write_text(TEXT * 10)
+    train = _load_tool("train_tokenizer")
+    assert train.main(["--input", str(src), "--model-prefix", str(tmp_path / "m"),
+                       "--vocab-size", "380", "--tokenizer-json"]) == 0
+    sp = build_tokenizer("SentencePieceTokenizer", str(tmp_path / "m.model"))
+    hf = build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "m.tokenizer.json"))
+    for text in VARIED:
+        assert hf.tokenize(text) == sp.tokenize(text)
+    assert train.main(["--input", str(src), "--model-prefix", str(tmp_path / "u"),
+                       "--vocab-size", "380", "--model-type", "unigram", "--tokenizer-json"]) == 1
+
+
 # ------------------------------------------------------ SentencePiece -> tokenizer.json
 PROSE = ("Zoë's café serves crème brûlée — naïve façades, ½ price! 数字と日本語のテキスト。"
          " Ελληνικά κείμενα. Привет, мир! ﬁne ①②  ＡＢＣ\u3000full\u00a0width.\n")
