@@ -19,8 +19,12 @@ import torch
 import torch.distributed as dist
 
 from . import parallel_state as ps
-from .checkpoint_offline import CheckpointError, FullTensors, load_weights_resharded, \
-    resolve_checkpoint
+from .checkpoint_offline import (
+    CheckpointError,
+    FullTensors,
+    load_weights_resharded,
+    resolve_checkpoint,
+)
 from .model.gpt import GPTModel
 from .tensor_parallel import gather_from_tp_region
 
@@ -193,8 +197,8 @@ def main(argv=None) -> dict:
                        eod=tok.eod if stops and not a.ignore_eod else None,
                        greedy=a.greedy, top_k=a.top_k, top_p=a.top_p,
                        temperature=a.temperature)
-        result = dict(checkpoint=ckpt, prompt=a.prompt, prompt_ids=prompt,
-                      generated_ids=new, text=tok.detokenize(new))
+        result = {"checkpoint": ckpt, "prompt": a.prompt, "prompt_ids": prompt,
+                  "generated_ids": new, "text": tok.detokenize(new)}
         if rank0:
             # Detokenize prompt and continuation together so pieces join as they should.
             print(tok.detokenize(prompt + new) if a.prompt else result["text"], flush=True)
