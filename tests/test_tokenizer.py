@@ -173,6 +173,18 @@ def test_huggingface_eod_names(tmp_path, eod_name):
     assert tok.pad == 2 and tok.tokenize("a a") == [1, 1]
 
 
+def test_huggingface_ignores_truncation_and_padding_settings(tmp_path):
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer
+
+    path = _word_level_json(tmp_path / "t.json", ["<unk>", "a", "<pad>", "</s>"])
+    raw = Tokenizer.from_file(path)
+    raw.enable_truncation(max_length=2)
+    raw.enable_padding(length=8, pad_id=2)
+    raw.save(path)
+    assert build_tokenizer("HuggingFaceTokenizer", path).tokenize("a a a") == [1, 1, 1]
+
+
 def test_huggingface_errors(tmp_path, monkeypatch):
     pytest.importorskip("tokenizers")
     no_eod = _word_level_json(tmp_path / "t.json", ["<unk>", "a"])

@@ -139,21 +139,23 @@ def _first_line(e: BaseException) -> str:
 class _TokenizersWrapper:
     """Shared by the types built on a ``tokenizers.Tokenizer``.
 
-    ``tokenize`` adds no special tokens (no BOS/EOS post-processing) and encodes
+    ``tokenize`` adds no special tokens (no BOS/EOS post-processing), never
+    truncates or pads (whatever the tokenizer.json asks for), and encodes
     special-token strings found in the text as ordinary text, so a document can
     never forge an EOD (as with SentencePiece's control pieces). ``detokenize``
     leaves special tokens (EOD) out, as SentencePiece does with control ids.
     """
 
-    def __init__(self, tok, eod: int, where: str):
+    def __init__(self, tok, eod: int):
         tok.encode_special_tokens = True
+        tok.no_truncation()
+        tok.no_padding()
         self._tok = tok
         self._eod = int(eod)
         vocab = tok.get_vocab(with_added_tokens=True)
         # Added tokens may leave holes: size the vocabulary by the largest id.
         self._vocab_size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
         self._pad = next((vocab[n] for n in _PAD_TOKEN_NAMES if n in vocab), None)
-        self.where = where
 
     @property
     def vocab_size(self) -> int:
@@ -197,7 +199,7 @@ class HuggingFaceTokenizer(_TokenizersWrapper):
             raise ValueError(f"--tokenizer-model {file}: no end-of-text token to use as EOD "
                              f"(looked for {', '.join(EOD_TOKEN_NAMES)})")
         self.model_file = file
-        super().__init__(tok, eod, file)
+        super().__init__(tok, eod)
 
 
 class GPT2BPETokenizer(_TokenizersWrapper):
@@ -226,7 +228,7 @@ class GPT2BPETokenizer(_TokenizersWrapper):
         # encodes as ordinary bytes (encode_special_tokens), as in Megatron's GPT-2 BPE.
         tok.add_special_tokens([tk.AddedToken(GPT2_EOD, special=True, normalized=False)])
         self.vocab_file, self.merge_file = vocab_file, merge_file
-        super().__init__(tok, eod, vocab_file)
+        super().__init__(tok, eod)
 
 
 def build_tokenizer(
