@@ -14,6 +14,7 @@ import io
 import json
 import os
 import re
+import shutil
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -422,9 +423,8 @@ def train_bpe_bytelevel(
             break
     if not docs:
         raise ValueError("no training text for the tokenizer")
-    byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok = tk.Tokenizer(tk.models.BPE())
-    tok.pre_tokenizer = byte_level
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(
         vocab_size=int(vocab_size), min_frequency=int(min_frequency), show_progress=False,
@@ -437,11 +437,11 @@ def train_bpe_bytelevel(
     _atomic_write(out, tok.to_str(pretty=True).encode("utf-8"))
     tmp = os.path.join(output_dir, f".model-{os.getpid()}")
     os.makedirs(tmp, exist_ok=True)
-    try:
-        for name in tok.model.save(tmp):  # vocab.json, merges.txt
+    try:  # written aside, then renamed: never a half-written vocab.json/merges.txt
+        for name in tok.model.save(tmp):
             os.replace(name, os.path.join(output_dir, os.path.basename(name)))
     finally:
-        os.rmdir(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
