@@ -76,12 +76,16 @@ class OptimizerConfig:
 
 @dataclass
 class DataConfig:
-    data_path: list[str] | None = _f(None, "prefix, or weight prefix weight prefix ... "
+    data_path: list[str] | None = _f(None, "prefix, or weight prefix weight prefix ... "  # noqa: RUF009
                                            "(default: the embedded stdlib corpus)")
     split: str = _f("969,30,1", "train,valid,test proportions of the documents")
     tokenizer_type: str = _f("SentencePieceTokenizer", "tokenizer class",
-                             choices=("SentencePieceTokenizer", "NullTokenizer"))
-    tokenizer_model: str | None = _f(None, "SentencePiece model file")
+                             choices=("SentencePieceTokenizer", "HuggingFaceTokenizer",
+                                      "GPT2BPETokenizer", "NullTokenizer"))
+    tokenizer_model: str | None = _f(None, "SentencePiece model file; for HuggingFaceTokenizer "
+                                           "a tokenizer.json or a directory holding one")
+    vocab_file: str | None = _f(None, "GPT2BPETokenizer: the GPT-2 vocab.json")
+    merge_file: str | None = _f(None, "GPT2BPETokenizer: the GPT-2 merges.txt")
     mock_data: bool = _f(False, "train on a synthetic, learnable token stream")
     data_cache_dir: str | None = _f(None, "where index arrays / the default corpus are cached")
 
@@ -171,6 +175,29 @@ def parse_args(argv=None) -> Args:
     return Args(**{name: CONFIG_CLASSES[name](**kw) for name, kw in parts.items()})
 
 
+def _validate_data(d: DataConfig) -> None:
+    if d.data_path is not None and len(d.data_path) > 1 and len(d.data_path) % 2:
+        raise ConfigError("--data-path takes one prefix or weight/prefix pairs, got "
+                          f"{len(d.data_path)} values")
+    if (d.vocab_file is None) != (d.merge_file is None):
+        given, missing = ("--vocab-file", "--merge-file") if d.merge_file is None else \
+            ("--merge-file", "--vocab-file")
+        raise ConfigError(f"{given} needs {missing} too (GPT2BPETokenizer takes both)")
+    if d.vocab_file is not None and d.tokenizer_type != "GPT2BPETokenizer":
+        raise ConfigError(f"--vocab-file/--merge-file are for --tokenizer-type GPT2BPETokenizer, "
+                          f"not {d.tokenizer_type}")
+    if d.mock_data:
+        return
+    if d.tokenizer_type == "GPT2BPETokenizer" and d.vocab_file is None:
+        raise ConfigError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+    if d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer_model is None:
+        raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model "
+                          "(a tokenizer.json or a directory holding one)")
+    if d.tokenizer_type in ("HuggingFaceTokenizer", "GPT2BPETokenizer") and d.data_path is None:
+        raise ConfigError(f"--tokenizer-type {d.tokenizer_type} needs --data-path (the default "
+                          "corpus is tokenized with its own SentencePiece model)")
+
+
 def validate(args: Args, world_size: int) -> None:
     """Cross-field checks; raises ConfigError naming the flag and the numbers."""
     m, t, o = args.model, args.train, args.optim
@@ -209,10 +236,7 @@ def validate(args: Args, world_size: int) -> None:
         raise ConfigError("--train-iters and --train-samples are mutually exclusive")
     if t.train_samples is not None:
         t.train_iters = t.train_samples // t.global_batch_size
-    if args.data.data_path is not None and len(args.data.data_path) > 1:
-        if len(args.data.data_path) % 2:
-            raise ConfigError("--data-path takes one prefix or weight/prefix pairs, got "
-                              f"{len(args.data.data_path)} values")
+    _validate_data(args.data)
     c = args.ckpt
     if c.save_interval is not None and c.save_interval < 1:
         raise ConfigError(f"--save-interval must be >= 1, got {c.save_interval}")

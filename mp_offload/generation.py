@@ -102,20 +102,25 @@ def load_model(ckpt: str, tp_group: ps.ParallelGroup | None = None, dtype=torch.
 
 
 def tokenizer_for(saved_args: dict, vocab_size: int, tokenizer_type: str | None = None,
-                  tokenizer_model: str | None = None):
+                  tokenizer_model: str | None = None, vocab_file: str | None = None,
+                  merge_file: str | None = None):
     """(tokenizer, stops_at_eod): the flags' tokenizer, else the one the run trained with.
 
-    A NullTokenizer gets the model's vocabulary (its EOD is the last id). Mock-data runs
-    had no tokenizer and no documents: ids as text, and no EOD to stop at.
+    The run's is rebuilt from its recorded data args (``--tokenizer-type``,
+    ``--tokenizer-model``, ``--vocab-file``, ``--merge-file``); a flag given here
+    overrides the recorded value. A NullTokenizer gets the model's vocabulary (its EOD
+    is the last id). Mock-data runs had no tokenizer and no documents: ids as text,
+    and no EOD to stop at.
     """
     from .data.tokenizer import build_tokenizer
     data = saved_args.get("data", {})
     mock = tokenizer_type is None and data.get("mock_data", False)
     tokenizer_type = tokenizer_type or ("NullTokenizer" if mock else data.get("tokenizer_type"))
-    tokenizer_model = tokenizer_model or data.get("tokenizer_model")
     if tokenizer_type == "NullTokenizer":
         return build_tokenizer("NullTokenizer", vocab_size=vocab_size - 1), not mock
-    return build_tokenizer(tokenizer_type, tokenizer_model), True
+    return build_tokenizer(tokenizer_type, tokenizer_model or data.get("tokenizer_model"),
+                           vocab_file=vocab_file or data.get("vocab_file"),
+                           merge_file=merge_file or data.get("merge_file")), True
 
 
 # ------------------------------------------------------------------------ CLI
@@ -197,8 +202,8 @@ def main(argv=None) -> dict:
                        eod=tok.eod if stops and not a.ignore_eod else None,
                        greedy=a.greedy, top_k=a.top_k, top_p=a.top_p,
                        temperature=a.temperature)
-        result = dict(checkpoint=ckpt, prompt=a.prompt, prompt_ids=prompt,
-                      generated_ids=new, text=tok.detokenize(new))
+        result = {"checkpoint": ckpt, "prompt": a.prompt, "prompt_ids": prompt,
+                  "generated_ids": new, "text": tok.detokenize(new)}
         if rank0:
             # Detokenize prompt and continuation together so pieces join as they should.
             print(tok.detokenize(prompt + new) if a.prompt else result["text"], flush=True)

@@ -109,7 +109,8 @@ def build_datasets(args: Args):
         dist.barrier()
         data_path, tok_model = prepare_default_corpus(cache)
         data_path = [data_path]
-    tok = build_tokenizer(d.tokenizer_type, tok_model, vocab_size=m.vocab_size)
+    tok = build_tokenizer(d.tokenizer_type, tok_model, vocab_size=m.vocab_size,
+                          vocab_file=d.vocab_file, merge_file=d.merge_file)
     datasets = (None, None, None)
     is_reader = ps.get_tensor_model_parallel_rank() == 0
     for turn in (0, 1):  # rank 0 builds the index caches, then the other readers load them

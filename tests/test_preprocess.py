@@ -31,6 +31,11 @@ def messy_jsonl(tmp_path):
     return str(path)
 
 
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def _null_args(inp, out, *extra):
     return ["--input", inp, "--output-prefix", out, "--tokenizer-type", "NullTokenizer",
             "--vocab-size", "100", *extra]
@@ -79,7 +84,7 @@ def test_workers_identical(tmp_path):
         outs.append(out)
     for key in ("text", "title"):
         for ext in (".bin", ".idx"):
-            a, b = (open(f"{o}_{key}_document{ext}", "rb").read() for o in outs)
+            a, b = (_read(f"{o}_{key}_document{ext}") for o in outs)
             assert a == b
     assert len(MMapIndexedDataset(outs[0] + "_title_document")) == 500
 
@@ -134,3 +139,86 @@ def test_default_corpus_small(tmp_path, capsys):
     os.remove(os.path.join(cache, "stdlib_corpus.json"))
     prepare_default_corpus(cache, vocab_size=512, max_bytes=150_000)
     assert "building" in capsys.readouterr().out
+
+
+# ------------------------------------------- Hugging Face tokenizer.json and GPT-2 BPE
+CODE = "def f(x):\n    return x * 2  # ✓ ünï 数字\n\n\tclass A:\n        pass\n"
+
+
+@pytest.fixture(scope="module")
+def hf_files(tmp_path_factory):
+    """A byte-level BPE (tokenizer.json + vocab.json/merges.txt) and a SentencePiece
+    model with its tokenizer.json conversion, all trained here."""
+    pytest.importorskip("tokenizers")
+    from mp_offload.data.tokenizer import (
+        sentencepiece_to_tokenizer_json,
+        train_bpe_bytelevel,
+        train_sentencepiece,
+    )
+
+    d = tmp_path_factory.mktemp("hf")
+    docs = [CODE.replace("x", f"x{i}") for i in range(60)]
+    train_bpe_bytelevel(docs, str(d / "bbpe"), vocab_size=300)
+    sp = train_sentencepiece(docs, str(d / "sp"), vocab_size=300)
+    sentencepiece_to_tokenizer_json(sp, str(d / "sp.tokenizer.json"))
+    path = str(d / "docs.jsonl")
+    rng = np.random.RandomState(0)
+    _write_jsonl(path, [{"text": CODE[rng.randint(0, 20):] * rng.randint(1, 4)}
+                        for _ in range(300)])
+    return d, path
+
+
+TOKENIZER_FLAGS = {
+    "HuggingFaceTokenizer": lambda d: ["--tokenizer-model", str(d / "bbpe")],
+    "GPT2BPETokenizer": lambda d: ["--vocab-file", str(d / "bbpe" / "vocab.json"),
+                                   "--merge-file", str(d / "bbpe" / "merges.txt")],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TOKENIZER_FLAGS))
+def test_hf_types_workers_identical(hf_files, tmp_path, kind):
+    from mp_offload.data.tokenizer import build_tokenizer
+
+    d, path = hf_files
+    outs = []
+    for workers in (1, 2):
+        out = str(tmp_path / f"w{workers}")
+        assert main(["--input", path, "--output-prefix", out, "--tokenizer-type", kind,
+                     *TOKENIZER_FLAGS[kind](d), "--workers", str(workers), "--chunksize", "9",
+                     "--append-eod"]) == 0
+        outs.append(out + "_text_document")
+    for ext in (".bin", ".idx"):
+        assert _read(outs[0] + ext) == _read(outs[1] + ext)
+    tok = build_tokenizer("HuggingFaceTokenizer", str(d / "bbpe"))
+    ds = MMapIndexedDataset(outs[0])
+    assert len(ds) == 300 and ds.dtype == np.uint16
+    with open(path) as f:
+        first = json.loads(f.readline())["text"]
+    assert ds[0][-1] == tok.eod == 0 and tok.detokenize(ds[0][:-1].tolist()) == first
+
+
+def test_converted_sentencepiece_gives_the_same_dataset(hf_files, tmp_path):
+    """The SentencePiece model and its tokenizer.json write byte-identical datasets."""
+    d, path = hf_files
+    sp_out, hf_out = str(tmp_path / "sp"), str(tmp_path / "hf")
+    assert main(["--input", path, "--output-prefix", sp_out, "--tokenizer-model",
+                 str(d / "sp.model"), "--append-eod"]) == 0
+    assert main(["--input", path, "--output-prefix", hf_out, "--tokenizer-type",
+                 "HuggingFaceTokenizer", "--tokenizer-model", str(d / "sp.tokenizer.json"),
+                 "--append-eod", "--workers", "2"]) == 0
+    for ext in (".bin", ".idx"):
+        assert _read(f"{sp_out}_text_document{ext}") == _read(f"{hf_out}_text_document{ext}")
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json"],
+     "GPT2BPETokenizer needs --vocab-file and --merge-file"),
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json", "--merge-file", "m.txt"],
+     "--vocab-file v.json: file not found"),
+    (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "nowhere"],
+     "--tokenizer-model nowhere: no tokenizer.json"),
+])
+def test_hf_types_flag_errors(messy_jsonl, tmp_path, capsys, flags, needle):
+    assert main(["--input", messy_jsonl, "--output-prefix", str(tmp_path / "o"), *flags]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and needle in err and "\n" not in err

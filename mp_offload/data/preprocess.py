@@ -14,8 +14,8 @@ import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from .indexed_dataset import (
     data_file_path,
     index_file_path,
 )
-from .tokenizer import build_tokenizer
+from .tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 JSON_SUFFIXES = (".json", ".jsonl")
 _MAX_WARNINGS = 20
@@ -89,7 +89,7 @@ def _encode(task):
             return file_no, line_no, len(raw), f"empty document (key {key!r})"
         try:
             ids = _W["tok"].tokenize(doc)
-        except Exception as e:  # tokenizer rejects the text (e.g. NullTokenizer non-ints)
+        except Exception as e:  # noqa: BLE001 - the tokenizer rejects the text (e.g. NullTokenizer non-ints)
             return file_no, line_no, len(raw), f"cannot tokenize key {key!r}: {e}"
         if not ids:
             return file_no, line_no, len(raw), f"empty document after tokenization (key {key!r})"
@@ -146,9 +146,13 @@ def preprocess(
     log_interval: int = 10000,
     chunksize: int = 32,
     log=None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
 ) -> PreprocessStats:
     """Tokenise ``inputs`` into one dataset per JSON key. Raises PreprocessError.
 
+    The tokenizer is ``build_tokenizer(tokenizer_type, tokenizer_model, vocab_size,
+    vocab_file=, merge_file=)``; every worker builds its own from the same arguments.
     ``log``: file-like for warnings/progress/summary (default: sys.stderr).
     """
     log = sys.stderr if log is None else log
@@ -157,7 +161,8 @@ def preprocess(
     for path in inputs:
         if not os.path.isfile(path):
             raise PreprocessError(f"input file not found: {path}")
-    tok_spec = dict(tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model, vocab_size=vocab_size)
+    tok_spec = {"tokenizer_type": tokenizer_type, "tokenizer_model": tokenizer_model,
+                "vocab_size": vocab_size, "vocab_file": vocab_file, "merge_file": merge_file}
     try:
         tok = build_tokenizer(**tok_spec)
     except (ValueError, FileNotFoundError) as e:
@@ -249,11 +254,14 @@ def get_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--output-prefix", required=True, help="prefix of the output files")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys to tokenise (default: text)")
+    p.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=TOKENIZER_TYPES)
     p.add_argument(
-        "--tokenizer-type", default="SentencePieceTokenizer",
-        choices=["SentencePieceTokenizer", "NullTokenizer"],
+        "--tokenizer-model", default=None,
+        help="SentencePiece .model file, or (HuggingFaceTokenizer) a tokenizer.json file or "
+        "a directory holding one",
     )
-    p.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
+    p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2 vocab.json")
+    p.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2 merges.txt")
     p.add_argument("--vocab-size", type=int, default=None, help="vocab size (NullTokenizer)")
     p.add_argument("--append-eod", action="store_true", help="append the EOD token to each document")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1: in-process)")
@@ -274,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
             json_keys=args.json_keys, append_eod=args.append_eod, workers=args.workers,
             on_bad_line=args.on_bad_line, log_interval=args.log_interval, chunksize=args.chunksize,
+            vocab_file=args.vocab_file, merge_file=args.merge_file,
         )
     except PreprocessError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,7 +1,11 @@
-"""Tokenizers (SentencePiece, and a NullTokenizer for tests) plus SentencePiece training.
+"""Tokenizers plus tokenizer training and SentencePiece -> tokenizer.json conversion.
 
-All tokenizers expose ``vocab_size``, ``tokenize(text) -> list[int]``,
-``detokenize(ids) -> str``, ``eod`` (end-of-document id) and ``pad`` (or None).
+Types (``--tokenizer-type``): SentencePieceTokenizer, HuggingFaceTokenizer (a
+``tokenizers`` tokenizer.json), GPT2BPETokenizer (GPT-2 vocab.json + merges.txt)
+and NullTokenizer (for tests). All expose ``vocab_size``,
+``tokenize(text) -> list[int]``, ``detokenize(ids) -> str``, ``eod``
+(end-of-document id) and ``pad`` (or None). The Hugging Face ``tokenizers``
+package is imported only when one of its types is built.
 """
 
 from __future__ import annotations
@@ -9,7 +13,10 @@ from __future__ import annotations
 import io
 import json
 import os
-from typing import Iterable, Iterator, Sequence
+import re
+import shutil
+import struct
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -109,25 +116,156 @@ class SentencePieceTokenizer:
         return "".join(out)
 
 
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+# End-of-text token names, in the order they are looked for.
+EOD_TOKEN_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+_PAD_TOKEN_NAMES = ("<pad>", "<|pad|>", "[PAD]")
+GPT2_EOD = "<|endoftext|>"
+
+
+def _import_tokenizers(flag: str):
+    """The ``tokenizers`` module, or a one-line ValueError naming the flag that needs it."""
+    try:
+        import tokenizers
+    except ImportError:
+        raise ValueError(f"{flag} needs the Hugging Face `tokenizers` package "
+                         "(pip install tokenizers)") from None
+    return tokenizers
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+class _TokenizersWrapper:
+    """Shared by the types built on a ``tokenizers.Tokenizer``.
+
+    ``tokenize`` adds no special tokens (no BOS/EOS post-processing), never
+    truncates or pads (whatever the tokenizer.json asks for), and encodes
+    special-token strings found in the text as ordinary text, so a document can
+    never forge an EOD (as with SentencePiece's control pieces). ``detokenize``
+    leaves special tokens (EOD) out, as SentencePiece does with control ids.
+    """
+
+    def __init__(self, tok, eod: int):
+        tok.encode_special_tokens = True
+        tok.no_truncation()
+        tok.no_padding()
+        self._tok = tok
+        self._eod = int(eod)
+        vocab = tok.get_vocab(with_added_tokens=True)
+        # Added tokens may leave holes: size the vocabulary by the largest id.
+        self._vocab_size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
+        self._pad = next((vocab[n] for n in _PAD_TOKEN_NAMES if n in vocab), None)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self):
+        return self._pad
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+class HuggingFaceTokenizer(_TokenizersWrapper):
+    """A Hugging Face ``tokenizers`` tokenizer.json (``--tokenizer-model`` names the file
+    or a directory holding ``tokenizer.json``).
+
+    EOD is the first of EOD_TOKEN_NAMES the tokenizer knows; ``vocab_size`` is
+    ``get_vocab_size()`` (or one past the largest id, if added tokens leave holes).
+    """
+
+    def __init__(self, path: str):
+        file = os.path.join(path, "tokenizer.json") if path and os.path.isdir(path) else path
+        if not file or not os.path.isfile(file):
+            raise FileNotFoundError(f"--tokenizer-model {path}: no tokenizer.json file there "
+                                    "(HuggingFaceTokenizer)")
+        tk = _import_tokenizers("--tokenizer-type HuggingFaceTokenizer")
+        try:
+            tok = tk.Tokenizer.from_file(file)
+        except Exception as e:  # noqa: BLE001 - the Rust side raises a plain Exception
+            raise ValueError(f"--tokenizer-model {file}: not a tokenizer.json ({_first_line(e)})") from None
+        eod = next((i for i in map(tok.token_to_id, EOD_TOKEN_NAMES) if i is not None), None)
+        if eod is None:
+            raise ValueError(f"--tokenizer-model {file}: no end-of-text token to use as EOD "
+                             f"(looked for {', '.join(EOD_TOKEN_NAMES)})")
+        self.model_file = file
+        super().__init__(tok, eod)
+
+
+class GPT2BPETokenizer(_TokenizersWrapper):
+    """GPT-2's byte-level BPE from ``--vocab-file`` (vocab.json) and ``--merge-file``
+    (merges.txt), as Megatron's GPT2BPETokenizer: GPT-2's pre-tokenisation regex, no
+    prefix space, EOD ``<|endoftext|>``, ``vocab_size`` = the vocab.json entries.
+    """
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not path or not os.path.isfile(path):
+                raise FileNotFoundError(f"{flag} {path}: file not found (GPT2BPETokenizer)")
+        tk = _import_tokenizers("--tokenizer-type GPT2BPETokenizer")
+        try:
+            model = tk.models.BPE.from_file(vocab_file, merge_file)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"--vocab-file {vocab_file} / --merge-file {merge_file}: "
+                             f"cannot read them ({_first_line(e)})") from None
+        tok = tk.Tokenizer(model)
+        tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = tk.decoders.ByteLevel()
+        eod = tok.token_to_id(GPT2_EOD)
+        if eod is None:
+            raise ValueError(f"--vocab-file {vocab_file}: no {GPT2_EOD} entry to use as EOD")
+        # Special, so that detokenize leaves it out; the text "<|endoftext|>" still
+        # encodes as ordinary bytes (encode_special_tokens), as in Megatron's GPT-2 BPE.
+        tok.add_special_tokens([tk.AddedToken(GPT2_EOD, special=True, normalized=False)])
+        self.vocab_file, self.merge_file = vocab_file, merge_file
+        super().__init__(tok, eod)
+
+
 def build_tokenizer(
     tokenizer_type: str,
     tokenizer_model: str | None = None,
     vocab_size: int | None = None,
     vocab_extra_ids: int = 0,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
 ):
-    """``tokenizer_type``: "SentencePieceTokenizer" (needs tokenizer_model) or
-    "NullTokenizer" (needs vocab_size)."""
+    """One of TOKENIZER_TYPES. SentencePieceTokenizer and HuggingFaceTokenizer need
+    ``tokenizer_model``; GPT2BPETokenizer needs ``vocab_file`` and ``merge_file``;
+    NullTokenizer needs ``vocab_size``. ``vocab_extra_ids`` is SentencePiece only.
+    Errors are one-line ValueError/FileNotFoundError naming the flag."""
     if tokenizer_type == "SentencePieceTokenizer":
         if tokenizer_model is None:
             raise ValueError("SentencePieceTokenizer needs --tokenizer-model")
         return SentencePieceTokenizer(tokenizer_model, vocab_extra_ids=vocab_extra_ids)
+    if tokenizer_type in ("HuggingFaceTokenizer", "GPT2BPETokenizer") and vocab_extra_ids:
+        raise ValueError(f"vocab_extra_ids is only supported by SentencePieceTokenizer, "
+                         f"not {tokenizer_type}")
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if tokenizer_model is None:
+            raise ValueError("HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json "
+                             "or a directory holding one)")
+        return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "GPT2BPETokenizer":
+        if vocab_file is None or merge_file is None:
+            raise ValueError("GPT2BPETokenizer needs --vocab-file and --merge-file")
+        return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
-    raise ValueError(
-        f"unknown tokenizer type {tokenizer_type!r} (expected SentencePieceTokenizer or NullTokenizer)"
-    )
+    raise ValueError(f"unknown tokenizer type {tokenizer_type!r} (expected one of "
+                     f"{', '.join(TOKENIZER_TYPES)})")
 
 
 def iter_documents(path: str, json_keys: Sequence[str] = ("text",)) -> Iterator[str]:
@@ -153,6 +291,16 @@ def iter_documents(path: str, json_keys: Sequence[str] = ("text",)) -> Iterator[
     else:
         with open(path, "r", encoding="utf-8", errors="replace") as f:
             yield f.read()
+
+
+def _training_documents(inputs, json_keys: Sequence[str]) -> Iterable[str]:
+    """``inputs``: file paths (JSONL via ``json_keys``, else plain text) or document strings."""
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [os.fspath(inputs)]
+    inputs = list(inputs)
+    if inputs and all(isinstance(x, (str, os.PathLike)) and os.path.isfile(x) for x in inputs):
+        return (d for p in inputs for d in iter_documents(os.fspath(p), json_keys))
+    return inputs
 
 
 def train_sentencepiece(
@@ -185,17 +333,9 @@ def train_sentencepiece(
 
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
-    if isinstance(inputs, (str, os.PathLike)):
-        inputs = [os.fspath(inputs)]
-    inputs = list(inputs)
-    if inputs and all(isinstance(x, (str, os.PathLike)) and os.path.isfile(x) for x in inputs):
-        docs: Iterable[str] = (d for p in inputs for d in iter_documents(os.fspath(p), json_keys))
-    else:
-        docs = inputs
-
     lines: list[str] = []
     total = 0
-    for doc in docs:
+    for doc in _training_documents(inputs, json_keys):
         for line in doc.split("\n"):
             if line.strip() and len(line.encode("utf-8")) <= max_sentence_length:
                 lines.append(line)
@@ -210,22 +350,22 @@ def train_sentencepiece(
         keep = np.sort(np.random.RandomState(seed).choice(len(lines), input_sentence_size, replace=False))
         lines = [lines[i] for i in keep]
 
-    options = dict(
-        vocab_size=int(vocab_size),
-        model_type=model_type,
-        byte_fallback=True,
-        unk_id=0,
-        bos_id=1,
-        eos_id=2,
-        pad_id=3,
-        character_coverage=0.9995,
-        input_sentence_size=0,
-        shuffle_input_sentence=False,
-        max_sentence_length=max_sentence_length,
-        num_threads=int(num_threads or min(os.cpu_count() or 1, 8)),
-        hard_vocab_limit=False,  # tiny corpora may not support the full size
-        minloglevel=2,
-    )
+    options = {
+        "vocab_size": int(vocab_size),
+        "model_type": model_type,
+        "byte_fallback": True,
+        "unk_id": 0,
+        "bos_id": 1,
+        "eos_id": 2,
+        "pad_id": 3,
+        "character_coverage": 0.9995,
+        "input_sentence_size": 0,
+        "shuffle_input_sentence": False,
+        "max_sentence_length": max_sentence_length,
+        "num_threads": int(num_threads or min(os.cpu_count() or 1, 8)),
+        "hard_vocab_limit": False,  # tiny corpora may not support the full size
+        "minloglevel": 2,
+    }
     if code_friendly:
         options.update(
             normalization_rule_name="identity",
@@ -251,6 +391,270 @@ def train_sentencepiece(
     vocab = "".join(rows)
     _atomic_write(model_prefix + ".vocab", vocab.encode("utf-8"))
     return model_path
+
+
+def train_bpe_bytelevel(
+    inputs,
+    output_dir: str,
+    vocab_size: int,
+    json_keys: Sequence[str] = ("text",),
+    max_train_bytes: int = 32 << 20,
+    min_frequency: int = 2,
+    eod_token: str = GPT2_EOD,
+) -> str:
+    """Train a GPT-2 style byte-level BPE with ``tokenizers``; returns the tokenizer.json path.
+
+    Writes ``{output_dir}/tokenizer.json`` (for HuggingFaceTokenizer) and the same
+    model as ``vocab.json`` + ``merges.txt`` (for GPT2BPETokenizer). ``eod_token``
+    is a special token with id 0. ``inputs`` as for train_sentencepiece; whole
+    documents (newlines included) are trained on, up to ``max_train_bytes``.
+    Every byte is in the vocabulary, so any text encodes without an unknown token.
+    """
+    tk = _import_tokenizers("--type bpe-bytelevel")
+    if int(vocab_size) <= 257:
+        raise ValueError(f"vocab_size {vocab_size} leaves no room for merges (256 bytes + {eod_token})")
+    docs: list[str] = []
+    total = 0
+    for doc in _training_documents(inputs, json_keys):
+        if doc.strip():
+            docs.append(doc)
+            total += len(doc)
+        if total >= max_train_bytes:
+            break
+    if not docs:
+        raise ValueError("no training text for the tokenizer")
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=int(vocab_size), min_frequency=int(min_frequency), show_progress=False,
+        special_tokens=[eod_token], initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(docs, trainer=trainer, length=len(docs))
+
+    os.makedirs(output_dir, exist_ok=True)
+    out = os.path.join(output_dir, "tokenizer.json")
+    _atomic_write(out, tok.to_str(pretty=True).encode("utf-8"))
+    tmp = os.path.join(output_dir, f".model-{os.getpid()}")
+    os.makedirs(tmp, exist_ok=True)
+    try:  # written aside, then renamed: never a half-written vocab.json/merges.txt
+        for name in tok.model.save(tmp):
+            os.replace(name, os.path.join(output_dir, os.path.basename(name)))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# ---- SentencePiece BPE -> Hugging Face tokenizer.json ----------------------
+# Piece types of sentencepiece_model.proto.
+_SP_NORMAL, _SP_UNKNOWN, _SP_CONTROL, _SP_USER_DEFINED, _SP_UNUSED, _SP_BYTE = 1, 2, 3, 4, 5, 6
+_SPACE = "\u2581"  # SentencePiece's escaped space
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
+
+
+def _proto_fields(buf: bytes) -> Iterator[tuple[int, object]]:
+    """(field number, value) of a protobuf message, from the wire format alone."""
+    i = 0
+    while i < len(buf):
+        key, i = _varint(buf, i)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = _varint(buf, i)
+        elif wire == 2:
+            n, i = _varint(buf, i)
+            value, i = buf[i:i + n], i + n
+        elif wire in (1, 5):
+            n = 8 if wire == 1 else 4
+            value, i = buf[i:i + n], i + n
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+        if i > len(buf):
+            raise ValueError("truncated protobuf message")
+        yield number, value
+
+
+def _read_sentencepiece_model(path: str) -> dict:
+    """The parts of a SentencePiece ModelProto the conversion needs (proto2 defaults filled in)."""
+    with open(path, "rb") as f:
+        buf = f.read()
+    pieces, trainer, normalizer, denormalizer = [], {}, {}, {}
+    try:
+        for number, value in _proto_fields(buf):
+            if number == 1:  # repeated SentencePiece {1: piece, 2: score, 3: type}
+                piece = {1: b"", 2: b"\0\0\0\0", 3: _SP_NORMAL}
+                piece.update(_proto_fields(value))
+                pieces.append((piece[1].decode("utf-8"), struct.unpack("<f", piece[2])[0], piece[3]))
+            elif number in (2, 3, 5):
+                target = {2: trainer, 3: normalizer, 5: denormalizer}[number]
+                target.update(_proto_fields(value))
+    except (IndexError, ValueError, struct.error, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a SentencePiece model ({_first_line(e)})") from None
+    if not pieces:
+        raise ValueError(f"{path}: not a SentencePiece model (no pieces)")
+    return {
+        "pieces": pieces,
+        "model_type": trainer.get(3, 1),  # 1 unigram, 2 bpe, 3 word, 4 char
+        "byte_fallback": bool(trainer.get(35, 0)),
+        "treat_whitespace_as_suffix": bool(trainer.get(24, 0)),
+        "unk_surface": trainer.get(44, " \u2047 ".encode()).decode("utf-8"),
+        "precompiled_charsmap": normalizer.get(2, b""),
+        "add_dummy_prefix": bool(normalizer.get(3, 1)),
+        "remove_extra_whitespaces": bool(normalizer.get(4, 1)),
+        "escape_whitespaces": bool(normalizer.get(5, 1)),
+        "denormalizer_charsmap": denormalizer.get(2, b""),
+    }
+
+
+def sentencepiece_to_tokenizer_json(model_path: str, out_path: str) -> str:
+    """Write a Hugging Face ``tokenizers`` tokenizer.json equivalent to a SentencePiece
+    BPE model (as trained by train_sentencepiece); returns ``out_path``.
+
+    ``tokenizers.Tokenizer.from_file(out_path).encode(text).ids`` equals
+    ``SentencePieceProcessor.encode(text)`` and ``decode`` equals SentencePiece's
+    decode, so text round-trips exactly as it does with SentencePiece (limits
+    below). How the pieces map onto ``tokenizers``:
+
+    * Normalizer: the model's precompiled charsmap (NFKC models) via
+      ``Precompiled``, SentencePiece's whitespace trimming/collapsing (spaces only),
+      " " -> "\u2581", and the dummy "\u2581" prefix - whichever the model uses. The
+      code-friendly default uses none but the escaping.
+    * BPE: the vocabulary is the pieces by id. SentencePiece merges, at each step,
+      the adjacent pair whose concatenation is the best-scored normal piece (ties:
+      leftmost). Every split ``left + right`` of a normal piece into two normal
+      pieces becomes a merge, ranked by the piece's score, so ``tokenizers``
+      (lowest rank, then leftmost) merges in the same order. ``byte_fallback``
+      spells characters that are not pieces as ``<0xXX>`` byte pieces, as
+      SentencePiece does; without it they become ``<unk>`` (runs fused).
+    * Pre-tokenizer (only a speed-up, never a change of result): user-defined
+      symbols (e.g. "\\n") are isolated, as SentencePiece never merges them, and
+      the text is cut before each "\u2581" that follows another character - only
+      when no piece spans such a boundary, so no merge is lost.
+    * Control pieces (<s>, </s>, <pad>) are plain vocabulary entries, not added
+      tokens, so their text in a document encodes as text, as in SentencePiece
+      (registering them as special tokens would turn "</s>" in text into the EOD
+      id). The decoder drops them and shows <unk> as SentencePiece's " \u2047 ".
+
+    Exactness, and its limits (each checked in tests/test_tokenizer.py):
+
+    * The project's default (code-friendly, identity-normalised) models: ids are
+      identical for all text. One input class does not round-trip, in
+      SentencePiece itself: U+2581 in the text is read as an escaped space, so it
+      encodes like " " and decodes as " " - in both tokenizers alike.
+    * Models trained with ``code_friendly=False`` (nmt_nfkc charsmap): ``tokenizers``'
+      Precompiled normalizer applies the charsmap per grapheme cluster - a cluster
+      under 6 UTF-8 bytes is replaced whole by the rule of its shortest matching
+      prefix, a longer one character by character - whereas SentencePiece applies
+      the longest matching rule at each position. So text in which a character
+      is followed by combining marks or conjoining Hangul jamo can normalise
+      differently: U+3000 + U+0301 loses the accent, U+1100 U+1161 stays two jamo
+      instead of becoming U+AC00, and the ids differ. Text without such clusters
+      gives identical ids.
+    * ``tokenizers`` cannot give two merges one rank, SentencePiece ranks all
+      splits of a piece alike (it orders by the piece's score, then position).
+      The order among one piece's splits could only matter if two of them were
+      available at once overlapping (symbols s1 s2 s3 with s1+s2 == s2+s3 == the
+      piece); reversing that order changes no result in the tests, runs of one
+      character included. Splits are ranked shorter-left-first.
+
+    Only BPE models convert; UNUSED pieces, multi-character user-defined symbols,
+    whitespace as suffix and a denormalizer (none of which train_sentencepiece
+    produces) raise ValueError, as does a unigram model.
+    """
+    tk = _import_tokenizers("sentencepiece_to_tokenizer_json")
+    m = _read_sentencepiece_model(model_path)
+    problems = []
+    if m["model_type"] != 2:
+        problems.append("only BPE models convert (this one is unigram/word/char)")
+    if m["treat_whitespace_as_suffix"]:
+        problems.append("treat_whitespace_as_suffix is not supported")
+    if m["denormalizer_charsmap"]:
+        problems.append("a denormalizer is not supported")
+    pieces = m["pieces"]
+    kinds = [kind for _, _, kind in pieces]
+    if _SP_UNUSED in kinds:
+        problems.append("UNUSED pieces are not supported")
+    if kinds.count(_SP_UNKNOWN) != 1:
+        problems.append("the model needs exactly one <unk> piece")
+    user = [p for p, _, kind in pieces if kind == _SP_USER_DEFINED]
+    if any(len(p) != 1 for p in user):
+        problems.append("multi-character user-defined symbols are not supported")
+    normal = {p: (score, i) for i, (p, score, kind) in enumerate(pieces) if kind == _SP_NORMAL}
+    missing = sorted({c for p in normal for c in p if c not in normal})
+    if missing:
+        # SentencePiece could merge such a character; tokenizers spells it in bytes first.
+        problems.append(f"normal pieces use characters that are no piece: {missing[:5]}")
+    if problems:
+        raise ValueError(f"{model_path}: cannot convert: {'; '.join(problems)}")
+
+    vocab = {p: i for i, (p, _, _) in enumerate(pieces)}
+    ranked = []
+    for piece, (score, i) in normal.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                ranked.append((-score, i, cut, left, right))
+    ranked.sort()
+    unk = next(p for p, _, kind in pieces if kind == _SP_UNKNOWN)
+    tok = tk.Tokenizer(tk.models.BPE(
+        vocab=vocab, merges=[(left, right) for *_, left, right in ranked], unk_token=unk,
+        fuse_unk=True, byte_fallback=m["byte_fallback"], dropout=None))
+
+    norm = []
+    if m["precompiled_charsmap"]:
+        norm.append(tk.normalizers.Precompiled(m["precompiled_charsmap"]))
+    if m["remove_extra_whitespaces"]:  # only " " counts, as in SentencePiece
+        norm += [tk.normalizers.Replace(tk.Regex(r"\A +| +\z"), ""),
+                 tk.normalizers.Replace(tk.Regex(" {2,}"), " ")]
+    space = " "
+    if m["escape_whitespaces"]:
+        norm.append(tk.normalizers.Replace(" ", _SPACE))
+        space = _SPACE
+    if m["add_dummy_prefix"]:
+        norm.append(tk.normalizers.Prepend(space))  # non-empty text only, as in SentencePiece
+    if norm:
+        tok.normalizer = tk.normalizers.Sequence(norm)
+
+    pre = []
+    if user:
+        pattern = "|".join(re.escape(p) for p in user)
+        pre.append(tk.pre_tokenizers.Split(tk.Regex(pattern), behavior="isolated"))
+    if not any(re.search(f"[^{space}]{space}", p) for p in normal):
+        # Chunks are a run of spaces plus the non-space run after it: no piece
+        # crosses their boundaries, so BPE inside each chunk gives the same result.
+        pattern = f"{space}*[^{space}]+|{space}+"
+        pre.append(tk.pre_tokenizers.Split(tk.Regex(pattern), behavior="isolated"))
+    if pre:
+        tok.pre_tokenizer = tk.pre_tokenizers.Sequence(pre)
+
+    dec = []
+    control = [p for p, _, kind in pieces if kind == _SP_CONTROL]
+    if control:
+        pattern = "^(?:" + "|".join(re.escape(p) for p in control) + ")$"
+        dec.append(tk.decoders.Replace(tk.Regex(pattern), ""))
+    dec.append(tk.decoders.Replace(tk.Regex("^" + re.escape(unk) + "$"), m["unk_surface"]))
+    if m["escape_whitespaces"]:
+        dec.append(tk.decoders.Replace(_SPACE, " "))
+    if m["byte_fallback"]:
+        dec.append(tk.decoders.ByteFallback())
+    dec.append(tk.decoders.Fuse())
+    if m["add_dummy_prefix"]:
+        dec.append(tk.decoders.Strip(content=" ", left=1))
+    tok.decoder = tk.decoders.Sequence(dec)
+
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(out_dir, exist_ok=True)
+    _atomic_write(out_path, tok.to_str(pretty=True).encode("utf-8"))
+    return out_path
 
 
 def _atomic_write(path: str, data: bytes) -> None:
