@@ -26,6 +26,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from . import faults
 from . import parallel_state as ps
 from .optimizer.layout import layout_from_description
 from .tensor_parallel.random import get_rng_tracker
@@ -43,14 +44,6 @@ class CheckpointError(RuntimeError):
 
 def iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def _fault(point: str, iteration: int) -> None:
-    """Test hook: MP_OFFLOAD_CKPT_FAULT=<point>[:<iteration>] kills this process there."""
-    spec = os.environ.get("MP_OFFLOAD_CKPT_FAULT", "")
-    where, _, at = spec.partition(":")
-    if where == point and (not at or int(at) == iteration):
-        os._exit(17)
 
 
 def _sha256(path: str) -> str:
@@ -128,7 +121,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model, opt
     shard["rng"] = _rng_state()
     rel = _optim_file(tp_rank, dp_rank)
     files[rel] = _write(shard, os.path.join(tmp, rel))
-    _fault("after_rank_files", iteration)
+    faults.checkpoint_point("after_rank_files", iteration)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, files)
     if rank == 0:
@@ -141,10 +134,10 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model, opt
                         optimizer=kind,
                         model_config=dataclasses.asdict(args.model),
                         params=_param_info(model, tp), files=all_files)
-        _fault("before_manifest", iteration)
+        faults.checkpoint_point("before_manifest", iteration)
         _write(json.dumps(manifest, indent=1), os.path.join(tmp, "manifest.json"), text=True)
         _fsync_dir(tmp)
-        _fault("before_rename", iteration)
+        faults.checkpoint_point("before_rename", iteration)
         if os.path.exists(final):  # re-saving an iteration: the old copy goes only after
             old = final + ".old"
             shutil.rmtree(old, ignore_errors=True)

@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import faults
 from . import parallel_state as ps
 from .checkpointing import CheckpointError, load_checkpoint
 from .config import Args, ConfigError, parse_args, validate
@@ -187,16 +188,6 @@ class _StopFlag:
         return flag.item() > 0
 
 
-def _fault_once(iteration: int) -> None:
-    """Test hook: MP_OFFLOAD_FAULT_ONCE=<marker file>:<iteration> kills this rank once there."""
-    spec = os.environ.get("MP_OFFLOAD_FAULT_ONCE")
-    if spec:
-        marker, at = spec.rsplit(":", 1)
-        if iteration == int(at) and not os.path.exists(marker):
-            open(marker, "w").close()
-            os._exit(13)
-
-
 def _save(args: Args, iteration: int, consumed: int, model, optimizer, logger) -> None:
     from .checkpointing import save_checkpoint
     t0 = time.perf_counter()
@@ -256,7 +247,7 @@ def train(args: Args, model, optimizer, train_iter, valid_iter, device, logger: 
         if t.eval_interval and iteration % t.eval_interval == 0 and iteration < t.train_iters:
             logger.evaluation(iteration, "valid",
                               evaluate(model, optimizer, valid_iter, device, t.eval_iters))
-        _fault_once(iteration)
+        faults.after_iteration(iteration)
         if save_every and iteration % save_every == 0:
             _save(args, iteration, consumed_samples, model, optimizer, logger)
             saved_at = iteration

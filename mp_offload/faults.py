@@ -1,0 +1,27 @@
+"""Fault injection for the tests: the one place where the code may kill its own process.
+
+Both hooks read an environment variable and do nothing without it:
+  MP_OFFLOAD_FAULT_ONCE=<marker file>:<iteration>   kill this rank after that iteration,
+                                                    once (the marker file remembers it)
+  MP_OFFLOAD_CKPT_FAULT=<point>[:<iteration>]       kill the saving process at a named
+                                                    point of a checkpoint save
+"""
+from __future__ import annotations
+
+import os
+
+
+def after_iteration(iteration: int) -> None:
+    spec = os.environ.get("MP_OFFLOAD_FAULT_ONCE")
+    if spec:
+        marker, at = spec.rsplit(":", 1)
+        if iteration == int(at) and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(13)
+
+
+def checkpoint_point(point: str, iteration: int) -> None:
+    spec = os.environ.get("MP_OFFLOAD_CKPT_FAULT", "")
+    where, _, at = spec.partition(":")
+    if where == point and (not at or int(at) == iteration):
+        os._exit(17)
