@@ -105,7 +105,8 @@ def _setup(pretrain_argv):
     """Flags, process groups and the training split, in pretrain()'s order."""
     from mp_offload import parallel_state as ps
     from mp_offload.config import parse_args, validate
-    from mp_offload.training import build_datasets, init_distributed
+    from mp_offload.data.build import build_datasets
+    from mp_offload.distributed import init_distributed
 
     args = parse_args(pretrain_argv)
     validate(args, int(os.environ.get("WORLD_SIZE", 1)))
@@ -131,14 +132,9 @@ def _build_model(args, device):
 
 
 def _batches(args, train_ds, device):
-    from mp_offload import parallel_state as ps
-    from mp_offload.data.loader import BatchIterator
+    from mp_offload.data.build import batch_iterator
 
-    return BatchIterator(train_ds, 0, args.train.micro_batch_size, ps.get_data_parallel_rank(),
-                         ps.get_data_parallel_world_size(), args.model.seq_length, device,
-                         ps.get_tensor_model_parallel_group(),
-                         ps.get_tensor_model_parallel_src_rank(),
-                         is_reader=ps.get_tensor_model_parallel_rank() == 0)
+    return batch_iterator(train_ds, args, 0, device)
 
 
 class DDPTrainer:
@@ -195,7 +191,7 @@ class DDPTrainer:
 
 
 class OursTrainer:
-    """One iteration of mp_offload.training.train(), for the paired run."""
+    """One iteration of mp_offload.training.train(): its very train_step, for the paired run."""
 
     def __init__(self, args, device, model, train_ds):
         from mp_offload import parallel_state as ps
@@ -206,29 +202,20 @@ class OursTrainer:
         self.args, self.device = args, device
         self.opt = build_optimizer(model, args, device)
         self.model = model
-        self.dp = ps.get_data_parallel_world_size()
-        self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp)
+        self.dp = ps.get_data_parallel_group()
+        self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp.size)
         self.sched = LRScheduler.from_args(args)
         self.batches = _batches(args, train_ds, device)
         self.consumed = 0
 
     def iteration(self) -> float:
-        import torch
-        import torch.distributed as dist
+        from mp_offload.training import train_step
 
-        t = self.args.train
         lr = self.sched.get_lr(self.consumed)
-        self.opt.zero_grad()
-        loss_sum = torch.zeros((), device=self.device)
-        for _ in range(self.num_micro):
-            tokens = next(self.batches)
-            loss = self.model(tokens[:, :-1], tokens[:, 1:]).mean() / self.num_micro
-            self.opt.backward(loss)
-            loss_sum += loss.detach()
-        self.opt.step(lr)
-        dist.all_reduce(loss_sum)
-        self.consumed += t.global_batch_size
-        return loss_sum.item() / self.dp
+        out = train_step(self.model, self.opt, self.batches, self.num_micro, lr, self.dp,
+                         self.device)
+        self.consumed += self.args.train.global_batch_size
+        return out.loss
 
 
 def _teardown():

@@ -1,12 +1,56 @@
-"""Progress on stdout, one JSON object per iteration/evaluation, optional TensorBoard."""
+"""The project's one logger, and the per-iteration metrics built on it.
+
+``log`` (the ``mp_offload`` logger) prints plain lines on stdout from global rank 0
+only; pass ``extra={"all_ranks": True}`` for a line every rank must print. ``Logger``
+adds one JSON object per iteration/evaluation (``--log-json``) and TensorBoard.
+"""
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import resource
+import sys
 import time
 
 import torch
+import torch.distributed as dist
+
+
+class _RankZeroFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "all_ranks", False):
+            return True
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+        return rank == 0
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever sys.stdout is at the time (tests and tools swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def _make_logger() -> logging.Logger:
+    logger = logging.getLogger("mp_offload")
+    if not logger.handlers:
+        handler = _StdoutHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.addFilter(_RankZeroFilter())
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger
+
+
+log = _make_logger()
 
 
 def peak_memory() -> dict:
@@ -30,8 +74,7 @@ class Logger:
                 self.info("--tensorboard-dir given but tensorboard is not installed; skipping")
 
     def info(self, msg: str) -> None:
-        if self.is_main:
-            print(msg, flush=True)
+        log.info(msg)
 
     def _record(self, rec: dict) -> None:
         if self.json:
@@ -57,15 +100,14 @@ class Logger:
                     f"{rec['peak_device_gb']:.2f}/{rec['peak_host_gb']:.2f}")
             if "host_device_bytes_per_param" in rec:  # ZeRO-Offload traffic, per owned param
                 line += f" | host<->device B/param {rec['host_device_bytes_per_param']:.2f}"
-            print(line, flush=True)
+            log.info(line)
 
     def evaluation(self, iteration: int, split: str, loss: float | None) -> None:
         if not self.is_main or loss is None:
             return
         ppl = math.exp(min(loss, 50.0))
         self._record({"iteration": iteration, f"{split}_loss": loss, f"{split}_ppl": ppl})
-        print(f" {split} loss at iteration {iteration} | lm loss {loss:.4f} | "
-              f"ppl {ppl:.2f}", flush=True)
+        log.info(f" {split} loss at iteration {iteration} | lm loss {loss:.4f} | ppl {ppl:.2f}")
 
     def close(self) -> None:
         if self.json:

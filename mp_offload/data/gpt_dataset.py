@@ -16,19 +16,19 @@ import hashlib
 import json
 import math
 import os
-import sys
 import time
 from typing import Sequence
 
 import numpy as np
 
+from ..logger import log
 from .indexed_dataset import MMapIndexedDataset
 
 _INDEX_FORMAT = 1  # bump when the meaning of the cached arrays changes
 
 
 def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    log.info(msg)
 
 
 def num_epochs_needed(tokens_per_epoch: int, num_samples: int, seq_length: int) -> int:

@@ -1,0 +1,73 @@
+"""The datasets and batch iterators of one run, from its flags.
+
+Only TP rank 0 of each TP group reads data (its batches are broadcast to the group);
+global rank 0 builds the index caches first, then the other readers load them.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from .. import parallel_state as ps
+from ..logger import log
+from .loader import BatchIterator, MockGPTDataset
+
+
+def num_samples(args) -> tuple[int, int, int]:
+    t = args.train
+    gbs, iters = t.global_batch_size, t.train_iters
+    evals = (iters // t.eval_interval + 2) * t.eval_iters * gbs
+    return iters * gbs, evals, t.eval_iters * gbs
+
+
+def build_datasets(args):
+    """(train, valid, test, vocab_size); only global rank 0 builds caches first."""
+    d, m, t = args.data, args.model, args.train
+    n_train, n_valid, n_test = num_samples(args)
+    if d.mock_data:
+        mk = lambda n, k: MockGPTDataset(max(n, 1), m.seq_length, m.vocab_size, t.seed + k)  # noqa
+        return mk(n_train, 0), mk(n_valid, 1), mk(n_test, 2), m.vocab_size
+    from .gpt_dataset import build_train_valid_test_datasets
+    from .tokenizer import build_tokenizer
+
+    cache = d.data_cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "mp_offload")
+    data_path, tok_model = d.data_path, d.tokenizer_model
+    if data_path is None:  # the embedded default corpus: the stdlib's own sources
+        from .default_corpus import prepare_default_corpus
+        if dist.get_rank() == 0:
+            prepare_default_corpus(cache, log=lambda s: log.info(f"[default corpus] {s}"))
+        dist.barrier()
+        data_path, tok_model = prepare_default_corpus(cache)
+        data_path = [data_path]
+    tok = build_tokenizer(d.tokenizer_type, tok_model, vocab_size=m.vocab_size,
+                          vocab_file=d.vocab_file, merge_file=d.merge_file)
+    datasets = (None, None, None)
+    is_reader = ps.get_tensor_model_parallel_rank() == 0
+    for turn in (0, 1):  # rank 0 builds the index caches, then the other readers load them
+        if is_reader and (dist.get_rank() == 0) == (turn == 0):
+            datasets = build_train_valid_test_datasets(
+                data_path, d.split, (n_train, n_valid, n_test), m.seq_length, t.seed,
+                cache_dir=d.data_cache_dir)
+        dist.barrier()
+    # Non-readers hold no datasets: learn from TP rank 0 which splits exist.
+    present = torch.tensor([ds is not None for ds in datasets], dtype=torch.int64,
+                           device=ps.comm_device())
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        dist.broadcast(present, ps.get_tensor_model_parallel_src_rank(),
+                       group=ps.get_tensor_model_parallel_group().torch_group())
+    datasets = tuple(ds if is_reader else (True if p else None)
+                     for ds, p in zip(datasets, present.tolist()))
+    return (*datasets, tok.vocab_size)
+
+
+def batch_iterator(dataset, args, consumed: int, device):
+    """``dataset`` is None when the split is empty (on non-readers: True when it exists)."""
+    if dataset is None:
+        return None
+    return BatchIterator(dataset, consumed, args.train.micro_batch_size,
+                         ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+                         args.model.seq_length, device, ps.get_tensor_model_parallel_group(),
+                         ps.get_tensor_model_parallel_src_rank(),
+                         is_reader=ps.get_tensor_model_parallel_rank() == 0)
