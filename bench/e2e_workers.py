@@ -104,12 +104,12 @@ def _split_worker_argv(argv):
 def _setup(pretrain_argv):
     """Flags, process groups and the training split, in pretrain()'s order."""
     from mp_offload import parallel_state as ps
-    from mp_offload.config import parse_args, validate
+    from mp_offload.config import parse_args, resolve
     from mp_offload.data.build import build_datasets
     from mp_offload.distributed import init_distributed
 
     args = parse_args(pretrain_argv)
-    validate(args, int(os.environ.get("WORLD_SIZE", 1)))
+    resolve(args, int(os.environ.get("WORLD_SIZE", 1)))
     device = init_distributed()
     ps.initialize_model_parallel(args.parallel.tensor_model_parallel_size)
     train_ds, _, _, vocab = build_datasets(args)

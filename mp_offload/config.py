@@ -30,6 +30,14 @@ def _f(default, help: str, **extra):
 class ParallelConfig:
     tensor_model_parallel_size: int = _f(1, "ranks that split each layer (TP, innermost)")
     world_size: int | None = _f(None, "ranks to plan for with --dry-run; default WORLD_SIZE or 1")
+    device: str | None = _f(None, "auto: cuda:LOCAL_RANK when CUDA is available, else the CPU "
+                            "(default: $MP_OFFLOAD_DEVICE, else auto)",
+                            choices=("auto", "cuda", "cpu"))
+    cpu_threads_per_rank: int | None = _f(None, "CPU threads for the CPU Adam and torch on each "
+                                          "rank (default: the cores of its affinity mask / "
+                                          "LOCAL_WORLD_SIZE; OMP_NUM_THREADS is ignored)")
+    distributed_timeout_minutes: float = _f(10.0, "a collective waiting longer than this "
+                                            "ends the job with an error")
 
 
 @dataclass
@@ -69,7 +77,8 @@ class OptimizerConfig:
     min_loss_scale: float = _f(1.0, "fp16: lowest loss scale")
     loss_scale_window: int = _f(1000, "fp16: clean steps before the scale doubles")
     hysteresis: int = _f(2, "fp16: overflows tolerated before the scale halves")
-    reduce_bucket_size: int = _f(DEFAULT_BUCKET_SIZE, "elements per gradient bucket (reduce-scatter)")
+    reduce_bucket_size: int = _f(DEFAULT_BUCKET_SIZE,
+                                 "elements per gradient bucket (reduce-scatter)")
     dpu_warmup_steps: int | None = _f(None, "enable the one-step delayed parameter update "
                                            "after this many synchronous steps")
 
@@ -122,6 +131,47 @@ _MODEL_HELP = {
     "layernorm_epsilon": "LayerNorm epsilon", "init_method_std": "init std",
     "recompute_activations": "recompute each layer in backward (activation checkpointing)",
 }
+
+
+# Valid range of every numeric flag, checked with the others before any process group
+# starts: "lo.." means >= lo, "lo<.." means > lo, "lo..hi)" means lo <= x < hi.
+RANGES = {
+    "num_layers": "1..", "hidden_size": "1..", "num_attention_heads": "1..",
+    "ffn_hidden_size": "1..", "seq_length": "1..", "max_position_embeddings": "1..",
+    "vocab_size": "1..", "make_vocab_size_divisible_by": "1..", "hidden_dropout": "0..1)",
+    "attention_dropout": "0..1)", "layernorm_epsilon": "0<..", "init_method_std": "0..",
+    "tensor_model_parallel_size": "1..", "world_size": "1..", "cpu_threads_per_rank": "1..",
+    "distributed_timeout_minutes": "0<..", "micro_batch_size": "1..",
+    "global_batch_size": "1..", "train_iters": "0..", "train_samples": "0..",
+    "eval_interval": "1..", "eval_iters": "0..", "exit_interval": "1..", "lr": "0..",
+    "min_lr": "0..", "lr_warmup_iters": "0..", "lr_decay_iters": "1..", "weight_decay": "0..",
+    "clip_grad": "0..", "adam_beta1": "0..1)", "adam_beta2": "0..1)", "adam_eps": "0<..",
+    "initial_loss_scale": "0<..", "min_loss_scale": "0<..", "loss_scale_window": "1..",
+    "hysteresis": "1..", "reduce_bucket_size": "1..", "dpu_warmup_steps": "0..",
+    "log_interval": "1..", "save_interval": "1..", "keep_checkpoints": "1..",
+}
+
+
+def _check_range(name: str, value, spec: str) -> None:
+    lo_part, _, hi_part = spec.partition("..")
+    strict = lo_part.endswith("<")
+    lo = float(lo_part.rstrip("<"))
+    hi = float(hi_part.rstrip(")")) if hi_part else None
+    ok = (value > lo if strict else value >= lo) and (hi is None or value < hi)
+    if not ok:
+        want = f"> {lo:g}" if strict else f">= {lo:g}"
+        if hi is not None:
+            want += f" and < {hi:g}"
+        raise ConfigError(f"--{name.replace('_', '-')} must be {want}, got {value}")
+
+
+def check_ranges(args) -> None:
+    """Every numeric flag inside its declared range (``RANGES``); None means "default"."""
+    for group in vars(args).values():
+        for f in dataclasses.fields(group):
+            value = getattr(group, f.name)
+            if f.name in RANGES and value is not None and not isinstance(value, bool):
+                _check_range(f.name, value, RANGES[f.name])
 
 
 @dataclass
@@ -198,8 +248,22 @@ def _validate_data(d: DataConfig) -> None:
                           "corpus is tokenized with its own SentencePiece model)")
 
 
+def resolve(args: Args, world_size: int) -> Args:
+    """Check the flags, then fill in the values derived from others (the default global
+    batch, iterations from --train-samples); raises ConfigError naming the flag."""
+    validate(args, world_size)
+    t = args.train
+    dp = world_size // args.parallel.tensor_model_parallel_size
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * dp
+    if t.train_samples is not None:
+        t.train_iters = t.train_samples // t.global_batch_size
+    return args
+
+
 def validate(args: Args, world_size: int) -> None:
-    """Cross-field checks; raises ConfigError naming the flag and the numbers."""
+    """Ranges and cross-field checks, changing nothing; raises ConfigError naming the flag."""
+    check_ranges(args)
     m, t, o = args.model, args.train, args.optim
     tp = args.parallel.tensor_model_parallel_size
     try:
@@ -217,10 +281,9 @@ def validate(args: Args, world_size: int) -> None:
         raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
                           f"{m.max_position_embeddings}")
     dp = world_size // tp
-    if t.global_batch_size is None:
-        t.global_batch_size = t.micro_batch_size * dp
-    if t.micro_batch_size < 1 or t.global_batch_size % (t.micro_batch_size * dp):
-        raise ConfigError(f"--global-batch-size {t.global_batch_size} is not a multiple of "
+    gbs = t.micro_batch_size * dp if t.global_batch_size is None else t.global_batch_size
+    if gbs % (t.micro_batch_size * dp):
+        raise ConfigError(f"--global-batch-size {gbs} is not a multiple of "
                           f"--micro-batch-size {t.micro_batch_size} x data-parallel size {dp}")
     if t.fp16 and t.bf16:
         raise ConfigError("--fp16 and --bf16 are mutually exclusive")
@@ -234,13 +297,8 @@ def validate(args: Args, world_size: int) -> None:
         raise ConfigError("give --train-iters or --train-samples")
     if t.train_iters is not None and t.train_samples is not None:
         raise ConfigError("--train-iters and --train-samples are mutually exclusive")
-    if t.train_samples is not None:
-        t.train_iters = t.train_samples // t.global_batch_size
+    if t.train_samples is not None and t.train_samples // gbs < 1:
+        raise ConfigError(f"--train-samples {t.train_samples} is less than one global batch "
+                          f"({gbs} samples)")
     _validate_data(args.data)
-    c = args.ckpt
-    if c.save_interval is not None and c.save_interval < 1:
-        raise ConfigError(f"--save-interval must be >= 1, got {c.save_interval}")
-    if c.keep_checkpoints is not None and c.keep_checkpoints < 1:
-        raise ConfigError(f"--keep-checkpoints must be >= 1, got {c.keep_checkpoints}")
-    if args.log.log_interval < 1:
-        raise ConfigError(f"--log-interval must be >= 1, got {args.log.log_interval}")
+

@@ -150,17 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _setup(tp: int):
     """Join torchrun's world when there is one; returns (device, created_group)."""
+    from .distributed import DeviceError, pick_device
+    try:
+        device = pick_device()
+    except DeviceError as e:
+        raise SystemExit(f"generate: {e}") from None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     created = False
     if world > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         created = True
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if dist.is_initialized():
         ps.initialize_model_parallel(tp)
     elif tp != 1:

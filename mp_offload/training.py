@@ -21,9 +21,16 @@ import torch.distributed as dist
 from . import faults
 from . import parallel_state as ps
 from .checkpointing import CheckpointError, load_checkpoint
-from .config import Args, ConfigError, parse_args, validate
+from .config import Args, ConfigError, parse_args, resolve
 from .data.build import batch_iterator, build_datasets
-from .distributed import env_int, fail, init_distributed
+from .distributed import (
+    DeviceError,
+    apply_cpu_threads,
+    env_int,
+    fail,
+    init_distributed,
+    threads_per_rank,
+)
 from .logger import Logger, log
 from .lr_scheduler import LRScheduler
 from .model.gpt import GPTModel, flops_per_token, num_parameters
@@ -207,7 +214,7 @@ def _checked_args(argv) -> tuple[Args, int]:
                  f"WORLD_SIZE {world} (--world-size is for --dry-run)")
         world = args.parallel.world_size
     try:
-        validate(args, world)
+        resolve(args, world)
     except ConfigError as e:
         fail(str(e))
     return args, world
@@ -258,8 +265,13 @@ def pretrain(argv=None) -> dict:
         from .plan import dry_run  # deferred: only the planner needs it
         dry_run(args, world)
         return {}
-    device = init_distributed()
-    ps.initialize_model_parallel(args.parallel.tensor_model_parallel_size)
+    p = args.parallel
+    try:
+        device = init_distributed(p.device, p.distributed_timeout_minutes)
+    except DeviceError as e:
+        fail(str(e))
+    ps.initialize_model_parallel(p.tensor_model_parallel_size)
+    log.info(apply_cpu_threads(threads_per_rank(p.cpu_threads_per_rank)))
     logger = Logger(args.log, is_main=dist.get_rank() == 0)
     try:
         return _run(args, device, logger)

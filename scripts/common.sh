@@ -29,13 +29,24 @@ require_int() {
   [ "$value" -ge "$min" ] || die "$name must be >= $min, got $value"
 }
 
-# GPUs on this machine (0 without CUDA); nvidia-smi first because importing torch is slow.
+# GPUs this job may use (0 without CUDA): CUDA_VISIBLE_DEVICES when it is set, else all
+# of the machine's; nvidia-smi first because importing torch is slow.
 gpus_here() {
+  local all
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    nvidia-smi -L | grep -c '^GPU'
+    all=$(nvidia-smi -L | grep -c '^GPU')
   else
-    "$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0
+    all=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
   fi
+  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+    local visible=0 id
+    for id in ${CUDA_VISIBLE_DEVICES//,/ }; do
+      [ "$id" = "-1" ] && break  # CUDA stops at the first invalid id
+      visible=$((visible + 1))
+    done
+    [ "$visible" -lt "$all" ] && all=$visible
+  fi
+  echo "$all"
 }
 
 # check_gpus VAR: the per-node GPU count VAR asks for is present (real runs only).

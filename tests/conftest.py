@@ -6,6 +6,9 @@ import torch
 
 # Tests run many ranks on two cores: one thread each, and helpers importable by spawned ranks.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The gloo tests run on the CPU even on a GPU machine (more ranks than GPUs there);
+# the CUDA tests ask for the device explicitly (--device cuda).
+os.environ.setdefault("MP_OFFLOAD_DEVICE", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))
 
 

@@ -31,3 +31,35 @@ def test_bad_combinations_name_the_flag(argv, world, needle):
     args = parse_args(["--train-iters", "1", *argv])
     with pytest.raises(ConfigError, match=needle.replace("-", r"\-")):
         validate(args, world)
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--num-layers", "0", "--num-layers must be >= 1, got 0"),
+    ("--hidden-size", "0", "--hidden-size must be >= 1, got 0"),
+    ("--hidden-size", "-64", "--hidden-size must be >= 1, got -64"),
+    ("--ffn-hidden-size", "0", "--ffn-hidden-size must be >= 1"),
+    ("--global-batch-size", "0", "--global-batch-size must be >= 1"),
+    ("--train-iters", "-5", "--train-iters must be >= 0, got -5"),
+    ("--clip-grad", "-1", "--clip-grad must be >= 0"),
+    ("--dpu-warmup-steps", "-1", "--dpu-warmup-steps must be >= 0"),
+    ("--eval-interval", "0", "--eval-interval must be >= 1"),
+    ("--reduce-bucket-size", "0", "--reduce-bucket-size must be >= 1"),
+    ("--make-vocab-size-divisible-by", "0", "--make-vocab-size-divisible-by must be >= 1"),
+    ("--hidden-dropout", "1.0", "--hidden-dropout must be >= 0 and < 1"),
+    ("--adam-eps", "0", "--adam-eps must be > 0"),
+    ("--distributed-timeout-minutes", "0", "--distributed-timeout-minutes must be > 0"),
+    ("--cpu-threads-per-rank", "0", "--cpu-threads-per-rank must be >= 1"),
+])
+def test_numbers_outside_their_range_name_the_flag(flag, value, needle):
+    args = parse_args(["--train-iters", "1", flag, value])
+    with pytest.raises(ConfigError, match=needle.replace("-", r"\-")):
+        validate(args, 1)
+
+
+def test_validate_changes_nothing_and_resolve_fills_derived_values():
+    from mp_offload.config import resolve
+    args = parse_args(["--train-samples", "64", "--micro-batch-size", "2"])
+    validate(args, 4)
+    assert args.train.global_batch_size is None and args.train.train_iters is None
+    resolve(args, 4)
+    assert (args.train.global_batch_size, args.train.train_iters) == (8, 8)

@@ -258,3 +258,20 @@ def test_plot_written_with_matplotlib(tmp_path):
     path = tmp_path / "x.png"
     assert plot_scaling(scaling(ten_b(), Machine(), gpus=(1, 2)), str(path), "t") is True
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("elem_bytes,tp", [(2, 1), (2, 2), (4, 1)])
+def test_loss_forward_term_is_a_hand_count_of_the_cross_entropy(elem_bytes, tp):
+    """At the subtraction in vocab_parallel_cross_entropy the rank holds the logits (compute
+    dtype), their fp32 copy (none for fp32 logits) and the fp32 shifted logits; padding is
+    masked in place, so no masked clone. Vocabulary 1000 pads to 1024 (divisible by 128)."""
+    from mp_offload.planner.activations import estimate_activations
+    cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                    vocab_size=1000, hidden_dropout=0.0, attention_dropout=0.0)
+    s, b, V = 32, 3, cfg.padded_vocab_size(tp)
+    est = estimate_activations(cfg, tp, b, elem_bytes, recompute=False)
+    logits = elem_bytes * s * b * V // tp
+    fp32_copy = 4 * s * b * V // tp if elem_bytes < 4 else 0
+    shifted = 4 * s * b * V // tp
+    at_loss = est.phases["end of forward (loss)"] - est.kept - est.outside
+    assert at_loss == logits + fp32_copy + shifted

@@ -71,3 +71,21 @@ def test_checkpoint_gives_identical_gradients():
         grads.append((xi.grad.clone(), block.fc.weight.grad.clone(), after))
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_checkpoint_replays_under_the_forward_autocast():
+    """bf16 autocast in forward: the recompute in backward must run in bf16 too."""
+    torch.manual_seed(0)
+    block = _Block()
+    x = torch.randn(4, 16)
+    grads = []
+    for use_ckpt in (False, True):
+        model_parallel_seed(99, 0)
+        block.zero_grad()
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = checkpoint(block, xi) if use_ckpt else block(xi)
+        y.float().pow(2).sum().backward()
+        grads.append((xi.grad.clone(), block.fc.weight.grad.clone()))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from .. import parallel_state as ps
 from ..logger import log
-from .loader import BatchIterator, MockGPTDataset
+from .loader import BatchIterator, MockGPTDataset, SizedPlaceholder
 
 
 def num_samples(args) -> tuple[int, int, int]:
@@ -51,19 +51,20 @@ def build_datasets(args):
                 data_path, d.split, (n_train, n_valid, n_test), m.seq_length, t.seed,
                 cache_dir=d.data_cache_dir)
         dist.barrier()
-    # Non-readers hold no datasets: learn from TP rank 0 which splits exist.
-    present = torch.tensor([ds is not None for ds in datasets], dtype=torch.int64,
-                           device=ps.comm_device())
+    # Non-readers hold no datasets: learn from TP rank 0 which splits exist and their
+    # lengths (-1: no such split), so every rank can run the same sampler.
+    lengths = torch.tensor([-1 if ds is None else len(ds) for ds in datasets],
+                           dtype=torch.int64, device=ps.comm_device())
     if ps.get_tensor_model_parallel_world_size() > 1:
-        dist.broadcast(present, ps.get_tensor_model_parallel_src_rank(),
+        dist.broadcast(lengths, ps.get_tensor_model_parallel_src_rank(),
                        group=ps.get_tensor_model_parallel_group().torch_group())
-    datasets = tuple(ds if is_reader else (True if p else None)
-                     for ds, p in zip(datasets, present.tolist()))
+    datasets = tuple(ds if is_reader else (None if n < 0 else SizedPlaceholder(n))
+                     for ds, n in zip(datasets, lengths.tolist()))
     return (*datasets, tok.vocab_size)
 
 
 def batch_iterator(dataset, args, consumed: int, device):
-    """``dataset`` is None when the split is empty (on non-readers: True when it exists)."""
+    """``dataset`` is None when the split is empty (non-readers hold a SizedPlaceholder)."""
     if dataset is None:
         return None
     return BatchIterator(dataset, consumed, args.train.micro_batch_size,

@@ -36,37 +36,44 @@ class MockGPTDataset:
         return {"text": text.astype(np.int64)}
 
 
+class SizedPlaceholder:
+    """What a TP rank that does not read data holds for a split: only its length."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+
 class BatchIterator:
-    """Yields [micro, seq+1] int64 token tensors on ``device``, resumable from a sample count."""
+    """Yields [micro, seq+1] int64 token tensors on ``device``, resumable from a sample count.
+
+    Every rank of the TP group runs the same sampler (non-readers over a
+    ``SizedPlaceholder``), so all of them know when the data ends without a per-batch
+    flag read back from the device (a host-device sync per micro-batch on CUDA).
+    """
 
     def __init__(self, dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int,
                  dp_size: int, seq_length: int, device, tp_group: ParallelGroup | None = None,
-                 tp_src: int = 0,
-                 is_reader: bool = True):
+                 tp_src: int = 0, is_reader: bool = True):
         self.dataset, self.device = dataset, device
         self.shape = (micro_batch_size, seq_length + 1)
         self.tp_group = tp_group or ParallelGroup.single()
         self.tp_src, self.is_reader = tp_src, is_reader
-        self._indices = None
-        if is_reader:
-            sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
-                                         dp_rank, dp_size)
-            self._indices = iter(sampler)
+        self._indices = iter(PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
+                                                dp_rank, dp_size))
 
     def __iter__(self):
         return self
 
     def __next__(self) -> torch.Tensor:
-        batch = torch.empty(self.shape, dtype=torch.int64)
+        idx = next(self._indices)  # StopIteration on every rank of the group alike
         if self.is_reader:
-            idx = next(self._indices, None)
-            if idx is None:
-                batch.fill_(-1)  # tell the TP group the data ran out
-            else:
-                batch = torch.from_numpy(collate([self.dataset[i] for i in idx])["text"])
-        batch = batch.to(self.device)
+            batch = torch.from_numpy(collate([self.dataset[i] for i in idx])["text"])
+            batch = batch.to(self.device, non_blocking=True)
+        else:
+            batch = torch.empty(self.shape, dtype=torch.int64, device=self.device)
         if self.tp_group.size > 1:
             dist.broadcast(batch, self.tp_src, group=self.tp_group.torch_group())
-        if batch[0, 0].item() < 0:
-            raise StopIteration
         return batch

@@ -41,10 +41,10 @@ def reduce_norm_squared(local_sq: torch.Tensor, *groups: ParallelGroup) -> float
 
 def params_grad_norm(params, tp: ParallelGroup) -> float:
     """Global L2 norm of replicated-over-DP ``.grad``s (after DP averaging)."""
-    sq = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is not None and not is_duplicate_across_tp(p, tp.rank):
-            sq = sq + p.grad.detach().double().pow(2).sum().cpu()
+    # Summed where the gradients are: one device->host transfer, not one per parameter.
+    squares = [p.grad.detach().double().pow(2).sum() for p in params
+               if p.grad is not None and not is_duplicate_across_tp(p, tp.rank)]
+    sq = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
     return math.sqrt(reduce_norm_squared(sq, tp))
 
 

@@ -13,9 +13,13 @@ import threading
 
 import torch
 
+from .host_memory import set_thread_device
+
 
 class HostAccumulator:
-    def __init__(self):
+    def __init__(self, device: torch.device | None = None):
+        # the rank's GPU: its copy events are waited on from this thread
+        self.device = device or torch.device("cpu")
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="host-grad-accumulate",
@@ -34,6 +38,10 @@ class HostAccumulator:
             raise RuntimeError("host gradient accumulation failed") from err
 
     def _run(self) -> None:
+        try:
+            set_thread_device(self.device)
+        except BaseException as e:  # noqa: BLE001 - every add is then refused; wait() raises
+            self._error = e
         while True:
             dst, src, ready = self._queue.get()
             try:

@@ -26,20 +26,52 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 BUCKET_BUFFERS = 2  # gradient bucket buffers on the device (double buffering)
 
 
+class CopyStream:
+    """Device->host copies of reduced chunks on their own CUDA stream.
+
+    On the compute stream the copies would queue behind the rest of backward's kernels,
+    adding PCIe time to backward instead of overlapping it. The copy stream first waits
+    for the compute stream (where the reduced chunk became ready), records an event when
+    the copy is done, and tells the caching allocator that the source is in use there.
+    """
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor):
+        """Queue ``dst.copy_(src)``; returns the event that marks it done."""
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        src.record_stream(self.stream)
+        return done
+
+    @staticmethod
+    def before_reuse(done) -> None:
+        """The compute stream may overwrite a copied buffer only after its copy finished."""
+        torch.cuda.current_stream().wait_event(done)
+
+
 class GradientReducer:
     def __init__(self, layout: FlatLayout, dp: ParallelGroup, device: torch.device, dtype,
-                 grad_staging: torch.Tensor | None):
+                 grad_staging: torch.Tensor | None = None, copier=None,
+                 count_traffic: bool = True):
+        """``grad_staging`` (pinned host memory) and ``copier`` (a ``CopyStream``) exist
+        together, on CUDA with offload; ``count_traffic``: chunks cross to the host."""
         self.layout, self.dp, self.device, self.dtype = layout, dp, device, dtype
-        self.grad_staging = grad_staging  # pinned host staging (CUDA + offload only)
+        self.grad_staging, self.copier = grad_staging, copier
         self.target: torch.Tensor | None = None  # the fp32 slice chunks are added into
+        self.count_traffic = count_traffic
         self.bytes_down = 0
         self._slot = {id(s.param): s for s in layout.slots}
         self._arrived = [0] * len(layout.buckets)
         self._launched = [False] * len(layout.buckets)
         self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> its buffer
-        self._pool: list[torch.Tensor] = []
+        self._pool: list[tuple] = []  # (buffer, event of the copy still reading it, or None)
         self._pending: list[tuple] = []  # (bucket, work, chunk_out, buffer)
-        self._accumulator = HostAccumulator() if grad_staging is not None else None
+        self._accumulator = HostAccumulator(device) if grad_staging is not None else None
         self.max_bucket = max(b.numel for b in layout.buckets)
         self.num_buffers = 0
         for s in layout.slots:
@@ -53,7 +85,10 @@ class GradientReducer:
         if not self._pool and self._pending and self.num_buffers >= BUCKET_BUFFERS:
             self._drain_one()  # free the oldest in-flight bucket
         if self._pool:
-            return self._pool.pop()
+            buf, reading = self._pool.pop()
+            if reading is not None:
+                self.copier.before_reuse(reading)
+            return buf
         self.num_buffers += 1
         return torch.empty(self.max_bucket, dtype=self.dtype, device=self.device)
 
@@ -92,16 +127,18 @@ class GradientReducer:
             work.wait()
         lo, hi = b.host_offset, b.host_offset + b.chunk
         grad = self.target[lo:hi]
+        landed = None
         if self.grad_staging is not None:  # CUDA + offload: 2 bytes/param down
             stage = self.grad_staging[lo:hi]
-            stage.copy_(out, non_blocking=True)
-            landed = torch.cuda.Event()
-            landed.record()
+            landed = self.copier.copy(stage, out)
             self._accumulator.add(grad, stage, landed)  # fp32 add overlaps the backward
         else:
             grad.add_(out.to(grad.device))
-        self.bytes_down += b.chunk * out.element_size()
-        self._pool.append(buf)
+        if self.count_traffic:
+            self.bytes_down += b.chunk * out.element_size()
+        # With DP=1 the chunk is the buffer itself: reuse waits for its copy (DP>1 copies a
+        # separate output tensor, kept alive for its stream by record_stream).
+        self._pool.append((buf, landed if out.data_ptr() == buf.data_ptr() else None))
 
     def finish(self) -> None:
         """End of one backward: launch what is left, wait for every chunk to land."""

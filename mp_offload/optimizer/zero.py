@@ -6,9 +6,10 @@ Host (with ``cpu_offload``; on the device otherwise): this DP rank's slice of th
 fp32 master weights, Adam moments and fp32 gradients.
 
 Backward (``reducer.py``): gradients are bucketed, reduce-scattered over the DP
-group and this rank's chunks added into the fp32 gradient slice. Step: global norm (overflow check for fp16) -> one
-Adam pass over the slice that also writes the new low-precision parameters ->
-one copy up -> all-gather of the slices across the DP group.
+group and this rank's chunks added into the fp32 gradient slice. Step: global norm
+(overflow check for fp16) -> one Adam pass over the slice that also writes the new
+low-precision parameters -> one copy up -> all-gather of the slices across the DP group.
+Without offload nothing leaves the device.
 """
 from __future__ import annotations
 
@@ -22,16 +23,13 @@ from ..parallel_state import ParallelGroup
 from .adam_math import torch_adam_step
 from .base import DEFAULT_BUCKET_SIZE, StepResult
 from .grads import clip_coefficient, reduce_norm_squared
+from .host_memory import host_empty, set_thread_device
 from .layout import FlatLayout
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
-from .reducer import GradientReducer
+from .reducer import CopyStream, GradientReducer
 
 # torch >= 2.13 renamed the tensor collectives; keep working on older releases too.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _host_empty(n: int, dtype, pin: bool) -> torch.Tensor:
-    return torch.empty(n, dtype=dtype, pin_memory=pin)
 
 
 class ZeroOptimizer:
@@ -80,16 +78,21 @@ class ZeroOptimizer:
         self.grads = [torch.zeros_like(self.master)]
         if dpu_warmup_steps is not None:  # DPU: backward t+1 writes while Adam t reads
             self.grads.append(torch.zeros_like(self.master))
-        # Low-precision staging: Adam writes new params here in its single pass (pinned on
-        # CUDA so the copy up is asynchronous); grads come down through grad_staging.
+        # With offload, Adam writes the new low-precision params into host staging in its
+        # single pass (pinned on CUDA so the copy up is asynchronous), and gradients come
+        # down through grad_staging. Without offload nothing leaves the device: the
+        # publish copies (and rounds) the fp32 master straight into the flat buffer.
         low = dtype != torch.float32
-        self.param_staging = _host_empty(n, dtype, pin) if low else None
-        self.grad_staging = _host_empty(n, dtype, pin) if cuda and cpu_offload else None
+        self.param_staging = host_empty(n, dtype, pin) if low and cpu_offload else None
+        self.grad_staging = host_empty(n, dtype, pin) if pin else None
 
-        self.reducer = GradientReducer(self.layout, dp, self.device, dtype, self.grad_staging)
+        self.reducer = GradientReducer(self.layout, dp, self.device, dtype, self.grad_staging,
+                                       copier=CopyStream(self.device) if pin else None,
+                                       count_traffic=cpu_offload)
         self.reducer.target = self.grads[0]
         self._adam = self._pick_adam()
         self._thread: threading.Thread | None = None
+        self._thread_error: BaseException | None = None
         self._uploaded = None  # CUDA event: the last host->device copy of the staging
 
     # ---------------------------------------------------------------- set-up
@@ -147,8 +150,9 @@ class ZeroOptimizer:
         delayed = self.dpu_warmup_steps is not None and self.step_count > self.dpu_warmup_steps
         if delayed:
             self._join_and_publish()  # params of step t-1 go up now; t runs behind forward t+1
-            self._thread = threading.Thread(target=self._adam_pass,
-                                            args=(grad, lr, grad_scale, self.step_count))
+            self._thread = threading.Thread(target=self._delayed_pass, name="dpu-adam",
+                                            args=(grad, lr, grad_scale, self.step_count),
+                                            daemon=True)
             self._thread.start()
             self.grads.reverse()  # backward t+1 accumulates into the other buffer
             self.reducer.target = self.grads[0]
@@ -156,6 +160,15 @@ class ZeroOptimizer:
             self._adam_pass(grad, lr, grad_scale, self.step_count)
             self._publish()
         return StepResult(grad_norm=norm, skipped=False, loss_scale=scale)
+
+    def _delayed_pass(self, *args) -> None:
+        """The DPU thread: its failure is kept and raised by the training thread, before any
+        half-updated parameter is published."""
+        try:
+            set_thread_device(self.device)
+            self._adam_pass(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised by _join_and_publish
+            self._thread_error = e
 
     def _adam_pass(self, grad: torch.Tensor, lr: float, grad_scale: float, step: int) -> None:
         if self._uploaded is not None:  # the last copy up may still be reading the staging
@@ -176,8 +189,9 @@ class ZeroOptimizer:
             lo, hi = b.chunk_range(self.dp_rank)
             self.flat[lo:hi].copy_(src[b.host_offset:b.host_offset + b.chunk],
                                    non_blocking=True)
-            self.bytes_up += b.chunk * self.flat.element_size()
-        if self.device.type == "cuda":
+            if self.cpu_offload:
+                self.bytes_up += b.chunk * self.flat.element_size()
+        if self.device.type == "cuda" and self.cpu_offload:
             self._uploaded = torch.cuda.Event()
             self._uploaded.record()
         if self.dp > 1:
@@ -191,6 +205,10 @@ class ZeroOptimizer:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+            if self._thread_error is not None:
+                err, self._thread_error = self._thread_error, None
+                raise RuntimeError(f"the delayed (DPU) optimizer step failed: "
+                                   f"{type(err).__name__}: {err}") from err
             self._publish()
 
     def flush(self) -> None:
@@ -225,6 +243,8 @@ class ZeroOptimizer:
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if self.param_staging is not None:
+            if self._uploaded is not None:  # the last copy up may still read the staging
+                self._uploaded.synchronize()
             self.param_staging.copy_(self.master)
         self._publish()
 
@@ -233,7 +253,8 @@ class ZeroOptimizer:
         steps = max(self.step_calls, 1)
         owned = max(self.layout.host_numel, 1)
         moved = self.reducer.bytes_down + self.bytes_up
-        return dict(host_device_bytes_per_param=moved / steps / owned)
+        return dict(host_device_bytes_per_param=moved / steps / owned,
+                    pinned_host_bytes=self.pinned_bytes())
 
     def memory_bytes(self) -> dict:
         """Bytes this rank holds, by place and category (from the real buffers)."""
@@ -246,6 +267,11 @@ class ZeroOptimizer:
         host = dict(staging=staging)
         (host if self.cpu_offload else device).update(state)
         return dict(device=device, host=host)
+
+    def pinned_bytes(self) -> int:
+        """Host bytes page-locked for asynchronous copies (exactly the staging, on CUDA)."""
+        pin = self.device.type == "cuda" and self.cpu_offload
+        return self.memory_bytes()["host"]["staging"] if pin else 0
 
     def memory_report(self) -> str:
         rep = self.memory_bytes()

@@ -24,8 +24,9 @@ time: + one layer's set above + its activation gradients in flight, ~e*sb*(2h + 
 
 Outside the layers: token ids 8*sb, embedding dropout mask sbh, LN_f input and head
 input 2*e*sbh, and the loss: vocab-parallel cross entropy keeps the fp32 softmax,
-4*sbV/t. Its forward briefly holds the low-precision logits, an fp32 copy, a masked
-clone (on ranks with vocabulary padding) and the shifted logits: (e + 12)*sbV/t.
+4*sbV/t. Its forward briefly holds the low-precision logits, their fp32 copy and the
+shifted logits (vocabulary padding is masked in place in the latter): (e + 8)*sbV/t;
+fp32 logits need no copy: 8*sbV/t.
 Backward starts with the softmax reused as the logits gradient plus its cast to the
 compute dtype, e*sbV/t, and the tied embedding's head gradient, e*Vh/t, which lives
 until the embedding's own gradient (another e*Vh/t) is added at the very end.
@@ -50,6 +51,7 @@ class ActivationEstimate:
     loss_kept: int  # fp32 softmax kept for backward
     peak: int  # the estimate to plan with
     phase: str  # which moment gives the peak
+    phases: dict | None = None  # every candidate moment's estimate
 
     def as_dict(self) -> dict:
         return dict(per_layer=self.per_layer, kept=self.kept, outside=self.outside,
@@ -83,7 +85,7 @@ def estimate_activations(cfg: GPTConfig, tp: int, micro_batch: int, elem_bytes: 
     outside = 8 * s * b + sbh * hid_mask + 2 * e * sbh
     sbv = s * b * V // t
     loss_kept = 4 * sbv
-    loss_forward = (e + 12) * sbv if cfg.vocab_size < V else (e + 8) * sbv
+    loss_forward = (e + 8) * sbv if e < 4 else 8 * sbv  # logits (+ fp32 copy) + shifted
     head_grad = 0 if grads_resident else e * V * h // t
 
     kept = L * (e * sbh if recompute else per_layer)
@@ -96,4 +98,4 @@ def estimate_activations(cfg: GPTConfig, tp: int, micro_batch: int, elem_bytes: 
         working = per_layer + s * b * e * (2 * h + f // t)
         phases["backward of a recomputed layer"] = kept + outside + working + head_grad
     phase = max(phases, key=phases.get)
-    return ActivationEstimate(per_layer, kept, outside, loss_kept, phases[phase], phase)
+    return ActivationEstimate(per_layer, kept, outside, loss_kept, phases[phase], phase, phases)

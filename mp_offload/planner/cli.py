@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import replace
 
-from ..config import CONFIG_CLASSES, Args, ConfigError, build_parser, validate
+from ..config import CONFIG_CLASSES, Args, ConfigError, build_parser, resolve
 from ..model.gpt import flops_per_token, num_parameters
 from .memory import (
     ALL_MODES,
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     world = args.parallel.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     args.train.dry_run = True  # planning needs no --train-iters
     try:
-        validate(args, world)
+        resolve(args, world)
     except ConfigError as e:
         print(f"plan: error: {e}", file=sys.stderr)
         return 2

@@ -138,7 +138,8 @@ def plan_rank(run: Run, shapes: RankShapes, hw: Hardware) -> tuple[dict, dict, s
                       grad_buckets=e * shapes.max_bucket * (
                           run.bucket_buffers or min(BUCKET_BUFFERS, shapes.num_buckets)))
         offload = run.mode == "offload"
-        staging = (e * n if e < 4 else 0) + (e * n if offload and run.cuda else 0)
+        # Offload only: low-precision params up, gradients down (CUDA), pinned at exact size.
+        staging = (e * n if e < 4 else 0) + (e * n if run.cuda else 0) if offload else 0
         host = dict(staging=staging)
         (host if offload else device).update(state)
     rs_out = e * (shapes.max_bucket // run.dp) if run.dp > 1 and not plain else 0

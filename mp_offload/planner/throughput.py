@@ -9,12 +9,14 @@ FLOPs per token (flops_per_token, recomputation counted), C = sustained device F
     TP all-reduces     (T>1) 6 per layer with recomputation, 4 without, of e*s*b*h
                        bytes each, ring: 2(T-1)/T * bytes / intra-node bandwidth
     gradients          reduce-scatter (D-1)/D*e*P bytes over the DP link and e*n bytes
-                       down PCIe; both overlap backward (the last 3/4 of the work with
-                       recomputation), only the excess counts
+                       down PCIe on a dedicated copy stream (optimizer/reducer.py:
+                       CopyStream), so both overlap backward (the last 3/4 of the work
+                       with recomputation); only the excess counts
     fp32 accumulation  a host thread adds each staged chunk as its copy lands: 10 B per
                        element of n (read 4+2, write 4) at this rank's share of host
                        bandwidth; it overlaps backward like the copies, only the excess counts
-  per step
+  per step (host passes over the slice, each at this rank's share of host bandwidth)
+    zero the grads     4 B per element of n (the fp32 gradient slice, before backward)
     grad norm          4 B per element of n
     CPU Adam           n / rate; rate = min(cores_per_rank * per-core rate,
                        host bandwidth share / 30 B) (Adam reads p,g,m,v and writes p,m,v
@@ -38,7 +40,11 @@ from ..model.gpt import GPTConfig, flops_per_token
 from ..optimizer.base import DEFAULT_BUCKET_SIZE
 from .shapes import rank_shapes, spec_named_params
 
-ADAM_BYTES_PER_ELEMENT = 30
+# Host memory traffic per element of the slice, by pass (what the code does today).
+ZERO_BYTES_PER_ELEMENT = 4  # zero_grad: write the fp32 gradient slice
+ACCUMULATE_BYTES_PER_ELEMENT = 10  # per micro-batch: read 2 (staging) + 4, write 4
+NORM_BYTES_PER_ELEMENT = 4  # read the fp32 gradient slice
+ADAM_BYTES_PER_ELEMENT = 30  # read p, g, m, v; write p, m, v and the low-precision copy
 
 
 @dataclass
@@ -87,6 +93,7 @@ class StepTime:
     tp_comm: float
     grad_exposed: float
     accumulate: float
+    zero: float
     norm: float
     adam: float
     copy_up: float
@@ -97,8 +104,9 @@ class StepTime:
     tflops_dpu: float
 
 
-def step_time(cfg: GPTConfig, gpus: int, machine: Machine, tp: int = 1, batch_per_gpu: int = 16,
-              micro_batch: int = 4, elem_bytes: int = 2, bucket_size: int = DEFAULT_BUCKET_SIZE) -> StepTime:
+def step_time(cfg: GPTConfig, gpus: int, machine: Machine, tp: int = 1,
+              batch_per_gpu: int = 16, micro_batch: int = 4, elem_bytes: int = 2,
+              bucket_size: int = DEFAULT_BUCKET_SIZE) -> StepTime:
     if gpus % tp:
         raise ValueError(f"{gpus} GPUs do not split into TP={tp}")
     dp = gpus // tp
@@ -122,11 +130,12 @@ def step_time(cfg: GPTConfig, gpus: int, machine: Machine, tp: int = 1, batch_pe
         volume = n_ar * 2 * (tp - 1) / tp * e * s * micro_batch * h
         tp_comm = volume / (machine.intra_node_gbs * 1e9)
     rs = (dp - 1) / dp * e * P / dp_bw
-    accumulate_work = 10 * n / host_bw
+    accumulate_work = ACCUMULATE_BYTES_PER_ELEMENT * n / host_bw
     # reduce-scatter, copy down and host accumulation are pipelined under backward
     grad_exposed = max(0.0, max(rs, e * n / pcie) - bwd)
     accumulate = max(0.0, accumulate_work - bwd - grad_exposed)
-    norm = 4 * n / host_bw
+    zero = ZERO_BYTES_PER_ELEMENT * n / host_bw
+    norm = NORM_BYTES_PER_ELEMENT * n / host_bw
     rate = min(machine.cpu_cores_per_node / ranks_node * machine.adam_rate_per_core,
                host_bw / ADAM_BYTES_PER_ELEMENT)
     adam = n / rate
@@ -134,11 +143,11 @@ def step_time(cfg: GPTConfig, gpus: int, machine: Machine, tp: int = 1, batch_pe
     ag = (dp - 1) / dp * e * P / dp_bw
     per_micro = fb + tp_comm + grad_exposed + accumulate
     work = micro * per_micro
-    sync = work + norm + adam + up + ag
-    dpu = work + norm + max(0.0, adam - micro * fb) + up + ag
+    sync = work + zero + norm + adam + up + ag
+    dpu = work + zero + norm + max(0.0, adam - micro * fb) + up + ag
     flops = batch_per_gpu * s * F / tp
     return StepTime(gpus, tp, dp, micro * fb, micro * tp_comm, micro * grad_exposed,
-                    micro * accumulate, norm, adam, up, ag, sync, dpu,
+                    micro * accumulate, zero, norm, adam, up, ag, sync, dpu,
                     flops / sync / 1e12, flops / dpu / 1e12)
 
 
@@ -154,12 +163,13 @@ def ten_b() -> GPTConfig:
 
 def format_scaling(rows: list[StepTime]) -> str:
     head = (f"{'GPUs':>5} {'TPxDP':>7} {'compute':>8} {'tp-comm':>8} {'grad-exp':>8} "
-            f"{'accum':>6} {'adam':>6} {'up':>5} {'gather':>7} {'step s':>7} {'TF/GPU':>7} "
-            f"{'DPU s':>7} {'TF/GPU':>7}")
+            f"{'accum':>6} {'host':>5} {'adam':>6} {'up':>5} {'gather':>7} {'step s':>7} "
+            f"{'TF/GPU':>7} {'DPU s':>7} {'TF/GPU':>7}")
     lines = [head]
     for r in rows:
         lines.append(f"{r.gpus:5d} {f'{r.tp}x{r.dp}':>7} {r.compute:8.2f} {r.tp_comm:8.2f} "
-                     f"{r.grad_exposed:8.2f} {r.accumulate:6.2f} {r.adam:6.2f} {r.copy_up:5.2f} "
+                     f"{r.grad_exposed:8.2f} {r.accumulate:6.2f} {r.zero + r.norm:5.2f} "
+                     f"{r.adam:6.2f} {r.copy_up:5.2f} "
                      f"{r.all_gather:7.2f} {r.step_sync:7.2f} {r.tflops_sync:7.1f} "
                      f"{r.step_dpu:7.2f} {r.tflops_dpu:7.1f}")
     return "\n".join(lines)

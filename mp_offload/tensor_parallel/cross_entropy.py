@@ -20,17 +20,24 @@ def _all_reduce(x: torch.Tensor, op, group: ParallelGroup) -> None:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group, vocab_size):
-        # Work in fp32: the softmax of low-precision logits loses too much.
+        # Work in fp32: the softmax of low-precision logits loses too much. (For fp32
+        # logits .float() is the input itself: it is only read, never written.)
         logits = logits.float()
         per = logits.shape[-1]
         start = group.rank * per
-        if vocab_size is not None and start + per > vocab_size:
-            # Padding columns get no probability, so the loss does not depend on the padding.
-            logits = logits.clone()
-            logits[..., max(vocab_size - start, 0):] = float("-inf")
-        logits_max = logits.max(dim=-1).values
+        # Padding columns (past the real vocabulary) get no probability, so the loss does
+        # not depend on the padding: left out of the max, set to -inf once shifted (in
+        # place, in the tensor this function owns: no masked copy of the logits).
+        valid = per if vocab_size is None else min(max(vocab_size - start, 0), per)
+        if valid > 0:
+            logits_max = logits[..., :valid].max(dim=-1).values
+        else:
+            logits_max = logits.new_full(logits.shape[:-1], float("-inf"))
         _all_reduce(logits_max, dist.ReduceOp.MAX, group)
         shifted = logits - logits_max.unsqueeze(-1)
+        del logits
+        if valid < per:
+            shifted[..., valid:] = float("-inf")
 
         outside = (target < start) | (target >= start + per)
         local_target = (target - start).masked_fill(outside, 0)

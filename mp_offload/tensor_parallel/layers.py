@@ -7,7 +7,7 @@ with TP=1 and one built with TP=k from the same seed hold identical weights.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -87,13 +87,22 @@ def model_parallel_seed(seed: int, tp_rank: int, device: str | None = None) -> N
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
 
 
+def _autocast_state(device_types) -> list[dict]:
+    """The autocast settings in force for each device type, as torch.autocast arguments."""
+    return [dict(device_type=t, enabled=torch.is_autocast_enabled(t),
+                 dtype=torch.get_autocast_dtype(t), cache_enabled=torch.is_autocast_cache_enabled())
+            for t in device_types]
+
+
 class _Checkpoint(torch.autograd.Function):
-    """Drop activations in forward, recompute them in backward under the same RNG."""
+    """Drop activations in forward, recompute them in backward under the same RNG and the
+    same autocast state (backward runs outside the forward's autocast region)."""
 
     @staticmethod
     def forward(ctx, run_function, *args):
         ctx.run_function = run_function
         ctx.device = _TRACKER.device
+        ctx.autocast = _autocast_state(sorted({"cpu", ctx.device}))
         ctx.cpu_state = torch.get_rng_state()
         ctx.device_state = get_rng_state(ctx.device) if ctx.device == "cuda" else None
         ctx.tracker_states = _TRACKER.get_states()
@@ -113,7 +122,9 @@ class _Checkpoint(torch.autograd.Function):
         if ctx.device_state is not None:
             set_rng_state(ctx.device_state, ctx.device)
         _TRACKER.set_states(ctx.tracker_states)
-        with torch.enable_grad():
+        with torch.enable_grad(), contextlib.ExitStack() as stack:
+            for state in ctx.autocast:
+                stack.enter_context(torch.autocast(**state))
             out = ctx.run_function(*inputs)
         torch.set_rng_state(cpu_now)
         if dev_now is not None:
