@@ -31,7 +31,7 @@ class LRScheduler:
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
     @classmethod
-    def from_args(cls, args) -> "LRScheduler":
+    def from_args(cls, args) -> LRScheduler:
         """The run's schedule: Megatron's iteration flags turned into sample counts."""
         o, gbs = args.optim, args.train.global_batch_size
         return cls(o.lr, o.min_lr, o.lr_warmup_iters * gbs,

@@ -98,7 +98,8 @@ class StepTime:
 
 
 def step_time(cfg: GPTConfig, gpus: int, machine: Machine, tp: int = 1, batch_per_gpu: int = 16,
-              micro_batch: int = 4, elem_bytes: int = 2, bucket_size: int = DEFAULT_BUCKET_SIZE) -> StepTime:
+              micro_batch: int = 4, elem_bytes: int = 2,
+              bucket_size: int = DEFAULT_BUCKET_SIZE) -> StepTime:
     if gpus % tp:
         raise ValueError(f"{gpus} GPUs do not split into TP={tp}")
     dp = gpus // tp
