@@ -202,7 +202,7 @@ def test_paper_table_reproduces_the_single_gpu_claims():
     v100 = "1x V100-32GB, 1.5 TB host"
     o2 = rows[(v100, "PyTorch as apex O2 ran it (20 B/param)")]
     assert abs(o2 - 1.4) <= 0.15 * 1.4, o2
-    # The DESIGN's 16 B/param is a lower bound on memory, so an upper bound on size.
+    # docs/DESIGN.md §4's 16 B/param is a lower bound on memory, so an upper bound on size.
     lower_bound = rows[(v100, "PyTorch (mixed-precision Adam)")]
     assert 1.4 < lower_bound < 1.5 * 1.4, lower_bound
     zo = rows[(v100, "ZeRO-Offload")]

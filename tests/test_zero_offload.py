@@ -174,7 +174,7 @@ def test_offload_off_equals_offload():
 
 
 def test_device_keeps_only_low_precision_params_and_fixed_buckets():
-    """DESIGN.md §4: with offload the device holds 2-byte params and fixed-size buckets."""
+    """docs/DESIGN.md §4: with offload the device holds 2-byte params and fixed-size buckets."""
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**CFG), tp_group=ps.ParallelGroup.single())
     opt = ZeroOptimizer(model, **HP, dp=ps.ParallelGroup.single(), tp=ps.ParallelGroup.single(), device="cpu",
