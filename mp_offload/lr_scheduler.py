@@ -36,7 +36,3 @@ class LRScheduler:
         o, gbs = args.optim, args.train.global_batch_size
         return cls(o.lr, o.min_lr, o.lr_warmup_iters * gbs,
                    (o.lr_decay_iters or args.train.train_iters) * gbs, o.lr_decay_style)
-
-    def state_dict(self) -> dict:
-        return dict(max_lr=self.max_lr, min_lr=self.min_lr, warmup=self.warmup,
-                    decay=self.decay, style=self.style)
