@@ -4,6 +4,8 @@ import math
 import torch
 import torch.distributed as dist
 from dist_helpers import run_distributed
+from helpers import ADAM_HP as HP
+from helpers import tiny_gpt_config
 
 from mp_offload import parallel_state as ps
 from mp_offload.data.loader import MockGPTDataset
@@ -12,9 +14,7 @@ from mp_offload.optimizer.torch_adamw import param_groups
 from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.tensor_parallel import merge_partitions
 
-CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=96,
-           make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0)
-HP = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, clip_grad=0.5)
+CFG = tiny_gpt_config()
 GBS = 8
 
 
@@ -177,8 +177,8 @@ def test_device_keeps_only_low_precision_params_and_fixed_buckets():
     """docs/DESIGN.md §4: with offload the device holds 2-byte params and fixed-size buckets."""
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**CFG), tp_group=ps.ParallelGroup.single())
-    opt = ZeroOptimizer(model, **HP, dp=ps.ParallelGroup.single(), tp=ps.ParallelGroup.single(), device="cpu",
-                        dtype=torch.bfloat16, cpu_offload=True, bucket_size=2000)
+    opt = ZeroOptimizer(model, **HP, dp=ps.ParallelGroup.single(), tp=ps.ParallelGroup.single(),
+                        device="cpu", dtype=torch.bfloat16, cpu_offload=True, bucket_size=2000)
     x, y = _batch(0)
     opt.zero_grad()
     opt.backward(model(x, y).mean())
