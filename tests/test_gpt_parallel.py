@@ -11,6 +11,7 @@ from mp_offload.optimizer.grads import allreduce_gradients
 from mp_offload.tensor_parallel import merge_partitions, model_parallel_seed
 
 CFG = tiny_gpt_config(vocab_size=100)
+pytestmark = pytest.mark.slow  # every test spawns gloo ranks
 
 
 def _batch(n, seed=0):

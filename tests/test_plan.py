@@ -109,6 +109,7 @@ def _tp2_dp2_worker(rank, world):
         _check_against_optimizer(opt, cfg, 2, 2, tp_rank, bucket, True, False, torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_plan_equals_real_buffers_tp2_dp2():
     run_distributed(_tp2_dp2_worker, 4)
 
@@ -159,6 +160,7 @@ def test_max_model_is_the_largest_that_fits():
     assert not plan_job(Run(bigger, micro_batch=2), hw).fits
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_plan_without_allocating():
     env = dict(os.environ, PLAN_DEVICE_MEMORY_GB="80", PLAN_HOST_MEMORY_GB="2048",
                PLAN_DEVICES_PER_NODE="8", OMP_NUM_THREADS="1")

@@ -12,6 +12,7 @@ MODEL = dict(hidden_size=64, seq_length=32, vocab_size=128, make_vocab_size_divi
 RUN = ["--mock-data", "--micro-batch-size", "2", "--lr", "3e-3", "--log-interval", "5",
        "--eval-interval", "1000"]
 TINY = tiny_model_flags(**MODEL) + RUN
+pytestmark = pytest.mark.slow  # every test runs pretrain_gpt.py under torchrun
 
 
 def torchrun(nproc, *args, timeout=240):

@@ -16,6 +16,7 @@ ARGS = tiny_model_flags(hidden_size=64, seq_length=32, vocab_size=128) + [
     "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "3e-3",
     "--train-iters", "10", "--eval-interval", "1000", "--log-interval", "100", "--cpu-offload"]
 LAYOUTS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]  # (TP, DP)
+pytestmark = pytest.mark.slow  # trains on up to 4 spawned gloo ranks
 
 
 def _worker(rank, world, argv):

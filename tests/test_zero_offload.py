@@ -1,6 +1,7 @@
 """ZeRO(-Offload) optimizer vs a single-process torch.optim.AdamW run (gloo, CPU)."""
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_distributed
@@ -132,6 +133,7 @@ def _fp32_worker(rank, world):
     assert dpu[0][-1] < dpu[0][0] - 0.5, f"DPU run did not converge: {dpu[0][::6]}"
 
 
+@pytest.mark.slow
 def test_tp2_dp2_offload_tracks_torch_adamw_fp32():
     run_distributed(_fp32_worker, 4)
 
@@ -157,6 +159,7 @@ def _low_precision_worker(rank, world):
     assert opt.step_count == sum(not s for s in skipped)
 
 
+@pytest.mark.slow
 def test_bf16_tracks_loosely_and_fp16_overflow_skips():
     run_distributed(_low_precision_worker, 4)
 
@@ -169,6 +172,7 @@ def _offload_off_worker(rank, world):
         assert abs(x - y) <= 1e-5 * abs(y)
 
 
+@pytest.mark.slow
 def test_offload_off_equals_offload():
     run_distributed(_offload_off_worker, 2)
 
