@@ -11,6 +11,7 @@ import threading
 import time
 from collections import defaultdict
 
+
 class Phases:
     """Exclusive wall time per named phase: a wrapped call's time minus its wrapped callees'.
 

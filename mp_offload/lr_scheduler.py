@@ -31,12 +31,8 @@ class LRScheduler:
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
     @classmethod
-    def from_args(cls, args) -> "LRScheduler":
+    def from_args(cls, args) -> LRScheduler:
         """The run's schedule: Megatron's iteration flags turned into sample counts."""
         o, gbs = args.optim, args.train.global_batch_size
         return cls(o.lr, o.min_lr, o.lr_warmup_iters * gbs,
                    (o.lr_decay_iters or args.train.train_iters) * gbs, o.lr_decay_style)
-
-    def state_dict(self) -> dict:
-        return dict(max_lr=self.max_lr, min_lr=self.min_lr, warmup=self.warmup,
-                    decay=self.decay, style=self.style)

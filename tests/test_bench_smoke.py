@@ -9,6 +9,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 
+# Every test here runs a bench script in a subprocess (or reads what one wrote).
+pytestmark = pytest.mark.slow
+
 
 def run_bench(script, *args, timeout=120):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

@@ -3,14 +3,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_distributed
+from helpers import tiny_gpt_config
 
 from mp_offload import parallel_state as ps
 from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer.grads import allreduce_gradients
 from mp_offload.tensor_parallel import merge_partitions, model_parallel_seed
 
-CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
-           make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0)
+CFG = tiny_gpt_config(vocab_size=100)
+pytestmark = pytest.mark.slow  # every test spawns gloo ranks
 
 
 def _batch(n, seed=0):

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 from dist_helpers import run_distributed
+from helpers import tiny_gpt_config
 
 from mp_offload import parallel_state as ps
 from mp_offload.model.gpt import GPTConfig, GPTModel, num_parameters
@@ -29,8 +30,8 @@ from mp_offload.planner import (
 from mp_offload.planner.throughput import Machine, plot_scaling, scaling, ten_b
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = dict(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=32,
-             vocab_size=200, hidden_dropout=0.0, attention_dropout=0.0)
+SMALL = tiny_gpt_config(num_layers=3, hidden_size=64, seq_length=32, vocab_size=200,
+                        make_vocab_size_divisible_by=None)
 HP = dict(lr=1e-3, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8, clip_grad=1.0)
 BUCKETS = (1000, 12000)
 TEN_B = ["--num-layers", "50", "--hidden-size", "4096", "--num-attention-heads", "32",
@@ -85,8 +86,9 @@ def test_plan_equals_real_buffers_tp1_dp1(bucket):
                                 (True, True, torch.bfloat16), (True, False, torch.float32)):
         torch.manual_seed(0)
         model = GPTModel(cfg, tp_group=ps.ParallelGroup.single())
-        opt = ZeroOptimizer(model, **HP, dp=ps.ParallelGroup.single(), tp=ps.ParallelGroup.single(), device="cpu",
-                            dtype=dtype, cpu_offload=offload, bucket_size=bucket,
+        opt = ZeroOptimizer(model, **HP, dp=ps.ParallelGroup.single(),
+                            tp=ps.ParallelGroup.single(), device="cpu", dtype=dtype,
+                            cpu_offload=offload, bucket_size=bucket,
                             dpu_warmup_steps=0 if dpu else None)
         _one_step(opt, model)
         _check_against_optimizer(opt, cfg, 1, 1, 0, bucket, offload, dpu, dtype)
@@ -107,6 +109,7 @@ def _tp2_dp2_worker(rank, world):
         _check_against_optimizer(opt, cfg, 2, 2, tp_rank, bucket, True, False, torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_plan_equals_real_buffers_tp2_dp2():
     run_distributed(_tp2_dp2_worker, 4)
 
@@ -157,6 +160,7 @@ def test_max_model_is_the_largest_that_fits():
     assert not plan_job(Run(bigger, micro_batch=2), hw).fits
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_plan_without_allocating():
     env = dict(os.environ, PLAN_DEVICE_MEMORY_GB="80", PLAN_HOST_MEMORY_GB="2048",
                PLAN_DEVICES_PER_NODE="8", OMP_NUM_THREADS="1")
@@ -202,7 +206,7 @@ def test_paper_table_reproduces_the_single_gpu_claims():
     v100 = "1x V100-32GB, 1.5 TB host"
     o2 = rows[(v100, "PyTorch as apex O2 ran it (20 B/param)")]
     assert abs(o2 - 1.4) <= 0.15 * 1.4, o2
-    # The DESIGN's 16 B/param is a lower bound on memory, so an upper bound on size.
+    # docs/DESIGN.md §4's 16 B/param is a lower bound on memory, so an upper bound on size.
     lower_bound = rows[(v100, "PyTorch (mixed-precision Adam)")]
     assert 1.4 < lower_bound < 1.5 * 1.4, lower_bound
     zo = rows[(v100, "ZeRO-Offload")]
@@ -239,7 +243,7 @@ def test_activation_estimate_vs_measured_cuda_peak(recompute):
                         device="cuda", dtype=torch.bfloat16, cpu_offload=True)
     micro = 4
     x = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_length + 1), device="cuda")
-    for it in range(2):  # the first pass allocates the bucket buffers; measure the second
+    for _ in range(2):  # the first pass allocates the bucket buffers; measure the second
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()

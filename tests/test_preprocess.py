@@ -69,6 +69,7 @@ def test_missing_input(tmp_path, capsys):
     assert err == f"error: input file not found: {missing}"
 
 
+@pytest.mark.slow  # --workers 2: a spawned process pool
 def test_workers_identical(tmp_path):
     rng = np.random.RandomState(0)
     path = str(tmp_path / "big.jsonl")
@@ -175,6 +176,7 @@ TOKENIZER_FLAGS = {
 }
 
 
+@pytest.mark.slow  # --workers 2: a spawned process pool
 @pytest.mark.parametrize("kind", sorted(TOKENIZER_FLAGS))
 def test_hf_types_workers_identical(hf_files, tmp_path, kind):
     from mp_offload.data.tokenizer import build_tokenizer
@@ -197,6 +199,7 @@ def test_hf_types_workers_identical(hf_files, tmp_path, kind):
     assert ds[0][-1] == tok.eod == 0 and tok.detokenize(ds[0][:-1].tolist()) == first
 
 
+@pytest.mark.slow  # --workers 2: a spawned process pool
 def test_converted_sentencepiece_gives_the_same_dataset(hf_files, tmp_path):
     """The SentencePiece model and its tokenizer.json write byte-identical datasets."""
     d, path = hf_files

@@ -5,12 +5,14 @@ import subprocess
 import sys
 
 import pytest
+from helpers import tiny_model_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "32", "--vocab-size", "128", "--mock-data", "--micro-batch-size", "2",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-3",
-        "--log-interval", "5", "--eval-interval", "1000"]
+MODEL = dict(hidden_size=64, seq_length=32, vocab_size=128, make_vocab_size_divisible_by=None)
+RUN = ["--mock-data", "--micro-batch-size", "2", "--lr", "3e-3", "--log-interval", "5",
+       "--eval-interval", "1000"]
+TINY = tiny_model_flags(**MODEL) + RUN
+pytestmark = pytest.mark.slow  # every test runs pretrain_gpt.py under torchrun
 
 
 def torchrun(nproc, *args, timeout=240):
@@ -60,8 +62,8 @@ def test_recompute_with_dropout_matches_exactly(tmp_path):
     runs = []
     for extra in ([], ["--recompute-activations"]):
         log = tmp_path / f"run{len(runs)}.jsonl"
-        # TINY without its two "--*-dropout 0" pairs: dropout stays on (0.1)
-        args = TINY[:TINY.index("--hidden-dropout")] + TINY[TINY.index("--lr"):]
+        # TINY without its "--*-dropout 0" flags: dropout stays on (0.1)
+        args = tiny_model_flags(**MODEL, hidden_dropout=None, attention_dropout=None) + RUN
         res = torchrun(4, *args, "--train-iters", "5", "--cpu-offload",
                        "--tensor-model-parallel-size", "2", "--log-json", str(log), *extra)
         assert res.returncode == 0, res.stderr[-3000:]

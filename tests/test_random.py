@@ -1,4 +1,5 @@
 """RNG tracker streams and activation checkpointing."""
+import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_distributed
@@ -28,6 +29,7 @@ def _worker(rank, world):
     assert torch.equal(a[0], a[1]), "forking must not disturb the default stream"
 
 
+@pytest.mark.slow
 def test_tracker_streams_across_tp_ranks():
     run_distributed(_worker, 2)
 

@@ -8,16 +8,15 @@ import json
 
 import pytest
 from dist_helpers import run_distributed
+from helpers import tiny_model_flags
 
 from mp_offload.training import pretrain
 
-ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "32", "--vocab-size", "128", "--make-vocab-size-divisible-by", "8",
-        "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "4",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-3",
-        "--train-iters", "10", "--eval-interval", "1000", "--log-interval", "100",
-        "--cpu-offload"]
+ARGS = tiny_model_flags(hidden_size=64, seq_length=32, vocab_size=128) + [
+    "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "3e-3",
+    "--train-iters", "10", "--eval-interval", "1000", "--log-interval", "100", "--cpu-offload"]
 LAYOUTS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]  # (TP, DP)
+pytestmark = pytest.mark.slow  # trains on up to 4 spawned gloo ranks
 
 
 def _worker(rank, world, argv):

@@ -137,6 +137,7 @@ def _worker(rank, world, tp):
     _check_cross_entropy(r, tp, group)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_parallel_layers_equal_unsplit(tp):
     # world 4: with TP=2 there are two TP groups (DP=2), which also checks group isolation.

@@ -60,7 +60,8 @@ def test_sentencepiece_eod(sp_model):
 
 
 def test_unigram_trains(tmp_path):
-    path = train_sentencepiece([TEXT * 20], str(tmp_path / "uni"), vocab_size=350, model_type="unigram")
+    path = train_sentencepiece([TEXT * 20], str(tmp_path / "uni"), vocab_size=350,
+                               model_type="unigram")
     tok = build_tokenizer("SentencePieceTokenizer", path)
     assert tok.detokenize(tok.tokenize(TEXT)) == TEXT
 
@@ -124,7 +125,8 @@ VARIED = [
 def bbpe_dir(tmp_path_factory):
     pytest.importorskip("tokenizers")
     d = tmp_path_factory.mktemp("bbpe")
-    docs = [TEXT.replace("name", f"name{i}") for i in range(40)] + ["prose about cafés, naïve résumés"]
+    docs = [TEXT.replace("name", f"name{i}") for i in range(40)]
+    docs.append("prose about cafés, naïve résumés")
     train_bpe_bytelevel(docs, str(d), vocab_size=330)
     return d
 
@@ -217,12 +219,14 @@ def _gpt2_reference(vocab_file, merge_file):
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     extra = [b for b in range(256) if b not in printable]
     byte_char = {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(extra)}
-    split = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+    split = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+"""
+                          r"""| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
 
     def bpe(word):
         parts = list(word)
         while len(parts) > 1:
-            pairs = [(ranks.get(p, float("inf")), i) for i, p in enumerate(itertools.pairwise(parts))]
+            pairs = [(ranks.get(p, float("inf")), i)
+                     for i, p in enumerate(itertools.pairwise(parts))]
             best = min(pairs)[0]
             if best == float("inf"):
                 break
@@ -481,8 +485,10 @@ def test_conversion_refuses_what_it_cannot_match(tmp_path):
      "--vocab-file needs --merge-file"),
     (["--tokenizer-type", "GPT2BPETokenizer", "--merge-file", "m.txt"],
      "--merge-file needs --vocab-file"),
-    (["--tokenizer-type", "GPT2BPETokenizer"], "GPT2BPETokenizer needs --vocab-file and --merge-file"),
-    (["--vocab-file", "v.json", "--merge-file", "m.txt"], "are for --tokenizer-type GPT2BPETokenizer"),
+    (["--tokenizer-type", "GPT2BPETokenizer"],
+     "GPT2BPETokenizer needs --vocab-file and --merge-file"),
+    (["--vocab-file", "v.json", "--merge-file", "m.txt"],
+     "are for --tokenizer-type GPT2BPETokenizer"),
     (["--tokenizer-type", "HuggingFaceTokenizer"], "HuggingFaceTokenizer needs --tokenizer-model"),
 ])
 def test_tokenizer_flag_validation(argv, needle):

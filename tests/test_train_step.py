@@ -1,5 +1,7 @@
 """train_step is the unit the loop and the benchmark share: check it against a hand loop."""
 import torch
+from helpers import ADAM_HP as HP
+from helpers import tiny_gpt_config
 
 from mp_offload import parallel_state as ps
 from mp_offload.data.loader import MockGPTDataset
@@ -7,9 +9,7 @@ from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.training import train_step
 
-CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=96,
-           make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0)
-HP = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, clip_grad=0.5)
+CFG = tiny_gpt_config()
 SINGLE = ps.ParallelGroup.single()
 
 

@@ -1,9 +1,12 @@
 """ZeRO(-Offload) optimizer vs a single-process torch.optim.AdamW run (gloo, CPU)."""
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_distributed
+from helpers import ADAM_HP as HP
+from helpers import tiny_gpt_config
 
 from mp_offload import parallel_state as ps
 from mp_offload.data.loader import MockGPTDataset
@@ -12,9 +15,7 @@ from mp_offload.optimizer.torch_adamw import param_groups
 from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.tensor_parallel import merge_partitions
 
-CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=96,
-           make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0)
-HP = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, clip_grad=0.5)
+CFG = tiny_gpt_config()
 GBS = 8
 
 
@@ -132,6 +133,7 @@ def _fp32_worker(rank, world):
     assert dpu[0][-1] < dpu[0][0] - 0.5, f"DPU run did not converge: {dpu[0][::6]}"
 
 
+@pytest.mark.slow
 def test_tp2_dp2_offload_tracks_torch_adamw_fp32():
     run_distributed(_fp32_worker, 4)
 
@@ -157,6 +159,7 @@ def _low_precision_worker(rank, world):
     assert opt.step_count == sum(not s for s in skipped)
 
 
+@pytest.mark.slow
 def test_bf16_tracks_loosely_and_fp16_overflow_skips():
     run_distributed(_low_precision_worker, 4)
 
@@ -169,16 +172,17 @@ def _offload_off_worker(rank, world):
         assert abs(x - y) <= 1e-5 * abs(y)
 
 
+@pytest.mark.slow
 def test_offload_off_equals_offload():
     run_distributed(_offload_off_worker, 2)
 
 
 def test_device_keeps_only_low_precision_params_and_fixed_buckets():
-    """DESIGN.md §4: with offload the device holds 2-byte params and fixed-size buckets."""
+    """docs/DESIGN.md §4: with offload the device holds 2-byte params and fixed-size buckets."""
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**CFG), tp_group=ps.ParallelGroup.single())
-    opt = ZeroOptimizer(model, **HP, dp=ps.ParallelGroup.single(), tp=ps.ParallelGroup.single(), device="cpu",
-                        dtype=torch.bfloat16, cpu_offload=True, bucket_size=2000)
+    opt = ZeroOptimizer(model, **HP, dp=ps.ParallelGroup.single(), tp=ps.ParallelGroup.single(),
+                        device="cpu", dtype=torch.bfloat16, cpu_offload=True, bucket_size=2000)
     x, y = _batch(0)
     opt.zero_grad()
     opt.backward(model(x, y).mean())

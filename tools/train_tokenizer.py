@@ -62,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: input file not found: {path}", file=sys.stderr)
             return 1
     if args.tokenizer_json and (args.type != "sentencepiece" or args.model_type != "bpe"):
-        print("error: --tokenizer-json needs --type sentencepiece --model-type bpe", file=sys.stderr)
+        print("error: --tokenizer-json needs --type sentencepiece --model-type bpe",
+              file=sys.stderr)
         return 1
     start = time.perf_counter()
     try:

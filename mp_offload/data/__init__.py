@@ -1,6 +1,25 @@
-"""Data layer: MMIDIDX datasets, tokenizers, GPT samples, blends, samplers, default corpus.
+"""Data layer: from text files to the micro-batches of one training run.
 
-Pure numpy/python; distributed reading/broadcasting is the training loop's job.
+  tokenizer.py        SentencePieceTokenizer, HuggingFaceTokenizer (a ``tokenizers``
+                      tokenizer.json), GPT2BPETokenizer (vocab.json + merges.txt) and
+                      NullTokenizer, chosen by ``build_tokenizer``; training
+                      (``train_sentencepiece``, ``train_bpe_bytelevel``) and SentencePiece
+                      -> tokenizer.json conversion
+  preprocess.py       JSONL / plain text -> MMIDIDX files (tools/preprocess_data.py)
+  indexed_dataset.py  Megatron's "MMIDIDX" .bin/.idx format: builder and mmap reader
+  gpt_dataset.py      GPT samples over the token stream (cached index arrays),
+                      --data-path / --split parsing, train/valid/test datasets
+  blended_dataset.py  weighted blends of several datasets
+  samplers.py         PretrainingSampler (resumable, one slice per DP rank) and collate
+  default_corpus.py   the zero-download default: the Python stdlib's own source
+  loader.py           MockGPTDataset, and BatchIterator: TP rank 0 reads, its TP group
+                      receives a broadcast
+  build.py            a run's datasets and batch iterators from its flags
+
+The package re-exports the main names of every module but loader.py and build.py,
+which the training loop imports itself (they need torch.distributed and
+parallel_state); the ``tokenizers`` and ``sentencepiece`` packages are imported only
+when used.
 """
 
 from .blended_dataset import BlendedDataset, build_blending_indices
@@ -20,9 +39,13 @@ from .indexed_dataset import (
 from .preprocess import PreprocessError, preprocess
 from .samplers import PretrainingSampler, collate
 from .tokenizer import (
+    GPT2BPETokenizer,
+    HuggingFaceTokenizer,
     NullTokenizer,
     SentencePieceTokenizer,
     build_tokenizer,
+    sentencepiece_to_tokenizer_json,
+    train_bpe_bytelevel,
     train_sentencepiece,
 )
 
@@ -31,5 +54,6 @@ __all__ = [
     "build_train_valid_test_datasets", "parse_data_path", "split_bounds", "IndexedDatasetBuilder",
     "MMapIndexedDataset", "best_dtype", "exists", "PreprocessError", "preprocess",
     "PretrainingSampler", "collate", "NullTokenizer", "SentencePieceTokenizer", "build_tokenizer",
-    "train_sentencepiece",
+    "train_sentencepiece", "HuggingFaceTokenizer", "GPT2BPETokenizer", "train_bpe_bytelevel",
+    "sentencepiece_to_tokenizer_json",
 ]

@@ -23,7 +23,8 @@ from .preprocess import preprocess
 from .tokenizer import train_sentencepiece
 
 _FORMAT = 2  # bumped: documents are shuffled
-_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib-dynload"}
+_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
+              "lib-dynload"}
 DEFAULT_VOCAB_SIZE = 4096
 # The whole 3.11 stdlib minus tests is ~12 MB; 16 MiB keeps all of it and
 # tokenises in a few seconds on 2 cores.
@@ -40,7 +41,8 @@ def stdlib_source_files(max_bytes: int) -> list[tuple[str, str]]:
     out, total = [], 0
     for dirpath, dirnames, filenames in os.walk(root):
         # Sorted in place so the walk order (and thus the corpus) is deterministic.
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("config-"))
+        dirnames[:] = sorted(d for d in dirnames
+                             if d not in _SKIP_DIRS and not d.startswith("config-"))
         for name in sorted(filenames):
             # _sysconfigdata* describes this particular build, not the language.
             if not name.endswith(".py") or name.startswith("_sysconfigdata"):

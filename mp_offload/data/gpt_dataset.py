@@ -17,7 +17,7 @@ import json
 import math
 import os
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -65,6 +65,10 @@ def build_index_arrays(sizes: np.ndarray, documents: np.ndarray, num_samples: in
     return doc_idx, sample_idx, shuffle_idx
 
 
+def _sha1(arr: np.ndarray) -> str:
+    return hashlib.sha1(arr.tobytes()).hexdigest()
+
+
 def _cache_key(name, prefix, sizes, documents, num_samples, seq_length, seed) -> tuple[str, dict]:
     desc = {
         "format": _INDEX_FORMAT,
@@ -72,8 +76,8 @@ def _cache_key(name, prefix, sizes, documents, num_samples, seq_length, seed) ->
         "name": name,
         "data": os.path.basename(prefix),
         # Content hashes, so re-preprocessed data never reuses stale indices.
-        "sizes_sha1": hashlib.sha1(np.ascontiguousarray(sizes, dtype=np.int32).tobytes()).hexdigest(),
-        "documents_sha1": hashlib.sha1(np.ascontiguousarray(documents, dtype=np.int64).tobytes()).hexdigest(),
+        "sizes_sha1": _sha1(np.ascontiguousarray(sizes, dtype=np.int32)),
+        "documents_sha1": _sha1(np.ascontiguousarray(documents, dtype=np.int64)),
         "num_documents": int(len(documents)),
         "num_samples": int(num_samples),
         "seq_length": int(seq_length),
@@ -107,7 +111,8 @@ class GPTDataset:
         if documents.size == 0:
             raise ValueError(f"{name}: no documents")
         if documents.min() < 0 or documents.max() >= len(indexed_dataset):
-            raise ValueError(f"{name}: document indices out of range for {len(indexed_dataset)} sequences")
+            raise ValueError(f"{name}: document indices out of range for "
+                             f"{len(indexed_dataset)} sequences")
         self.name = name
         self.indexed_dataset = indexed_dataset
         self.num_samples = int(num_samples)
@@ -124,7 +129,8 @@ class GPTDataset:
             digest, desc = _cache_key(self.name, prefix or "data", self._sizes, documents,
                                       self.num_samples, self.seq_length, self.seed)
             directory = cache_dir or os.path.dirname(os.path.abspath(prefix))
-            stem = os.path.join(directory, f"{os.path.basename(prefix or 'data')}_{self.name}_{digest}")
+            base = os.path.basename(prefix or "data")
+            stem = os.path.join(directory, f"{base}_{self.name}_{digest}")
             paths = [f"{stem}_{kind}_idx.npy" for kind in ("doc", "sample", "shuffle")]
             if all(os.path.isfile(p) for p in paths):
                 try:
@@ -136,7 +142,8 @@ class GPTDataset:
                     _log(f"warning: rebuilding unreadable index cache {stem}_*: {e}")
 
         t0 = time.perf_counter()
-        arrays = build_index_arrays(self._sizes, documents, self.num_samples, self.seq_length, self.seed)
+        arrays = build_index_arrays(self._sizes, documents, self.num_samples, self.seq_length,
+                                    self.seed)
         _log(f"{self.name}: built indices for {self.num_samples} samples "
              f"({len(arrays[0]) // len(documents)} epoch(s) of {len(documents)} documents) "
              f"in {time.perf_counter() - t0:.2f}s")
@@ -179,7 +186,8 @@ def parse_split(split: str) -> list[float]:
     """ "969,30,1" or "0.9/0.05/0.05" -> normalised [train, valid, test] fractions."""
     parts = [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
     if not parts or len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise ValueError(f"bad split {split!r}: expected up to 3 non-negative numbers, e.g. 969,30,1")
+        raise ValueError(f"bad split {split!r}: expected up to 3 non-negative numbers, "
+                         "e.g. 969,30,1")
     parts += [0.0] * (3 - len(parts))
     total = sum(parts)
     return [p / total for p in parts]
@@ -244,7 +252,8 @@ def build_train_valid_test_datasets(data_path: Sequence, split: str, train_valid
     docs = [_split_documents(ds, split) for ds in indexed]
     result = []
     for k, name in enumerate(_SPLIT_NAMES):
-        parts = [(ds, d[k], w) for ds, d, w in zip(indexed, docs, weights) if d[k] is not None and w > 0]
+        parts = [(ds, d[k], w) for ds, d, w in zip(indexed, docs, weights)
+                 if d[k] is not None and w > 0]
         if nums[k] <= 0 or not parts:
             result.append(None)
         elif len(prefixes) == 1:

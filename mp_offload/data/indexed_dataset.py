@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-from typing import Iterable, Union
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -108,7 +108,7 @@ class IndexedDatasetBuilder:
     def dtype(self):
         return self._dtype
 
-    def add_item(self, tokens: Union[Iterable[int], np.ndarray]) -> None:
+    def add_item(self, tokens: Iterable[int] | np.ndarray) -> None:
         """Append one sequence (tokens must fit the dtype: no silent wrap-around)."""
         arr = np.asarray(tokens)
         if arr.ndim != 1:
@@ -194,7 +194,8 @@ class MMapIndexedDataset:
             raise ValueError(f"{idx_path}: truncated index header ({idx_size} bytes)")
         _, version, code, n_seq, n_doc = _HEADER.unpack(head)
         if version != VERSION:
-            raise ValueError(f"{idx_path}: unsupported index version {version} (expected {VERSION})")
+            raise ValueError(f"{idx_path}: unsupported index version {version} "
+                             f"(expected {VERSION})")
         if code not in DTYPE_CODES:
             raise ValueError(f"{idx_path}: unknown dtype code {code}")
         self._dtype = DTYPE_CODES[code]
@@ -202,7 +203,8 @@ class MMapIndexedDataset:
         if idx_size != expected:
             raise ValueError(
                 f"{idx_path}: truncated or corrupt index: header says {n_seq} sequences and "
-                f"{n_doc} document-index entries ({expected} bytes) but the file has {idx_size} bytes"
+                f"{n_doc} document-index entries ({expected} bytes) but the file has "
+                f"{idx_size} bytes"
             )
 
         idx = np.memmap(idx_path, dtype=np.uint8, mode="r")
@@ -227,7 +229,8 @@ class MMapIndexedDataset:
         if n_seq and (
             self._pointers[0] != 0 or np.any(self._pointers[1:] != np.cumsum(nbytes)[:-1])
         ):
-            raise ValueError(f"{idx_path}: corrupt index (byte offsets do not match sequence lengths)")
+            raise ValueError(f"{idx_path}: corrupt index "
+                             "(byte offsets do not match sequence lengths)")
         bin_expected = int(nbytes.sum())
         bin_size = os.path.getsize(bin_path)
         if bin_size != bin_expected:
@@ -290,7 +293,8 @@ class MMapIndexedDataset:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:
             raise IndexError(
-                f"slice [{offset}, {offset + length}) out of range for sequence {i} of length {size}"
+                f"slice [{offset}, {offset + length}) out of range for sequence {i} "
+                f"of length {size}"
             )
         start = int(self._pointers[i]) // np.dtype(self._dtype).itemsize + offset
         return np.asarray(self._bin[start : start + length]).view(np.ndarray)

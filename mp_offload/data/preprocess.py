@@ -61,7 +61,8 @@ def _init_worker(tok_spec: dict, json_keys: tuple, append_eod: bool) -> None:
 
 
 def _encode(task):
-    """task = (file_no, line_no, is_json, raw bytes) -> (file_no, line_no, nbytes, ids-per-key | error)."""
+    """task = (file_no, line_no, is_json, raw bytes)
+    -> (file_no, line_no, nbytes, ids-per-key | error)."""
     file_no, line_no, is_json, raw = task
     try:
         text = raw.decode("utf-8")
@@ -180,44 +181,62 @@ def preprocess(
     results = None
     try:
         results = _results(_tasks(inputs), tok_spec, json_keys, append_eod, workers, chunksize)
-        for file_no, line_no, nbytes, out in results:
-            stats.input_bytes += nbytes
-            if isinstance(out, str):
-                where = f"{inputs[file_no]}:{line_no}"
-                if on_bad_line == "fail":
-                    raise PreprocessError(f"{where}: {out}")
-                stats.skipped += 1
-                if stats.skipped <= _MAX_WARNINGS:
-                    print(f"warning: skipping {where}: {out}", file=log)
-                    if stats.skipped == _MAX_WARNINGS:
-                        print("warning: further skipped lines are only counted", file=log)
-                continue
-            for builder, ids in zip(builders, out):
-                builder.add_item(ids)
-                builder.end_document()
-                stats.tokens += len(ids)
-            stats.documents += 1
-            if log_interval and stats.documents % log_interval == 0:
-                _progress(stats, time.perf_counter() - start, log)
-        for builder, p in zip(builders, prefixes):
-            builder.finalize(index_file_path(p) + suffix)
-        # .bin first, .idx last: a present .idx implies its .bin is complete.
-        for p in prefixes:
-            os.replace(data_file_path(p) + suffix, data_file_path(p))
-            os.replace(index_file_path(p) + suffix, index_file_path(p))
+        _write_documents(results, inputs, builders, stats, on_bad_line, log_interval, log)
+        _publish(builders, prefixes, suffix)
         ok = True
     finally:
         if results is not None:
             results.close()  # stops the worker pool promptly on failure
         if not ok:
-            for builder, p in zip(builders, prefixes):
-                builder.close()
-                for path in (data_file_path(p) + suffix, index_file_path(p) + suffix):
-                    if os.path.exists(path):
-                        os.remove(path)
+            _discard(builders, prefixes, suffix)
     stats.seconds = time.perf_counter() - start
     _summary(stats, log)
     return stats
+
+
+def _write_documents(results, inputs: Sequence[str], builders: list, stats: PreprocessStats,
+                     on_bad_line: str, log_interval: int, log) -> None:
+    """Add each encoded document to the builders (one per JSON key); count, skip or fail
+    on bad lines."""
+    start = time.perf_counter()
+    for file_no, line_no, nbytes, out in results:
+        stats.input_bytes += nbytes
+        if isinstance(out, str):
+            where = f"{inputs[file_no]}:{line_no}"
+            if on_bad_line == "fail":
+                raise PreprocessError(f"{where}: {out}")
+            stats.skipped += 1
+            if stats.skipped <= _MAX_WARNINGS:
+                print(f"warning: skipping {where}: {out}", file=log)
+                if stats.skipped == _MAX_WARNINGS:
+                    print("warning: further skipped lines are only counted", file=log)
+            continue
+        for builder, ids in zip(builders, out):
+            builder.add_item(ids)
+            builder.end_document()
+            stats.tokens += len(ids)
+        stats.documents += 1
+        if log_interval and stats.documents % log_interval == 0:
+            _progress(stats, time.perf_counter() - start, log)
+
+
+def _publish(builders: list, prefixes: list[str], suffix: str) -> None:
+    """Finish the temporary files and rename them to their final names."""
+    for builder, p in zip(builders, prefixes):
+        builder.finalize(index_file_path(p) + suffix)
+    # .bin first, .idx last: a present .idx implies its .bin is complete.
+    for p in prefixes:
+        os.replace(data_file_path(p) + suffix, data_file_path(p))
+        os.replace(index_file_path(p) + suffix, index_file_path(p))
+
+
+def _discard(builders: list, prefixes: list[str], suffix: str) -> None:
+    """After a failure: close the builders and remove their temporary files."""
+    for builder, p in zip(builders, prefixes):
+        builder.close()
+        for path in (data_file_path(p) + suffix, index_file_path(p) + suffix):
+            if os.path.exists(path):
+                os.remove(path)
 
 
 def _progress(stats: PreprocessStats, elapsed: float, log) -> None:
@@ -234,7 +253,8 @@ def _summary(stats: PreprocessStats, log) -> None:
     secs = max(stats.seconds, 1e-9)
     print(
         f"done: {stats.documents} documents, {stats.tokens} tokens, {stats.skipped} skipped, "
-        f"{stats.input_bytes / 1e6:.1f} MB in {stats.seconds:.1f}s ({stats.tokens / secs:,.0f} tokens/s)",
+        f"{stats.input_bytes / 1e6:.1f} MB in {stats.seconds:.1f}s "
+        f"({stats.tokens / secs:,.0f} tokens/s)",
         file=log,
     )
     for p in stats.output_prefixes:
@@ -253,7 +273,8 @@ def get_parser() -> argparse.ArgumentParser:
         "(blank lines ignored). Any other file is plain text and is ONE document (the whole file).",
     )
     p.add_argument("--output-prefix", required=True, help="prefix of the output files")
-    p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys to tokenise (default: text)")
+    p.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="JSON keys to tokenise (default: text)")
     p.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=TOKENIZER_TYPES)
     p.add_argument(
         "--tokenizer-model", default=None,
@@ -263,13 +284,17 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2 vocab.json")
     p.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2 merges.txt")
     p.add_argument("--vocab-size", type=int, default=None, help="vocab size (NullTokenizer)")
-    p.add_argument("--append-eod", action="store_true", help="append the EOD token to each document")
-    p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1: in-process)")
+    p.add_argument("--append-eod", action="store_true",
+                   help="append the EOD token to each document")
+    p.add_argument("--workers", type=int, default=1,
+                   help="tokenizer processes (default 1: in-process)")
     p.add_argument("--chunksize", type=int, default=32, help="lines per worker task")
-    p.add_argument("--log-interval", type=int, default=10000, help="progress line every N documents")
+    p.add_argument("--log-interval", type=int, default=10000,
+                   help="progress line every N documents")
     p.add_argument(
         "--on-bad-line", choices=["skip", "fail"], default="skip",
-        help="bad JSON, missing key or empty document: skip and count (default) or fail with exit code 1",
+        help="bad JSON, missing key or empty document: skip and count (default) "
+        "or fail with exit code 1",
     )
     return p
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -30,7 +30,8 @@ class PretrainingSampler:
         if micro_batch_size <= 0 or data_parallel_size <= 0:
             raise ValueError("micro_batch_size and data_parallel_size must be positive")
         if not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data_parallel_rank {data_parallel_rank} outside [0, {data_parallel_size})")
+            raise ValueError(f"data_parallel_rank {data_parallel_rank} "
+                             f"outside [0, {data_parallel_size})")
         self.total_samples = int(total_samples)
         self.consumed_samples = int(consumed_samples)
         self.micro_batch_size = int(micro_batch_size)

@@ -116,7 +116,8 @@ class SentencePieceTokenizer:
         return "".join(out)
 
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
+                   "NullTokenizer")
 # End-of-text token names, in the order they are looked for.
 EOD_TOKEN_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 _PAD_TOKEN_NAMES = ("<pad>", "<|pad|>", "[PAD]")
@@ -194,7 +195,8 @@ class HuggingFaceTokenizer(_TokenizersWrapper):
         try:
             tok = tk.Tokenizer.from_file(file)
         except Exception as e:  # noqa: BLE001 - the Rust side raises a plain Exception
-            raise ValueError(f"--tokenizer-model {file}: not a tokenizer.json ({_first_line(e)})") from None
+            raise ValueError(f"--tokenizer-model {file}: not a tokenizer.json "
+                             f"({_first_line(e)})") from None
         eod = next((i for i in map(tok.token_to_id, EOD_TOKEN_NAMES) if i is not None), None)
         if eod is None:
             raise ValueError(f"--tokenizer-model {file}: no end-of-text token to use as EOD "
@@ -275,7 +277,7 @@ def iter_documents(path: str, json_keys: Sequence[str] = ("text",)) -> Iterator[
     only used for tokenizer training, where a few lost lines do not matter).
     """
     if path.endswith((".json", ".jsonl")):
-        with open(path, "r", encoding="utf-8", errors="replace") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 if not line.strip():
                     continue
@@ -289,7 +291,7 @@ def iter_documents(path: str, json_keys: Sequence[str] = ("text",)) -> Iterator[
                     if isinstance(obj.get(key), str):
                         yield obj[key]
     else:
-        with open(path, "r", encoding="utf-8", errors="replace") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             yield f.read()
 
 
@@ -333,6 +335,20 @@ def train_sentencepiece(
 
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
+    lines = _sentencepiece_lines(inputs, json_keys, max_train_bytes, input_sentence_size,
+                                 max_sentence_length, seed)
+    options = _sentencepiece_options(vocab_size, model_type, max_sentence_length, num_threads,
+                                     code_friendly)
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=proto, **options)
+    return _write_sentencepiece(model_prefix, proto.getvalue())
+
+
+def _sentencepiece_lines(inputs, json_keys: Sequence[str], max_train_bytes: int,
+                         input_sentence_size: int, max_sentence_length: int,
+                         seed: int) -> list[str]:
+    """The trainer's "sentences": non-blank lines of the documents, read up to
+    ``max_train_bytes`` and sampled down to ``input_sentence_size``."""
     lines: list[str] = []
     total = 0
     for doc in _training_documents(inputs, json_keys):
@@ -347,9 +363,15 @@ def train_sentencepiece(
     # Sample ourselves (seeded, order kept) so training is deterministic and
     # bounded; the trainer then sees every line it is given.
     if len(lines) > input_sentence_size:
-        keep = np.sort(np.random.RandomState(seed).choice(len(lines), input_sentence_size, replace=False))
+        rng = np.random.RandomState(seed)
+        keep = np.sort(rng.choice(len(lines), input_sentence_size, replace=False))
         lines = [lines[i] for i in keep]
+    return lines
 
+
+def _sentencepiece_options(vocab_size: int, model_type: str, max_sentence_length: int,
+                           num_threads: int | None, code_friendly: bool) -> dict:
+    """SentencePieceTrainer options; see train_sentencepiece."""
     options = {
         "vocab_size": int(vocab_size),
         "model_type": model_type,
@@ -375,14 +397,18 @@ def train_sentencepiece(
             split_digits=True,
             user_defined_symbols=["\n"],
         )
-    proto = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=proto, **options)
+    return options
+
+
+def _write_sentencepiece(model_prefix: str, model_proto: bytes) -> str:
+    """Write ``{model_prefix}.model`` and ``.vocab``; returns the .model path."""
+    import sentencepiece as spm
 
     out_dir = os.path.dirname(os.path.abspath(model_prefix))
     os.makedirs(out_dir, exist_ok=True)
     model_path = model_prefix + ".model"
-    _atomic_write(model_path, proto.getvalue())
-    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    _atomic_write(model_path, model_proto)
+    sp = spm.SentencePieceProcessor(model_proto=model_proto)
     # One "piece<TAB>score" line per id; the newline piece is written escaped.
     rows = []
     for i in range(sp.get_piece_size()):
@@ -412,7 +438,8 @@ def train_bpe_bytelevel(
     """
     tk = _import_tokenizers("--type bpe-bytelevel")
     if int(vocab_size) <= 257:
-        raise ValueError(f"vocab_size {vocab_size} leaves no room for merges (256 bytes + {eod_token})")
+        raise ValueError(f"vocab_size {vocab_size} leaves no room for merges "
+                         f"(256 bytes + {eod_token})")
     docs: list[str] = []
     total = 0
     for doc in _training_documents(inputs, json_keys):
@@ -493,7 +520,8 @@ def _read_sentencepiece_model(path: str) -> dict:
             if number == 1:  # repeated SentencePiece {1: piece, 2: score, 3: type}
                 piece = {1: b"", 2: b"\0\0\0\0", 3: _SP_NORMAL}
                 piece.update(_proto_fields(value))
-                pieces.append((piece[1].decode("utf-8"), struct.unpack("<f", piece[2])[0], piece[3]))
+                score = struct.unpack("<f", piece[2])[0]
+                pieces.append((piece[1].decode("utf-8"), score, piece[3]))
             elif number in (2, 3, 5):
                 target = {2: trainer, 3: normalizer, 5: denormalizer}[number]
                 target.update(_proto_fields(value))
@@ -522,27 +550,8 @@ def sentencepiece_to_tokenizer_json(model_path: str, out_path: str) -> str:
     ``tokenizers.Tokenizer.from_file(out_path).encode(text).ids`` equals
     ``SentencePieceProcessor.encode(text)`` and ``decode`` equals SentencePiece's
     decode, so text round-trips exactly as it does with SentencePiece (limits
-    below). How the pieces map onto ``tokenizers``:
-
-    * Normalizer: the model's precompiled charsmap (NFKC models) via
-      ``Precompiled``, SentencePiece's whitespace trimming/collapsing (spaces only),
-      " " -> "\u2581", and the dummy "\u2581" prefix - whichever the model uses. The
-      code-friendly default uses none but the escaping.
-    * BPE: the vocabulary is the pieces by id. SentencePiece merges, at each step,
-      the adjacent pair whose concatenation is the best-scored normal piece (ties:
-      leftmost). Every split ``left + right`` of a normal piece into two normal
-      pieces becomes a merge, ranked by the piece's score, so ``tokenizers``
-      (lowest rank, then leftmost) merges in the same order. ``byte_fallback``
-      spells characters that are not pieces as ``<0xXX>`` byte pieces, as
-      SentencePiece does; without it they become ``<unk>`` (runs fused).
-    * Pre-tokenizer (only a speed-up, never a change of result): user-defined
-      symbols (e.g. "\\n") are isolated, as SentencePiece never merges them, and
-      the text is cut before each "\u2581" that follows another character - only
-      when no piece spans such a boundary, so no merge is lost.
-    * Control pieces (<s>, </s>, <pad>) are plain vocabulary entries, not added
-      tokens, so their text in a document encodes as text, as in SentencePiece
-      (registering them as special tokens would turn "</s>" in text into the EOD
-      id). The decoder drops them and shows <unk> as SentencePiece's " \u2047 ".
+    below). How the pieces map onto ``tokenizers``: see ``_sp_bpe_model``,
+    ``_sp_normalizers``, ``_sp_pre_tokenizers`` and ``_sp_decoders``.
 
     Exactness, and its limits (each checked in tests/test_tokenizer.py):
 
@@ -572,6 +581,29 @@ def sentencepiece_to_tokenizer_json(model_path: str, out_path: str) -> str:
     """
     tk = _import_tokenizers("sentencepiece_to_tokenizer_json")
     m = _read_sentencepiece_model(model_path)
+    pieces = m["pieces"]
+    normal = {p: (score, i) for i, (p, score, kind) in enumerate(pieces) if kind == _SP_NORMAL}
+    _check_convertible(m, normal, model_path)
+    unk = next(p for p, _, kind in pieces if kind == _SP_UNKNOWN)
+    space = _SPACE if m["escape_whitespaces"] else " "
+
+    tok = tk.Tokenizer(_sp_bpe_model(tk, m, normal, unk))
+    norm = _sp_normalizers(tk, m, space)
+    if norm:
+        tok.normalizer = tk.normalizers.Sequence(norm)
+    pre = _sp_pre_tokenizers(tk, pieces, normal, space)
+    if pre:
+        tok.pre_tokenizer = tk.pre_tokenizers.Sequence(pre)
+    tok.decoder = tk.decoders.Sequence(_sp_decoders(tk, m, unk))
+
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(out_dir, exist_ok=True)
+    _atomic_write(out_path, tok.to_str(pretty=True).encode("utf-8"))
+    return out_path
+
+
+def _check_convertible(m: dict, normal: dict, model_path: str) -> None:
+    """ValueError listing every feature of the model the conversion does not support."""
     problems = []
     if m["model_type"] != 2:
         problems.append("only BPE models convert (this one is unigram/word/char)")
@@ -579,16 +611,13 @@ def sentencepiece_to_tokenizer_json(model_path: str, out_path: str) -> str:
         problems.append("treat_whitespace_as_suffix is not supported")
     if m["denormalizer_charsmap"]:
         problems.append("a denormalizer is not supported")
-    pieces = m["pieces"]
-    kinds = [kind for _, _, kind in pieces]
+    kinds = [kind for _, _, kind in m["pieces"]]
     if _SP_UNUSED in kinds:
         problems.append("UNUSED pieces are not supported")
     if kinds.count(_SP_UNKNOWN) != 1:
         problems.append("the model needs exactly one <unk> piece")
-    user = [p for p, _, kind in pieces if kind == _SP_USER_DEFINED]
-    if any(len(p) != 1 for p in user):
+    if any(len(p) != 1 for p, _, kind in m["pieces"] if kind == _SP_USER_DEFINED):
         problems.append("multi-character user-defined symbols are not supported")
-    normal = {p: (score, i) for i, (p, score, kind) in enumerate(pieces) if kind == _SP_NORMAL}
     missing = sorted({c for p in normal for c in p if c not in normal})
     if missing:
         # SentencePiece could merge such a character; tokenizers spells it in bytes first.
@@ -596,7 +625,17 @@ def sentencepiece_to_tokenizer_json(model_path: str, out_path: str) -> str:
     if problems:
         raise ValueError(f"{model_path}: cannot convert: {'; '.join(problems)}")
 
-    vocab = {p: i for i, (p, _, _) in enumerate(pieces)}
+
+def _sp_bpe_model(tk, m: dict, normal: dict, unk: str):
+    """The BPE model. The vocabulary is the pieces by id. SentencePiece merges, at each
+    step, the adjacent pair whose concatenation is the best-scored normal piece (ties:
+    leftmost). Every split ``left + right`` of a normal piece into two normal pieces
+    becomes a merge, ranked by the piece's score, so ``tokenizers`` (lowest rank, then
+    leftmost) merges in the same order. ``byte_fallback`` spells characters that are not
+    pieces as ``<0xXX>`` byte pieces, as SentencePiece does; without it they become
+    ``<unk>`` (runs fused).
+    """
+    vocab = {p: i for i, (p, _, _) in enumerate(m["pieces"])}
     ranked = []
     for piece, (score, i) in normal.items():
         for cut in range(1, len(piece)):
@@ -604,27 +643,38 @@ def sentencepiece_to_tokenizer_json(model_path: str, out_path: str) -> str:
             if left in normal and right in normal:
                 ranked.append((-score, i, cut, left, right))
     ranked.sort()
-    unk = next(p for p, _, kind in pieces if kind == _SP_UNKNOWN)
-    tok = tk.Tokenizer(tk.models.BPE(
+    return tk.models.BPE(
         vocab=vocab, merges=[(left, right) for *_, left, right in ranked], unk_token=unk,
-        fuse_unk=True, byte_fallback=m["byte_fallback"], dropout=None))
+        fuse_unk=True, byte_fallback=m["byte_fallback"], dropout=None)
 
+
+def _sp_normalizers(tk, m: dict, space: str) -> list:
+    """The model's precompiled charsmap (NFKC models) via ``Precompiled``,
+    SentencePiece's whitespace trimming/collapsing (spaces only), " " -> "\u2581", and
+    the dummy "\u2581" prefix - whichever the model uses. The code-friendly default uses
+    none but the escaping.
+    """
     norm = []
     if m["precompiled_charsmap"]:
         norm.append(tk.normalizers.Precompiled(m["precompiled_charsmap"]))
     if m["remove_extra_whitespaces"]:  # only " " counts, as in SentencePiece
         norm += [tk.normalizers.Replace(tk.Regex(r"\A +| +\z"), ""),
                  tk.normalizers.Replace(tk.Regex(" {2,}"), " ")]
-    space = " "
     if m["escape_whitespaces"]:
         norm.append(tk.normalizers.Replace(" ", _SPACE))
-        space = _SPACE
     if m["add_dummy_prefix"]:
         norm.append(tk.normalizers.Prepend(space))  # non-empty text only, as in SentencePiece
-    if norm:
-        tok.normalizer = tk.normalizers.Sequence(norm)
+    return norm
 
+
+def _sp_pre_tokenizers(tk, pieces: list, normal: dict, space: str) -> list:
+    """Only a speed-up, never a change of result: user-defined symbols (e.g. "\\n") are
+    isolated, as SentencePiece never merges them, and the text is cut before each
+    "\u2581" that follows another character - only when no piece spans such a boundary,
+    so no merge is lost.
+    """
     pre = []
+    user = [p for p, _, kind in pieces if kind == _SP_USER_DEFINED]
     if user:
         pattern = "|".join(re.escape(p) for p in user)
         pre.append(tk.pre_tokenizers.Split(tk.Regex(pattern), behavior="isolated"))
@@ -633,11 +683,17 @@ def sentencepiece_to_tokenizer_json(model_path: str, out_path: str) -> str:
         # crosses their boundaries, so BPE inside each chunk gives the same result.
         pattern = f"{space}*[^{space}]+|{space}+"
         pre.append(tk.pre_tokenizers.Split(tk.Regex(pattern), behavior="isolated"))
-    if pre:
-        tok.pre_tokenizer = tk.pre_tokenizers.Sequence(pre)
+    return pre
 
+
+def _sp_decoders(tk, m: dict, unk: str) -> list:
+    """Control pieces (<s>, </s>, <pad>) are plain vocabulary entries, not added tokens,
+    so their text in a document encodes as text, as in SentencePiece (registering them as
+    special tokens would turn "</s>" in text into the EOD id). The decoder drops them and
+    shows <unk> as SentencePiece's " \u2047 ".
+    """
     dec = []
-    control = [p for p, _, kind in pieces if kind == _SP_CONTROL]
+    control = [p for p, _, kind in m["pieces"] if kind == _SP_CONTROL]
     if control:
         pattern = "^(?:" + "|".join(re.escape(p) for p in control) + ")$"
         dec.append(tk.decoders.Replace(tk.Regex(pattern), ""))
@@ -649,12 +705,7 @@ def sentencepiece_to_tokenizer_json(model_path: str, out_path: str) -> str:
     dec.append(tk.decoders.Fuse())
     if m["add_dummy_prefix"]:
         dec.append(tk.decoders.Strip(content=" ", left=1))
-    tok.decoder = tk.decoders.Sequence(dec)
-
-    out_dir = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(out_dir, exist_ok=True)
-    _atomic_write(out_path, tok.to_str(pretty=True).encode("utf-8"))
-    return out_path
+    return dec
 
 
 def _atomic_write(path: str, data: bytes) -> None:

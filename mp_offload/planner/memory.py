@@ -1,12 +1,14 @@
-"""Per-rank memory plan (DESIGN.md §4), in bytes, by the same categories as
+"""Per-rank memory plan (docs/DESIGN.md §4), in bytes, by the same categories as
 ``ZeroOptimizer.memory_bytes()``.
 
 Exact (they are the optimizer's own buffers, sized by FlatLayout):
   device params        e * flat_numel             2Ψ/T (+ bucket padding) in fp16/bf16
-  device grad_buckets  e * max_bucket * buffers   fixed, not Ψ: one bucket buffer is
-                       enough when gradients arrive in layout order, as they do for
-                       this GPT (ZeroOptimizer grows its pool only when two buckets
-                       fill at once)
+  device grad_buckets  e * max_bucket * buffers   fixed, not Ψ: buffers = min(2, number
+                       of buckets) (BUCKET_BUFFERS in optimizer/reducer.py, double
+                       buffering: one bucket's reduce-scatter overlaps the backward
+                       that fills the next; a third waits for the oldest). Gradients
+                       arrive in layout order for this GPT; the pool grows past two
+                       only if more than two buckets are filling at once.
   master / exp_avg / exp_avg_sq / grads  4 * host_numel each (grads twice with DPU):
                        16Ψ/(T·D) on the host with offload, on the device without
   host staging         e * host_numel for the new low-precision params (not in fp32)

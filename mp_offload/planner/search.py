@@ -13,6 +13,7 @@ answer is the member with the most parameters that fits.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 from ..model.gpt import GPTConfig, num_parameters
 from .memory import GiB, Hardware, JobPlan, Run, plan_job
@@ -52,10 +53,12 @@ class Found:
 
 
 def max_model(run: Run, hw: Hardware, family: str = "gpt3") -> Found:
+    def plan_at(h, heads, layers):
+        return plan_job(replace(run, cfg=_shape(run.cfg, h, heads, layers, family)), hw)
+
     best = Found(None, 0, None, "nothing fits")
     for h, heads, lo, hi in family_widths(family, run.cfg, run.tp):
-        def plan(layers):
-            return plan_job(replace(run, cfg=_shape(run.cfg, h, heads, layers, family)), hw)
+        plan = partial(plan_at, h, heads)  # depth -> plan at this width
         if not plan(lo).fits:
             continue
         ok = lo  # bisection: ``ok`` fits, ``bad`` is the first depth known not to

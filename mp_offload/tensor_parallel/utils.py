@@ -27,11 +27,6 @@ def set_defaults_if_not_set(param: torch.Tensor) -> None:
         set_tensor_model_parallel_attributes(param, False, -1, 1)
 
 
-def copy_tp_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
-    for a in _ATTRS:
-        setattr(dst, a, getattr(src, a))
-
-
 def is_duplicate_across_tp(param: torch.Tensor, tp_rank: int) -> bool:
     """Reader 1 of the contract: replicated params count only on TP rank 0."""
     return not getattr(param, "tensor_model_parallel", False) and tp_rank != 0

@@ -1,0 +1,35 @@
+"""The tiny GPT the tests train, and its Adam settings, in one place.
+
+Importable from test modules and from the ranks they spawn (conftest.py puts tests/ on
+sys.path). Tests that need another size pass it as an override, so each test's model
+stays visible at its call site.
+"""
+from __future__ import annotations
+
+_TINY_GPT = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                 vocab_size=96, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
+                 attention_dropout=0.0)
+
+#: ZeroOptimizer keywords (and the torch AdamW reference's) of the optimizer tests.
+ADAM_HP = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, clip_grad=0.5)
+
+
+def tiny_gpt_config(**overrides) -> dict:
+    """GPTConfig keywords of the tiny GPT: 2 layers, hidden 32, 4 heads, sequence 16,
+    vocabulary 96 padded to a multiple of 8, no dropout. An override of None drops the
+    key, so GPTConfig's default applies."""
+    cfg = dict(_TINY_GPT, **overrides)
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def tiny_model_flags(**overrides) -> list[str]:
+    """The same model as pretrain_gpt.py flags (``hidden_size`` -> ``--hidden-size``);
+    overrides as for ``tiny_gpt_config``, a boolean one is a switch."""
+    flags = []
+    for key, value in tiny_gpt_config(**overrides).items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags += [flag] if value else []
+        else:
+            flags += [flag, format(value, "g") if isinstance(value, float) else str(value)]
+    return flags
