@@ -27,6 +27,7 @@ from .checkpoint_offline import (
 )
 from .model.gpt import GPTModel
 from .tensor_parallel import gather_from_tp_region
+from .tensor_parallel.utils import TP_ATTRIBUTES
 
 
 def sample_token(logits: torch.Tensor, vocab_size: int, *, greedy: bool = False,
@@ -95,7 +96,7 @@ def load_model(ckpt: str, tp_group: ps.ParallelGroup | None = None, dtype=torch.
     meta = {n: p for n, p in model.named_parameters()}
     model.to_empty(device=device)
     for n, p in model.named_parameters():  # to_empty may make new Parameter objects
-        for a in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+        for a in TP_ATTRIBUTES:
             setattr(p, a, getattr(meta[n], a))
     load_weights_resharded(ckpt, model)
     return model.eval()

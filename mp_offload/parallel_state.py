@@ -45,16 +45,16 @@ class ParallelGroup:
             raise ValueError(f"rank {self.rank} outside a group of {self.size}")
 
     @classmethod
-    def single(cls) -> "ParallelGroup":
+    def single(cls) -> ParallelGroup:
         return cls(1, 0, None)
 
     @classmethod
-    def planned(cls, size: int, rank: int = 0) -> "ParallelGroup":
+    def planned(cls, size: int, rank: int = 0) -> ParallelGroup:
         """Rank ``rank`` of a group of ``size`` that exists only on paper (meta builds)."""
         return cls(size, rank, None)
 
     @classmethod
-    def of(cls, group) -> "ParallelGroup":
+    def of(cls, group) -> ParallelGroup:
         """The handle of a live torch.distributed group, from this rank's point of view."""
         return cls(dist.get_world_size(group), dist.get_rank(group), group)
 

@@ -55,7 +55,7 @@ class Segment:
     host_start: int
     host_end: int
     decay: bool  # weight decay applies (matrices, not biases/LayerNorm)
-    counts_for_norm: bool  # TP-sharded, or TP rank 0 (DESIGN.md §2)
+    counts_for_norm: bool  # TP-sharded, or TP rank 0 (docs/DESIGN.md §2)
 
 
 class FlatLayout:

@@ -1,4 +1,4 @@
-"""The parameter-metadata contract (DESIGN.md §2) and the split/merge it implies.
+"""The parameter-metadata contract (docs/DESIGN.md §2) and the split/merge it implies.
 
 Every parameter carries ``tensor_model_parallel``, ``partition_dim`` and
 ``partition_stride``. ``split_for_rank`` and ``merge_partitions`` are exact inverses
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
+TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
 
 def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool,
