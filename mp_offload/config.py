@@ -81,6 +81,11 @@ class OptimizerConfig:
                                  "elements per gradient bucket (reduce-scatter)")
     dpu_warmup_steps: int | None = _f(None, "enable the one-step delayed parameter update "
                                            "after this many synchronous steps")
+    accumulate_grads_on_device: bool = _f(False, "sum the micro-batches' gradients in one "
+                                          "device buffer and reduce-scatter/copy down once "
+                                          "per step (costs a full gradient on the device)")
+    accumulate_allreduce_grads_in_fp32: bool = _f(False, "reduce (and stage) gradients in "
+                                                  "fp32 in bf16/fp16 runs")
 
 
 @dataclass

@@ -98,7 +98,7 @@ def test_without_offload_every_state_tensor_stays_on_the_device():
     _run(opt, model, 2)
     for t in (opt.master, opt.exp_avg, opt.exp_avg_sq, *opt.grads, opt.flat):
         assert t.is_cuda
-    assert opt.param_staging is None and opt.grad_staging is None
+    assert opt.param_staging is None and not opt.grad_staging
 
 
 def test_dpu_keeps_the_warmup_steps_and_converges():
@@ -150,7 +150,7 @@ def test_staging_is_pinned_at_its_exact_size():
     before = stats().get("allocated_bytes.all.current", 0) if stats else 0
     model = _model()
     opt = _zero(model, dtype=torch.bfloat16, cpu_offload=True)
-    assert opt.param_staging.is_pinned() and opt.grad_staging.is_pinned()
+    assert opt.param_staging.is_pinned() and opt.grad_staging[0].is_pinned()
     assert opt.pinned_bytes() == 2 * 2 * opt.layout.host_numel
     if stats:  # registered memory bypasses the power-of-two caching host allocator
         assert stats().get("allocated_bytes.all.current", 0) == before

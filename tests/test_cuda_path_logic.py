@@ -11,7 +11,7 @@ from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer import host_memory, zero
 from mp_offload.optimizer.host_accumulator import HostAccumulator
 from mp_offload.optimizer.layout import FlatLayout
-from mp_offload.optimizer.reducer import GradientReducer
+from mp_offload.optimizer.reducer import GradientReducer, GradTargets
 from mp_offload.optimizer.zero import ZeroOptimizer
 
 CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=96,
@@ -99,7 +99,7 @@ def test_without_offload_nothing_crosses_to_the_host():
         opt.backward(_loss(model, step))
         opt.step(1e-3)
     assert opt.stats()["host_device_bytes_per_param"] == 0.0
-    assert opt.param_staging is None and opt.grad_staging is None
+    assert opt.param_staging is None and not opt.grad_staging
     assert opt.memory_bytes()["host"] == {"staging": 0}
     # and the published params are the fp32 master rounded to bf16, as with offload
     with_offload = ZeroOptimizer(_model(), **HP, dp=SINGLE, tp=SINGLE, device="cpu",
@@ -145,27 +145,34 @@ class _FakeCopyStream:
     def before_reuse(self, done):
         self.log.append(("reuse-after", done.n))
 
+    def drain(self):
+        self.log.append(("drain", self.copies))
+
 
 def test_copy_stream_order_and_buffer_reuse_through_a_fake():
-    """Each chunk is copied on the copy stream; its fp32 add waits for that copy's event;
-    a bucket buffer (DP=1: the chunk is the buffer) is reused only after its copy."""
+    """Each chunk is copied on the copy stream; its fp32 add (two micro-batches: host
+    accumulation on the worker thread) waits for that copy's event; a bucket buffer (DP=1:
+    the chunk is the buffer) is reused only after its copy."""
     fake = _FakeCopyStream()
-    targets = []
-    for copier in (fake, None):  # the CUDA wiring (staging + copy stream) vs the plain add
+    sums = []
+    for copier in (fake, None):  # the CUDA wiring (staging + copy stream) vs on-device sums
         model = _model()
         layout = FlatLayout(list(model.named_parameters()), 1, 0, 0, 600)
-        staging = torch.empty(layout.host_numel) if copier else None
-        reducer = GradientReducer(layout, SINGLE, torch.device("cpu"), torch.float32, staging,
-                                  copier=copier)
-        reducer.target = torch.zeros(layout.host_numel)
-        _loss(model).backward()
-        reducer.finish()
-        targets.append(reducer.target)
-    assert torch.equal(*targets)
+        reducer = GradientReducer(layout, SINGLE, torch.device("cpu"), torch.float32,
+                                  offload=copier is not None, micro_batches=2, copier=copier)
+        n = layout.host_numel
+        reducer.start_step(GradTargets(staging=torch.empty(n) if copier else None,
+                                       grads=torch.full((n,), float("nan"))))
+        for micro in range(2):
+            _loss(model, micro).backward()
+            reducer.finish()
+        sums.append((reducer.targets.grads, reducer.norm_squared()))
+    assert torch.equal(sums[0][0], sums[1][0]), "the first micro-batch must overwrite"
+    assert torch.allclose(sums[0][1], sums[1][1], rtol=1e-12)
     buckets = len(layout.buckets)
-    assert buckets >= 3 and fake.copies == buckets
+    assert buckets >= 3 and fake.copies == 2 * buckets
     log = fake.log
-    for k in range(1, buckets + 1):  # the host adds chunk k only after its copy was queued
+    for k in range(1, 2 * buckets + 1):  # the host adds chunk k only after its copy
         assert log.index(("copy", k)) < log.index(("host-waits", k))
     reuses = [e for e in log if e[0] == "reuse-after"]
     assert reuses, "with two buffers and more buckets, buffers are reused"

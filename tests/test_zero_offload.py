@@ -50,7 +50,7 @@ def _reference(steps):
 
 
 def _ours(steps, *, dtype=torch.float32, micro=None, dpu=None, offload=True, bucket=500,
-          loss_scale=None):
+          loss_scale=None, on_device=False):
     """TP x DP ZeRO run over the same data; returns (losses, norms, skipped, model, opt)."""
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per_rank = GBS // dp
@@ -59,7 +59,8 @@ def _ours(steps, *, dtype=torch.float32, micro=None, dpu=None, offload=True, buc
     opt = ZeroOptimizer(model, **HP, dp=ps.get_data_parallel_group(),
                         tp=ps.get_tensor_model_parallel_group(), device="cpu", dtype=dtype,
                         cpu_offload=offload, bucket_size=bucket, dpu_warmup_steps=dpu,
-                        loss_scale=loss_scale)
+                        loss_scale=loss_scale, micro_batches=per_rank // micro,
+                        accumulate_on_device=on_device)
     losses, norms, skipped = [], [], []
     for step in range(steps):
         x, y = _batch(step)
@@ -195,6 +196,9 @@ def test_device_keeps_only_low_precision_params_and_fixed_buckets():
     assert rep["device"]["params"] == 2 * opt.flat.numel()
     numel = sum(p.numel() for p in model.parameters())
     assert rep["device"]["grad_buckets"] < 2 * numel / 2, "buckets must not scale with the model"
-    assert {k: rep["host"][k] for k in ("master", "exp_avg", "exp_avg_sq", "grads")} == \
-        {k: 4 * opt.layout.host_numel for k in ("master", "exp_avg", "exp_avg_sq", "grads")}
+    n = opt.layout.host_numel
+    assert {k: rep["host"][k] for k in ("master", "exp_avg", "exp_avg_sq")} == \
+        {k: 4 * n for k in ("master", "exp_avg", "exp_avg_sq")}
+    # one micro-batch: Adam reads the bf16 gradients as they came down, no fp32 copy
+    assert rep["host"]["grads"] == 0 and rep["host"]["staging"] == 2 * n + 2 * n
     opt.step(1e-3)

@@ -28,11 +28,16 @@ def build_optimizer(model: torch.nn.Module, args, device: torch.device) -> Optim
         return TorchAdamWOptimizer(model, **common,
                                    autocast_dtype=None if dtype == torch.float32 else dtype)
     from .zero import ZeroOptimizer
+    t, dp = args.train, ps.get_data_parallel_world_size()
     return ZeroOptimizer(model, **common, device=device, dtype=dtype, cpu_offload=o.cpu_offload,
                          bucket_size=o.reduce_bucket_size, dpu_warmup_steps=o.dpu_warmup_steps,
                          loss_scale=dict(initial=o.initial_loss_scale, min=o.min_loss_scale,
                                          window=o.loss_scale_window, hysteresis=o.hysteresis)
-                         if args.train.fp16 else None)
+                         if t.fp16 else None,
+                         micro_batches=t.global_batch_size // (t.micro_batch_size * dp),
+                         accumulate_on_device=o.accumulate_grads_on_device,
+                         reduce_dtype=torch.float32 if o.accumulate_allreduce_grads_in_fp32
+                         else None)
 
 
 __all__ = ["build_optimizer", "compute_dtype", "DEFAULT_BUCKET_SIZE", "Optimizer",

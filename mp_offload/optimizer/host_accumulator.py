@@ -1,15 +1,17 @@
-"""Adds gradient chunks into the fp32 host slice on a worker thread, as their copies land.
+"""Host work on the gradient chunks, on a worker thread, as their copies land.
 
 On CUDA with offload each reduced bucket chunk is copied down (non-blocking, pinned) while
-backward goes on; this thread waits for each copy's event and adds the chunk into the
-fp32 gradient slice, so the host-side accumulation overlaps the rest of backward instead
-of running after it. Chunks cover disjoint parts of the slice, and the main thread only
-reads the slice after ``wait()``, so no locking is needed.
+backward goes on; this thread waits for each copy's event and then runs the host work for
+that chunk (add it into the fp32 gradient slice; on the last micro-batch also its share of
+the gradient norm), so that work overlaps the rest of backward instead of running after
+it. Chunks cover disjoint parts of the slice, and the main thread only reads the slice
+after ``wait()``, so no locking is needed.
 """
 from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -26,12 +28,17 @@ class HostAccumulator:
                                         daemon=True)
         self._thread.start()
 
+    def submit(self, work: Callable[[], None], ready=None) -> None:
+        """Run ``work()`` on the thread once ``ready`` (an event with .synchronize(), or
+        None) is set."""
+        self._queue.put((work, ready))
+
     def add(self, dst: torch.Tensor, src: torch.Tensor, ready=None) -> None:
-        """Queue ``dst += src`` once ``ready`` (an event with .synchronize(), or None) is set."""
-        self._queue.put((dst, src, ready))
+        """Queue ``dst += src`` once ``ready`` is set."""
+        self.submit(lambda: dst.add_(src), ready)
 
     def wait(self) -> None:
-        """Block until every queued addition is done; re-raise the worker's failure."""
+        """Block until every queued piece of work is done; re-raise the worker's failure."""
         self._queue.join()
         if self._error is not None:
             err, self._error = self._error, None
@@ -40,15 +47,15 @@ class HostAccumulator:
     def _run(self) -> None:
         try:
             set_thread_device(self.device)
-        except BaseException as e:  # noqa: BLE001 - every add is then refused; wait() raises
+        except BaseException as e:  # noqa: BLE001 - every piece is then refused; wait() raises
             self._error = e
         while True:
-            dst, src, ready = self._queue.get()
+            work, ready = self._queue.get()
             try:
                 if self._error is None:
                     if ready is not None:
                         ready.synchronize()  # the copy down has landed in pinned memory
-                    dst.add_(src)
+                    work()
             except BaseException as e:  # noqa: BLE001 - surfaced by wait()
                 self._error = e
             finally:

@@ -1,17 +1,30 @@
-"""Gradient reduction for the ZeRO optimizer: bucket hooks, reduce-scatter, host streaming.
+"""Gradient reduction for the ZeRO optimizer: bucket hooks, reduce-scatter, delivery, norm.
 
-Each parameter's gradient is copied into its bucket's buffer as soon as autograd has
-accumulated it (and freed, so the device never keeps a full-size gradient). A full
-bucket is averaged and reduce-scattered over the DP group asynchronously; this rank's
-reduced chunk then goes into the fp32 gradient slice the optimizer owns: on CUDA with
-offload, copied down into pinned staging and added on a worker thread as the copy
-lands (overlapping the rest of backward), elsewhere added in place. Two bucket buffers
-(double buffering): one bucket's reduce-scatter overlaps the backward that fills the next.
+Each parameter's gradient goes into its bucket's buffer as soon as autograd has
+accumulated it (and is freed, so the device never keeps a full-size gradient). A full
+bucket is averaged and reduce-scattered over the DP group asynchronously, and this
+rank's reduced chunk is delivered to where the optimizer wants it (``GradTargets``):
+- offload, the final gradient (one micro-batch, or ``accumulate_on_device``): copied down
+  into the low-precision host staging that the CPU Adam reads directly;
+- offload, k > 1 micro-batches accumulated on the host: copied down, then copied (first
+  micro-batch) or added (later ones) into the fp32 gradient slice, on a worker thread as
+  the copies land (CUDA), or in place (CPU);
+- no offload: copied or added into the fp32 gradient slice on the device.
+The squared gradient norm is computed where the final gradient first exists, so the host
+never makes a separate pass for it: from each reduced chunk on the device (final chunks),
+or on the host right after the last micro-batch's add. Two bucket buffers (double
+buffering): one bucket's reduce-scatter overlaps the backward that fills the next.
+
+With ``accumulate_on_device`` the micro-batches' gradients are summed in one device buffer
+laid out like the flat parameters, and only the last micro-batch reduce-scatters it:
+one reduce-scatter and 4 B/param of host<->device traffic per step for any k.
 
 This is the line Megatron-core draws between its DDP gradient buffers and its
 distributed optimizer; the optimizer (``zero.py``) owns the state and the update.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -53,34 +66,106 @@ class CopyStream:
         """The compute stream may overwrite a copied buffer only after its copy finished."""
         torch.cuda.current_stream().wait_event(done)
 
+    def drain(self) -> None:
+        """The host is about to read what was copied: wait for every copy."""
+        self.stream.synchronize()
+
+
+@dataclass
+class GradTargets:
+    """Where one step's reduced chunks go (host-slice layout, this rank's elements)."""
+    staging: torch.Tensor | None  # offload: the chunks as they come down (reduce dtype)
+    grads: torch.Tensor | None  # fp32 accumulation slice (host with offload, else device)
+
+
+def _sum_squares(t: torch.Tensor, ranges) -> torch.Tensor:
+    """Sum of squares (fp64 scalar, on t's device) over ``ranges`` of the 1-D tensor ``t``."""
+    views = [t[a:z] for a, z in ranges]
+    if not views:
+        return torch.zeros((), dtype=torch.float64, device=t.device)
+    norms = torch._foreach_norm(views, 2, dtype=torch.float32)
+    return torch.stack(norms).double().square().sum()
+
 
 class GradientReducer:
-    def __init__(self, layout: FlatLayout, dp: ParallelGroup, device: torch.device, dtype,
-                 grad_staging: torch.Tensor | None = None, copier=None,
-                 count_traffic: bool = True):
-        """``grad_staging`` (pinned host memory) and ``copier`` (a ``CopyStream``) exist
-        together, on CUDA with offload; ``count_traffic``: chunks cross to the host."""
-        self.layout, self.dp, self.device, self.dtype = layout, dp, device, dtype
-        self.grad_staging, self.copier = grad_staging, copier
-        self.target: torch.Tensor | None = None  # the fp32 slice chunks are added into
-        self.count_traffic = count_traffic
+    def __init__(self, layout: FlatLayout, dp: ParallelGroup, device: torch.device,
+                 reduce_dtype: torch.dtype, *, offload: bool, micro_batches: int = 1,
+                 accumulate_on_device: bool = False, copier=None):
+        """``copier`` (a ``CopyStream``) on CUDA with offload; ``micro_batches``: backward
+        calls per step."""
+        self.layout, self.dp, self.device, self.dtype = layout, dp, device, reduce_dtype
+        self.offload, self.copier = offload, copier
+        self.micro_batches = micro_batches
+        self.accumulate_on_device = accumulate_on_device and micro_batches > 1
+        # Adam reads the staging itself when the chunk that comes down is the final gradient.
+        self.direct = offload and (micro_batches == 1 or self.accumulate_on_device)
+        self.targets: GradTargets | None = None
         self.bytes_down = 0
+        self.micro = 0  # backward calls so far in this step
+        self._norm_parts: list[torch.Tensor] = []
         self._slot = {id(s.param): s for s in layout.slots}
+        self._norm_ranges = self._ranges_for_norm()
         self._arrived = [0] * len(layout.buckets)
         self._launched = [False] * len(layout.buckets)
         self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> its buffer
         self._pool: list[tuple] = []  # (buffer, event of the copy still reading it, or None)
         self._pending: list[tuple] = []  # (bucket, work, chunk_out, buffer)
-        self._accumulator = HostAccumulator(device) if grad_staging is not None else None
+        worker = offload and copier is not None and not self.direct
+        self._accumulator = HostAccumulator(device) if worker else None
         self.max_bucket = max(b.numel for b in layout.buckets)
         self.num_buffers = 0
+        self.acc_buffer = None
+        if self.accumulate_on_device:  # padding stays zero: no slot ever writes it
+            self.acc_buffer = torch.zeros(layout.numel, dtype=reduce_dtype, device=device)
+            self._touched: set[int] = set()
         for s in layout.slots:
             s.param.register_post_accumulate_grad_hook(self._grad_ready)
 
-    def buffer_bytes(self) -> int:
-        return self.max_bucket * torch.empty((), dtype=self.dtype).element_size() * max(
-            self.num_buffers, 1)
+    # ----------------------------------------------------------------- set-up
+    def _ranges_for_norm(self) -> list[list[tuple[int, int]]]:
+        """Per bucket, the ranges of its chunk that count for the norm (merged runs)."""
+        out: list[list[tuple[int, int]]] = [[] for _ in self.layout.buckets]
+        starts = [b.host_offset for b in self.layout.buckets]
+        b = 0
+        for seg in self.layout.segments:
+            while b + 1 < len(starts) and seg.host_start >= starts[b + 1]:
+                b += 1
+            if not seg.counts_for_norm or seg.host_end <= seg.host_start:
+                continue
+            a, z = seg.host_start - starts[b], seg.host_end - starts[b]
+            if out[b] and out[b][-1][1] == a:
+                out[b][-1] = (out[b][-1][0], z)
+            else:
+                out[b].append((a, z))
+        return out
 
+    def buffer_bytes(self) -> int:
+        """Device bytes of the bucket buffers."""
+        e = torch.empty((), dtype=self.dtype).element_size()
+        return self.max_bucket * e * max(self.num_buffers, 1)
+
+    # ------------------------------------------------------------- one step
+    def start_step(self, targets: GradTargets) -> None:
+        self.targets, self.micro = targets, 0
+        self._norm_parts = []
+
+    def norm_squared(self) -> torch.Tensor:
+        """This rank's squared gradient norm over its chunks (after the last micro-batch)."""
+        if self.micro != self.micro_batches:
+            raise RuntimeError(f"optimizer step after {self.micro} of {self.micro_batches} "
+                               f"backward calls (micro-batches) in this step")
+        parts = self._norm_parts
+        if not parts:
+            return torch.zeros((), dtype=torch.float64)
+        if len({p.device for p in parts}) > 1:
+            parts = [p.cpu() for p in parts]
+        return torch.stack(parts).sum()
+
+    @property
+    def _final(self) -> bool:
+        return self.micro == self.micro_batches - 1
+
+    # ---------------------------------------------------------------- backward
     def _take_buffer(self) -> torch.Tensor:
         if not self._pool and self._pending and self.num_buffers >= BUCKET_BUFFERS:
             self._drain_one()  # free the oldest in-flight bucket
@@ -93,25 +178,46 @@ class GradientReducer:
         return torch.empty(self.max_bucket, dtype=self.dtype, device=self.device)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
+        if self.micro >= self.micro_batches:
+            raise RuntimeError(f"more backward calls than the {self.micro_batches} "
+                               f"micro-batches per step this optimizer was built for")
         slot = self._slot[id(param)]
         b = self.layout.buckets[slot.bucket]
-        buf = self._buffers.get(b.index)
-        if buf is None:
-            buf = self._buffers[b.index] = self._take_buffer()
-            buf[:b.numel].zero_()
-        off = slot.start - b.start
-        buf[off:off + slot.numel].copy_(param.grad.reshape(-1))
-        param.grad = None  # the device never keeps a full-size gradient
+        grad = param.grad.reshape(-1)
+        if self.acc_buffer is not None:
+            dst = self.acc_buffer[slot.start:slot.start + slot.numel]
+            dst.add_(grad) if id(param) in self._touched else dst.copy_(grad)
+            self._touched.add(id(param))
+            param.grad = None
+            if not self._final:
+                return
+        else:
+            buf = self._buffers.get(b.index)
+            if buf is None:
+                buf = self._buffers[b.index] = self._take_buffer()
+                buf[:b.numel].zero_()
+            off = slot.start - b.start
+            buf[off:off + slot.numel].copy_(grad)
+            param.grad = None  # the device never keeps a full-size gradient
         self._arrived[b.index] += 1
         if self._arrived[b.index] == len(b.slots):
             self._launch(b)
 
-    def _launch(self, b) -> None:
+    def _bucket_data(self, b) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the bucket's gradient, the pooled buffer holding it or None)."""
+        if self.acc_buffer is not None:
+            for s in b.slots:  # a parameter without a gradient this step contributes zero
+                if id(s.param) not in self._touched:
+                    self.acc_buffer[s.start:s.start + s.numel].zero_()
+            return self.acc_buffer[b.start:b.end], None
         buf = self._buffers.pop(b.index, None)
         if buf is None:  # no gradient reached this bucket: still take part in the collective
             buf = self._take_buffer()
             buf[:b.numel].zero_()
-        data = buf[:b.numel]
+        return buf[:b.numel], buf
+
+    def _launch(self, b) -> None:
+        data, buf = self._bucket_data(b)
         data.div_(self.dp.size)  # average before summing: keeps fp16 sums in range
         if self.dp.size > 1:
             out = torch.empty(b.chunk, dtype=self.dtype, device=self.device)
@@ -125,31 +231,66 @@ class GradientReducer:
         b, work, out, buf = self._pending.pop(0)
         if work is not None:
             work.wait()
+        landed = self._deliver(b, out)
+        if buf is not None:
+            # With DP=1 the chunk is the buffer itself: reuse waits for its copy (DP>1
+            # copies a separate output tensor, kept alive for its stream by record_stream).
+            same = out.data_ptr() == buf.data_ptr()
+            self._pool.append((buf, landed if same else None))
+
+    def _deliver(self, b, out: torch.Tensor):
+        """Put one reduced chunk where the optimizer wants it; returns the copy's event."""
         lo, hi = b.host_offset, b.host_offset + b.chunk
-        grad = self.target[lo:hi]
+        ranges, final = self._norm_ranges[b.index], self._final
+        # With device accumulation a chunk is delivered once per step: it is the whole sum.
+        first = self.micro == 0 or self.accumulate_on_device
+        once = self.micro_batches == 1 or self.accumulate_on_device
+        if final and once:
+            self._norm_parts.append(_sum_squares(out, ranges))  # on the device, no host pass
+        if not self.offload:
+            grad = self.targets.grads[lo:hi]
+            grad.copy_(out) if first else grad.add_(out)
+            if final and not once:
+                self._norm_parts.append(_sum_squares(grad, ranges))
+            return None
+        stage = self.targets.staging[lo:hi]
+        self.bytes_down += b.chunk * out.element_size()
         landed = None
-        if self.grad_staging is not None:  # CUDA + offload: 2 bytes/param down
-            stage = self.grad_staging[lo:hi]
+        if self.copier is not None:
             landed = self.copier.copy(stage, out)
-            self._accumulator.add(grad, stage, landed)  # fp32 add overlaps the backward
         else:
-            grad.add_(out.to(grad.device))
-        if self.count_traffic:
-            self.bytes_down += b.chunk * out.element_size()
-        # With DP=1 the chunk is the buffer itself: reuse waits for its copy (DP>1 copies a
-        # separate output tensor, kept alive for its stream by record_stream).
-        self._pool.append((buf, landed if out.data_ptr() == buf.data_ptr() else None))
+            stage.copy_(out)
+        if not self.direct:
+            work = self._host_accumulate(self.targets.grads[lo:hi], stage, first, final, ranges)
+            if self._accumulator is not None:
+                self._accumulator.submit(work, landed)  # overlaps the rest of backward
+            else:
+                work()
+        return landed
+
+    def _host_accumulate(self, grad, stage, first: bool, final: bool, ranges):
+        def work():
+            grad.copy_(stage) if first else grad.add_(stage)
+            if final:  # the gradient is complete: its norm while the chunk is warm
+                self._norm_parts.append(_sum_squares(grad, ranges))
+        return work
 
     def finish(self) -> None:
         """End of one backward: launch what is left, wait for every chunk to land."""
-        # Buckets whose params got no gradient (or an unused param) still launch, in order,
-        # so every DP rank issues the same collectives.
-        for b in self.layout.buckets:
-            if not self._launched[b.index]:
-                self._launch(b)
-        while self._pending:
-            self._drain_one()
-        if self._accumulator is not None:
-            self._accumulator.wait()
+        if self.acc_buffer is None or self._final:
+            # Buckets whose params got no gradient (or an unused param) still launch, in
+            # order, so every DP rank issues the same collectives.
+            for b in self.layout.buckets:
+                if not self._launched[b.index]:
+                    self._launch(b)
+            while self._pending:
+                self._drain_one()
+            if self._accumulator is not None:
+                self._accumulator.wait()
+            if self.direct and self.copier is not None:
+                self.copier.drain()  # Adam reads the staging next
+        if self.acc_buffer is not None and self._final:
+            self._touched.clear()
+        self.micro += 1
         self._arrived = [0] * len(self.layout.buckets)
         self._launched = [False] * len(self.layout.buckets)

@@ -26,7 +26,7 @@ from .grads import clip_coefficient, reduce_norm_squared
 from .host_memory import host_empty, set_thread_device
 from .layout import FlatLayout
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
-from .reducer import CopyStream, GradientReducer
+from .reducer import CopyStream, GradientReducer, GradTargets
 
 # torch >= 2.13 renamed the tensor collectives; keep working on older releases too.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -49,7 +49,9 @@ class ZeroOptimizer:
                  betas: tuple[float, float], eps: float, clip_grad: float, dp: ParallelGroup,
                  tp: ParallelGroup, device: torch.device, dtype=torch.float32,
                  cpu_offload: bool = True, bucket_size: int = DEFAULT_BUCKET_SIZE,
-                 dpu_warmup_steps: int | None = None, loss_scale: dict | None = None):
+                 dpu_warmup_steps: int | None = None, loss_scale: dict | None = None,
+                 micro_batches: int = 1, accumulate_on_device: bool = False,
+                 reduce_dtype: torch.dtype | None = None):
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.clip_grad = clip_grad
@@ -63,37 +65,43 @@ class ZeroOptimizer:
         self.step_count = 0  # Adam steps taken (skipped fp16 steps do not count)
         self.step_calls = 0
         self.bytes_up = 0
-        cuda = self.device.type == "cuda"
         self.host = torch.device("cpu") if cpu_offload else self.device
-        pin = cuda and cpu_offload
-        n = self.layout.host_numel
+        pin = self.device.type == "cuda" and cpu_offload
+        reduce_dtype = reduce_dtype or dtype
+        self.reducer = GradientReducer(self.layout, dp, self.device, reduce_dtype,
+                                       offload=cpu_offload, micro_batches=micro_batches,
+                                       accumulate_on_device=accumulate_on_device,
+                                       copier=CopyStream(self.device) if pin else None)
+        n, copies = self.layout.host_numel, 2 if dpu_warmup_steps is not None else 1
 
-        # Host (or device, without offload) state: fp32 master, m, v, grad. The master is
-        # filled and the fp32 CPU model freed (params move to the device buffer) before the
-        # rest is allocated, so start-up peaks at model + master, not model + all state.
+        # Host (or device, without offload) state: fp32 master, m, v. The master is filled
+        # and the fp32 CPU model freed (params move to the device buffer) before the rest
+        # is allocated, so start-up peaks at model + master, not model + all state.
         self.master = torch.zeros(n, dtype=torch.float32, device=self.host)
         self._place_model(model)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        self.grads = [torch.zeros_like(self.master)]
-        if dpu_warmup_steps is not None:  # DPU: backward t+1 writes while Adam t reads
-            self.grads.append(torch.zeros_like(self.master))
-        # With offload, Adam writes the new low-precision params into host staging in its
-        # single pass (pinned on CUDA so the copy up is asynchronous), and gradients come
-        # down through grad_staging. Without offload nothing leaves the device: the
-        # publish copies (and rounds) the fp32 master straight into the flat buffer.
+        # Gradients (DPU: two of each, backward t+1 writes while Adam t reads). With offload
+        # they come down as reduced chunks into grad_staging (pinned on CUDA); when that is
+        # already the step's whole gradient (one micro-batch, or accumulated on the device)
+        # Adam reads it directly, otherwise the micro-batches are summed in fp32 ``grads``.
+        staged = cpu_offload
+        self.grad_staging = [host_empty(n, reduce_dtype, pin)
+                             for _ in range(copies if self.reducer.direct else 1)] \
+            if staged else []
+        self.grads = [] if self.reducer.direct else \
+            [torch.zeros_like(self.master) for _ in range(copies)]
+        # With offload, Adam writes the new low-precision params into param_staging in its
+        # single pass (pinned on CUDA so the copy up is asynchronous). Without offload
+        # nothing leaves the device: the publish copies (and rounds) the fp32 master
+        # straight into the flat buffer.
         low = dtype != torch.float32
         self.param_staging = host_empty(n, dtype, pin) if low and cpu_offload else None
-        self.grad_staging = host_empty(n, dtype, pin) if pin else None
-
-        self.reducer = GradientReducer(self.layout, dp, self.device, dtype, self.grad_staging,
-                                       copier=CopyStream(self.device) if pin else None,
-                                       count_traffic=cpu_offload)
-        self.reducer.target = self.grads[0]
         self._adam = self._pick_adam()
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         self._uploaded = None  # CUDA event: the last host->device copy of the staging
+        self._begin_step()
 
     # ---------------------------------------------------------------- set-up
     def _place_model(self, model: torch.nn.Module) -> None:
@@ -118,31 +126,37 @@ class ZeroOptimizer:
         return torch_adam_step
 
     # --------------------------------------------------------------- backward
+    def _adam_grads(self) -> list[torch.Tensor]:
+        """The gradient buffers Adam reads (the staging itself, or the fp32 sums)."""
+        return self.grad_staging if self.reducer.direct else self.grads
+
+    def _begin_step(self) -> None:
+        self.reducer.start_step(GradTargets(
+            staging=self.grad_staging[0] if self.grad_staging else None,
+            grads=self.grads[0] if self.grads else None))
+
     def zero_grad(self) -> None:
-        self.grads[0].zero_()
+        """Start a step. Nothing is zeroed: the first micro-batch's chunks overwrite."""
+        self._begin_step()
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss * self.scaler.scale).backward() if self.scaler.scale != 1.0 else loss.backward()
         self.reducer.finish()
 
     # ------------------------------------------------------------------- step
-    def _grad_norm_sq(self, grad: torch.Tensor) -> torch.Tensor:
-        sq = torch.zeros((), dtype=torch.float64, device=self.host)
-        for seg in self.layout.segments:
-            if seg.counts_for_norm and seg.host_end > seg.host_start:
-                sq += torch.linalg.vector_norm(grad[seg.host_start:seg.host_end]).double() ** 2
-        return sq
-
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
         """Global norm (fp16: overflow -> skip) -> clip -> Adam on the slice -> publish."""
         self.step_calls += 1  # skipped steps moved their gradients too
-        grad = self.grads[0]
-        norm_sq = reduce_norm_squared(self._grad_norm_sq(grad), self.dp_group, self.tp_group)
+        grad = self._adam_grads()[0]
+        # One scalar per rank: the reducer summed the squares where the gradient was.
+        norm_sq = reduce_norm_squared(self.reducer.norm_squared(), self.dp_group,
+                                      self.tp_group)
         scale = self.scaler.scale
         overflow = not math.isfinite(norm_sq)
         self.scaler.update(overflow)
         if overflow:  # fp16: skip; every rank sees the same global norm, so all skip
+            self._begin_step()
             return StepResult(grad_norm=float("nan"), skipped=True, loss_scale=scale)
         norm = math.sqrt(norm_sq) / scale
         grad_scale = clip_coefficient(norm, self.clip_grad) / scale
@@ -154,11 +168,11 @@ class ZeroOptimizer:
                                             args=(grad, lr, grad_scale, self.step_count),
                                             daemon=True)
             self._thread.start()
-            self.grads.reverse()  # backward t+1 accumulates into the other buffer
-            self.reducer.target = self.grads[0]
+            self._adam_grads().reverse()  # backward t+1 writes into the other buffer
         else:
             self._adam_pass(grad, lr, grad_scale, self.step_count)
             self._publish()
+        self._begin_step()
         return StepResult(grad_norm=norm, skipped=False, loss_scale=scale)
 
     def _delayed_pass(self, *args) -> None:
@@ -262,8 +276,10 @@ class ZeroOptimizer:
             return 0 if t is None else t.numel() * t.element_size()
         state = dict(master=nbytes(self.master), exp_avg=nbytes(self.exp_avg),
                      exp_avg_sq=nbytes(self.exp_avg_sq), grads=sum(nbytes(g) for g in self.grads))
-        staging = nbytes(self.param_staging) + nbytes(self.grad_staging)
+        staging = nbytes(self.param_staging) + sum(nbytes(g) for g in self.grad_staging)
         device = dict(params=nbytes(self.flat), grad_buckets=self.reducer.buffer_bytes())
+        if self.reducer.acc_buffer is not None:
+            device["grad_accumulation"] = nbytes(self.reducer.acc_buffer)
         host = dict(staging=staging)
         (host if self.cpu_offload else device).update(state)
         return dict(device=device, host=host)

@@ -50,10 +50,15 @@ def run_from_args(args: Args, world: int, mode: str | None = None, cuda: bool = 
     if mode is None:
         mode = ("pytorch" if args.optim.optimizer == "torch-adamw"
                 else "offload" if args.optim.cpu_offload else "zero2")
-    return Run(args.model, tp=tp, dp=world // tp, mode=mode, elem_bytes=2 if low else 4,
-               micro_batch=args.train.micro_batch_size,
-               bucket_size=args.optim.reduce_bucket_size,
-               dpu=args.optim.dpu_warmup_steps is not None and mode == "offload", cuda=cuda)
+    t, o = args.train, args.optim
+    dp = world // tp
+    gbs = t.global_batch_size or t.micro_batch_size * dp
+    return Run(args.model, tp=tp, dp=dp, mode=mode, elem_bytes=2 if low else 4,
+               micro_batch=t.micro_batch_size, bucket_size=o.reduce_bucket_size,
+               dpu=o.dpu_warmup_steps is not None and mode == "offload", cuda=cuda,
+               micro_batches=max(1, gbs // (t.micro_batch_size * dp)),
+               accumulate_on_device=o.accumulate_grads_on_device,
+               reduce_bytes=4 if o.accumulate_allreduce_grads_in_fp32 else None)
 
 
 def _host_memory_gib() -> float | None:

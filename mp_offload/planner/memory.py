@@ -9,10 +9,17 @@ Exact (they are the optimizer's own buffers, sized by FlatLayout):
                        that fills the next; a third waits for the oldest). Gradients
                        arrive in layout order for this GPT; the pool grows past two
                        only if more than two buckets are filling at once.
-  master / exp_avg / exp_avg_sq / grads  4 * host_numel each (grads twice with DPU):
-                       16Ψ/(T·D) on the host with offload, on the device without
-  host staging         e * host_numel for the new low-precision params (not in fp32)
-                       + e * host_numel for gradients coming down (CUDA + offload)
+  device grad_accumulation  r * flat_numel with --accumulate-grads-on-device (k > 1)
+  master / exp_avg / exp_avg_sq  4 * host_numel each: 12Ψ/(T·D) on the host with
+                       offload, on the device without
+  grads                4 * host_numel (twice with DPU), the fp32 sum of k > 1 micro-batches
+                       accumulated on the host, or any gradient without offload; none with
+                       offload when one chunk per step is the whole gradient (k = 1 or
+                       device accumulation): Adam reads the staging
+  host staging         offload only, pinned at its exact size: e * host_numel for the new
+                       low-precision params (not in fp32) + r * host_numel for gradients
+                       coming down (twice with DPU when Adam reads them directly)
+  (r: bytes of the reduce dtype, e unless --accumulate-allreduce-grads-in-fp32)
 Estimates: device activations (see activations.py), device workspace (a fixed
 reserve for the CUDA context, cuBLAS/NCCL workspaces and allocator slack, plus the
 reduce-scatter output chunk), host process (Python, torch, CUDA runtime, data).
@@ -38,7 +45,8 @@ from .shapes import RankShapes, meta_named_params, rank_shapes, spec_named_param
 GiB = 1 << 30
 MODES = ("offload", "zero2", "pytorch")  # compared by --dry-run
 ALL_MODES = MODES + ("pytorch-o2",)
-EXACT = ("params", "grad_buckets", "master", "exp_avg", "exp_avg_sq", "grads", "staging")
+EXACT = ("params", "grad_buckets", "grad_accumulation", "master", "exp_avg", "exp_avg_sq",
+         "grads", "staging")
 
 
 @dataclass
@@ -63,7 +71,10 @@ class Run:
     micro_batch: int = 1
     bucket_size: int = DEFAULT_BUCKET_SIZE
     dpu: bool = False
-    cuda: bool = True  # gradient staging exists only on CUDA
+    cuda: bool = True  # the staging is pinned (same bytes either way)
+    micro_batches: int = 1  # backward passes per step (gradient accumulation)
+    accumulate_on_device: bool = False
+    reduce_bytes: int | None = None  # default: elem_bytes
     flash: bool = True  # fused SDPA kernels keep no s x s scores
     bucket_buffers: int | None = None  # default: ZeroOptimizer's, min(2, number of buckets)
 
@@ -134,17 +145,24 @@ def plan_rank(run: Run, shapes: RankShapes, hw: Hardware) -> tuple[dict, dict, s
             device["master_grads"] = 4 * p
         host = {}
     else:
-        state = dict(master=4 * n, exp_avg=4 * n, exp_avg_sq=4 * n,
-                     grads=4 * n * (2 if run.dpu else 1))
-        device = dict(params=e * shapes.flat_numel,
-                      grad_buckets=e * shapes.max_bucket * (
-                          run.bucket_buffers or min(BUCKET_BUFFERS, shapes.num_buckets)))
+        r, k, copies = run.reduce_bytes or e, run.micro_batches, 2 if run.dpu else 1
+        acc = run.accumulate_on_device and k > 1
         offload = run.mode == "offload"
-        # Offload only: low-precision params up, gradients down (CUDA), pinned at exact size.
-        staging = (e * n if e < 4 else 0) + (e * n if run.cuda else 0) if offload else 0
+        direct = offload and (k == 1 or acc)  # Adam reads the gradient staging itself
+        state = dict(master=4 * n, exp_avg=4 * n, exp_avg_sq=4 * n,
+                     grads=0 if direct else 4 * n * copies)
+        device = dict(params=e * shapes.flat_numel,
+                      grad_buckets=r * shapes.max_bucket * (
+                          run.bucket_buffers or min(BUCKET_BUFFERS, shapes.num_buckets)))
+        if acc:
+            device["grad_accumulation"] = r * shapes.flat_numel
+        # Offload only: low-precision params up, gradients down, pinned at exact size.
+        staging = (e * n if e < 4 else 0) + r * n * (copies if direct else 1) \
+            if offload else 0
         host = dict(staging=staging)
         (host if offload else device).update(state)
-    rs_out = e * (shapes.max_bucket // run.dp) if run.dp > 1 and not plain else 0
+    rs_out = (run.reduce_bytes or e) * (shapes.max_bucket // run.dp) \
+        if run.dp > 1 and not plain else 0
     device.update(activations=act.peak, workspace=int(hw.device_reserved_gb * GiB) + rs_out)
     host["process"] = int(hw.host_process_gb * GiB)
     return device, host, act.phase
