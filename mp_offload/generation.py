@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import parallel_state as ps
-from .checkpoint_offline import (
+from .checkpoint import (
     CheckpointError,
     FullTensors,
     load_weights_resharded,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from . import faults
 from . import parallel_state as ps
-from .checkpointing import CheckpointError, load_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import Args, ConfigError, parse_args, validate
 from .data.loader import BatchIterator, MockGPTDataset
 from .logger import Logger
@@ -189,7 +189,6 @@ class _StopFlag:
 
 
 def _save(args: Args, iteration: int, consumed: int, model, optimizer, logger) -> None:
-    from .checkpointing import save_checkpoint
     t0 = time.perf_counter()
     path = save_checkpoint(args.ckpt.save, iteration, consumed, model, optimizer, args,
                            keep=args.ckpt.keep_checkpoints)

@@ -73,7 +73,7 @@ def test_sigterm_finishes_the_step_and_saves(tmp_path):
     import signal
     import time
 
-    from mp_offload.checkpointing import read_latest
+    from mp_offload.checkpoint import read_latest
 
     ck, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

@@ -1,0 +1,105 @@
+"""The collective load: exact resume at the saved sizes, re-partitioning at any others.
+
+At the saved TP/DP sizes and layout each rank takes its own optimizer slice as saved.
+Otherwise every rank rebuilds its new slice one parameter at a time (merge the saved
+DP slices and TP shards of that parameter, re-pad the vocabulary, keep its piece), so
+no rank ever holds the whole optimizer state. Everything that can fail runs before
+the one collective that shares the errors, so a bad file fails every rank, never hangs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import parallel_state as ps
+from ..tensor_parallel.random import get_rng_tracker
+from . import format as fmt
+from .errors import CheckpointError
+
+
+def _resharded(read, manifest, name: str, p, key: str) -> torch.Tensor:
+    """``name``'s tensor for this rank's TP slice, re-split from the saved TP layout."""
+    full = fmt.merge_param(manifest, name,
+                           lambda r, shape: fmt.zero_local(read, manifest, name, r, key, shape))
+    tp = ps.get_tensor_model_parallel_world_size()
+    info = fmt.param_info([(name, p)], tp)[name]
+    return fmt.local_slice(full, info, tp, ps.get_tensor_model_parallel_rank())
+
+
+def _read_zero(read, manifest, optimizer, load_optim: bool):
+    """Phase 1 (no collectives): this rank's new slice tensors, its saved shard, and the
+    shard whose RNG this rank resumes (None when the layout changed)."""
+    tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
+    same = (manifest["tensor_model_parallel_size"] == ps.get_tensor_model_parallel_world_size()
+            and manifest["data_parallel_size"] == ps.get_data_parallel_world_size())
+    own = read(fmt.optim_file(tp_rank, dp_rank)) if same else None
+    keys = ("master", "exp_avg", "exp_avg_sq") if load_optim else ("master",)
+    if own is not None and own["layout"] == optimizer.layout.describe():
+        return {k: own[k] for k in keys}, own, own  # exact resume: the slice as saved
+    tensors = {k: torch.zeros(optimizer.layout.host_numel) for k in keys}
+    # Re-partition: each parameter owns at most one piece of this slice; build it, copy it.
+    for slot, p_off, h_off, n in optimizer.layout.owned_pieces():
+        for k in keys:
+            full = _resharded(read, manifest, slot.name, slot.param, k).reshape(-1)
+            tensors[k][h_off:h_off + n] = full[p_off:p_off + n]
+    return tensors, read(fmt.optim_file(0, 0)), None
+
+
+def _install_zero(optimizer, tensors, shard, load_optim: bool) -> None:
+    """Phase 2 (collective: republishes the device params)."""
+    if load_optim:
+        optimizer.load_state_dict(dict(tensors, step=shard["step"], scaler=shard["scaler"]))
+    else:
+        optimizer.load_state_dict({"master": tensors["master"]})
+
+
+def _restore_rng(rng: dict) -> None:
+    torch.set_rng_state(rng["cpu"])
+    get_rng_tracker().set_states(rng["tracker"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
+def _stage(root: str, optimizer, args, load_optim: bool):
+    """Phase 1 of a load: ((iteration, consumed), staged zero state, own shard) or None."""
+    iteration = fmt.read_latest(root)
+    if iteration is None:
+        return None
+    ckpt = fmt.iter_dir(root, iteration)
+    manifest = fmt.read_manifest(ckpt)
+    fmt.check_model_shape(manifest, ckpt, args.model)
+    read = fmt.CheckedReader(ckpt, manifest)
+    common = read(fmt.COMMON)
+    kind = optimizer.checkpoint_kind
+    if manifest["optimizer"] != kind or kind != "zero":
+        raise CheckpointError(f"{ckpt}: saved with optimizer {manifest['optimizer']}, "
+                              f"this run uses --optimizer {args.optim.optimizer}")
+    tensors, shard, own = _read_zero(read, manifest, optimizer, load_optim)
+    return (common["iteration"], common["consumed_samples"]), (tensors, shard), own
+
+
+def load_checkpoint(root: str, model, optimizer, args, *, load_optim: bool = True,
+                    load_rng: bool = True) -> tuple[int, int] | None:
+    """Collective. Returns (iteration, consumed_samples), or None when nothing is saved.
+
+    Any rank's failure is raised on every rank (the first failing rank's message).
+    """
+    error, staged = None, None
+    try:
+        staged = _stage(root, optimizer, args, load_optim)
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:  # noqa: BLE001 - an unreadable file must not hang the others
+        error = f"checkpoint in {root}: {type(e).__name__}: {e}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointError(first)
+    if staged is None:
+        return None
+    result, zero_state, own = staged
+    _install_zero(optimizer, *zero_state, load_optim)
+    if own is not None and load_rng:
+        _restore_rng(own["rng"])
+    return result
