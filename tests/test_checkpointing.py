@@ -89,6 +89,20 @@ def test_reshard_continues_like_unbroken(unbroken, tmp_path, save_layout, load_l
         assert abs(got[it] - want[it]) <= 1e-4 * want[it], (it, got[it], want[it])
 
 
+def test_torch_adamw_resumes_exactly(tmp_path):
+    """The unpartitioned reference optimizer (TP=1, DP=2) resumes bitwise too."""
+    argv = [a for a in BASE if a != "--cpu-offload"] + ["--optimizer", "torch-adamw"]
+    logs = {k: str(tmp_path / f"{k}.jsonl") for k in ("unbroken", "resumed")}
+    ck = str(tmp_path / "ckpt")
+    run_distributed(_pretrain_worker, 2, argv + ["--log-json", logs["unbroken"]])
+    run_distributed(_pretrain_worker, 2, argv + ["--save", ck, "--exit-interval", "4",
+                                                 "--log-json", logs["resumed"]])
+    run_distributed(_pretrain_worker, 2, argv + ["--load", ck, "--log-json", logs["resumed"]])
+    got, want = losses(logs["resumed"]), losses(logs["unbroken"])
+    assert sorted(got) == list(range(1, 9))
+    assert got == want
+
+
 def test_killed_save_leaves_last_checkpoint_loadable(tmp_path):
     ck = str(tmp_path / "ckpt")
     env = dict(os.environ, OMP_NUM_THREADS="1", MP_OFFLOAD_CKPT_FAULT="before_rename:4",

@@ -1,6 +1,7 @@
 """The collective load: exact resume at the saved sizes, re-partitioning at any others.
 
 At the saved TP/DP sizes and layout each rank takes its own optimizer slice as saved.
+(torch-adamw checkpoints hold torch's own state and reload only at the saved sizes.)
 Otherwise every rank rebuilds its new slice one parameter at a time (merge the saved
 DP slices and TP shards of that parameter, re-pad the vocabulary, keep its piece), so
 no rank ever holds the whole optimizer state. Everything that can fail runs before
@@ -60,8 +61,29 @@ def _restore_rng(rng: dict) -> None:
         torch.cuda.set_rng_state(rng["cuda"])
 
 
-def _stage(root: str, optimizer, args, load_optim: bool):
-    """Phase 1 of a load: ((iteration, consumed), staged zero state, own shard) or None."""
+def _stage_torch_adamw(read, manifest, model, optimizer, load_optim: bool):
+    """Phase 1 of a torch-adamw load: (install, own shard). torch's state is not
+    partitioned by us, so it reloads only at the saved sizes."""
+    if (manifest["tensor_model_parallel_size"] != ps.get_tensor_model_parallel_world_size()
+            or manifest["data_parallel_size"] != ps.get_data_parallel_world_size()):
+        raise CheckpointError(f"{read.ckpt}: torch-adamw checkpoints reload only at the same "
+                              f"TP/DP sizes; use --optimizer adam to reshard")
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    weights = read(fmt.model_file(tp_rank))
+    own = read(fmt.optim_file(tp_rank, ps.get_data_parallel_rank()))
+
+    @torch.no_grad()
+    def install():
+        for n, p in model.named_parameters():
+            p.copy_(weights[n])
+        if load_optim:
+            optimizer.load_state_dict(own["torch_adamw"])
+    return install, own
+
+
+def _stage(root: str, model, optimizer, args, load_optim: bool):
+    """Phase 1 of a load (reads and checks, no collectives): None when nothing is saved,
+    else ((iteration, consumed), install, shard whose RNG this rank resumes or None)."""
     iteration = fmt.read_latest(root)
     if iteration is None:
         return None
@@ -70,12 +92,15 @@ def _stage(root: str, optimizer, args, load_optim: bool):
     fmt.check_model_shape(manifest, ckpt, args.model)
     read = fmt.CheckedReader(ckpt, manifest)
     common = read(fmt.COMMON)
+    result = (common["iteration"], common["consumed_samples"])
     kind = optimizer.checkpoint_kind
-    if manifest["optimizer"] != kind or kind != "zero":
+    if manifest["optimizer"] != kind:
         raise CheckpointError(f"{ckpt}: saved with optimizer {manifest['optimizer']}, "
                               f"this run uses --optimizer {args.optim.optimizer}")
+    if kind == "torch-adamw":
+        return (result, *_stage_torch_adamw(read, manifest, model, optimizer, load_optim))
     tensors, shard, own = _read_zero(read, manifest, optimizer, load_optim)
-    return (common["iteration"], common["consumed_samples"]), (tensors, shard), own
+    return result, lambda: _install_zero(optimizer, tensors, shard, load_optim), own
 
 
 def load_checkpoint(root: str, model, optimizer, args, *, load_optim: bool = True,
@@ -86,7 +111,7 @@ def load_checkpoint(root: str, model, optimizer, args, *, load_optim: bool = Tru
     """
     error, staged = None, None
     try:
-        staged = _stage(root, optimizer, args, load_optim)
+        staged = _stage(root, model, optimizer, args, load_optim)
     except CheckpointError as e:
         error = str(e)
     except Exception as e:  # noqa: BLE001 - an unreadable file must not hang the others
@@ -98,8 +123,8 @@ def load_checkpoint(root: str, model, optimizer, args, *, load_optim: bool = Tru
         raise CheckpointError(first)
     if staged is None:
         return None
-    result, zero_state, own = staged
-    _install_zero(optimizer, *zero_state, load_optim)
+    result, install, own = staged
+    install()  # collective for ZeRO (republishes the device params)
     if own is not None and load_rng:
         _restore_rng(own["rng"])
     return result
