@@ -265,7 +265,7 @@ def _maybe_load(args: Args, model, optimizer, logger) -> tuple[int, int]:
         return 0, 0
     weights_only = c.finetune or c.no_load_optim
     res = load_checkpoint(c.load, model, optimizer, args, load_optim=not weights_only,
-                          load_rng=not (c.finetune or c.no_load_rng))
+                          load_rng=not (c.finetune or c.no_load_rng), log=logger.info)
     if res is None:
         logger.info(f"no checkpoint in {c.load}: starting from scratch")
         return 0, 0

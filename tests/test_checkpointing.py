@@ -1,4 +1,7 @@
-"""Checkpoints: exact resume, resharding, crash-safe saves, named load errors."""
+"""Checkpoints: exact resume, resharding, crash-safe saves, named load errors, the RNG
+device check and the manifest checksum."""
+import contextlib
+import hashlib
 import json
 import os
 import subprocess
@@ -9,10 +12,18 @@ import torch
 from dist_helpers import run_distributed
 
 from mp_offload import parallel_state as ps
-from mp_offload.checkpoint import CheckpointError, load_checkpoint, read_latest
+from mp_offload.checkpoint import (
+    CheckpointError,
+    FullTensors,
+    load_checkpoint,
+    read_latest,
+    save_checkpoint,
+    write_checkpoint,
+)
 from mp_offload.config import parse_args, validate
-from mp_offload.model.gpt import GPTModel
+from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer import build_optimizer
+from mp_offload.tensor_parallel import random as tp_random
 from mp_offload.training import pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -165,9 +176,20 @@ def _corrupt_worker(rank, world, ck):
     torch.distributed.barrier()
     msg = attempt(["--num-layers", "3"])
     assert "--num-layers is 3 here but 2 in the checkpoint" in msg, msg
+    manifest_path = os.path.join(it, "manifest.json")
+    with open(manifest_path) as f:
+        saved_manifest = f.read()
+    torch.distributed.barrier()
+    if rank == 0:  # a hand edit: the TP size the slices are read with
+        with open(manifest_path, "w") as f:
+            f.write(saved_manifest.replace('"tensor_model_parallel_size": 2',
+                                           '"tensor_model_parallel_size": 1'))
+    torch.distributed.barrier()
+    msg = attempt()
+    assert "manifest.json: does not match" in msg and "manifest.sha256" in msg, msg
     torch.distributed.barrier()
     if rank == 0:
-        os.remove(os.path.join(it, "manifest.json"))
+        os.remove(manifest_path)
     torch.distributed.barrier()
     assert "manifest.json: missing" in attempt()
 
@@ -176,3 +198,164 @@ def test_corrupt_truncated_mismatched_checkpoints_are_refused(tmp_path):
     ck = str(tmp_path / "ckpt")
     run(4, 2, "--save", ck, "--exit-interval", "4")
     run_distributed(_corrupt_worker, 4, ck)
+
+
+# --------------------------------------------------------------- reliability guards
+TINY = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                 vocab_size=100, make_vocab_size_divisible_by=8)
+
+
+def _tensor(name, key, shape, dim):
+    g = torch.Generator().manual_seed(sum(map(ord, name + key)))
+    return torch.randn(shape, generator=g) * 0.02
+
+
+def _sha(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _downgrade_to_v1(ckpt):
+    """Make ``ckpt`` look as format version 1 wrote it: no manifest checksum, and RNG
+    records that do not name their device."""
+    with open(os.path.join(ckpt, "manifest.json")) as f:
+        manifest = json.load(f)
+    for rel, meta in manifest["files"].items():
+        if "optim_dp" in rel:
+            path = os.path.join(ckpt, rel)
+            shard = torch.load(path, weights_only=True)
+            del shard["rng"]["device"]
+            torch.save(shard, path)
+            meta.update(bytes=os.path.getsize(path), sha256=_sha(path))
+    manifest["format_version"] = 1
+    with open(os.path.join(ckpt, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    os.remove(os.path.join(ckpt, "manifest.sha256"))
+
+
+def test_edited_manifest_is_refused_and_version1_still_reads(tmp_path):
+    ckpt = write_checkpoint(str(tmp_path / "ck"), 3, 24, TINY, 2, _tensor)
+    full = FullTensors(ckpt)
+    want = {n: full.get(n) for n in full.names}
+    path = os.path.join(ckpt, "manifest.json")
+    with open(path) as f:
+        text = f.read()
+    with open(path, "w") as f:  # TP 2 -> 1: would read half of every split weight
+        f.write(text.replace('"tensor_model_parallel_size": 2', '"tensor_model_parallel_size": 1'))
+    with pytest.raises(CheckpointError, match=r"manifest\.json: does not match .*manifest\.sha256"):
+        FullTensors(ckpt)
+    with open(path, "w") as f:
+        f.write(text)
+    os.remove(os.path.join(ckpt, "manifest.sha256"))
+    with pytest.raises(CheckpointError, match=r"manifest\.sha256: missing"):
+        FullTensors(ckpt)
+    ckpt = write_checkpoint(str(tmp_path / "v1"), 3, 24, TINY, 2, _tensor)
+    _downgrade_to_v1(ckpt)
+    full = FullTensors(ckpt)
+    assert full.manifest["format_version"] == 1
+    for n in full.names:
+        assert torch.equal(full.get(n), want[n]), n
+    with open(os.path.join(ckpt, "manifest.json")) as f:
+        newer = json.load(f)
+    newer["format_version"] = 99
+    with open(os.path.join(ckpt, "manifest.json"), "w") as f:
+        json.dump(newer, f)
+    with pytest.raises(CheckpointError, match=r"v1/iter_0000003/manifest\.json: format "
+                                              r"version 99, this code reads 1, 2"):
+        FullTensors(ckpt)
+
+
+class _FakeCuda:
+    """A stand-in CUDA generator for the RNG tracker (no GPU here): 16-byte states like
+    CUDA's Philox seed + offset, and torch's complaint when given a state of another size."""
+
+    def __init__(self):
+        self.state = torch.zeros(16, dtype=torch.uint8)
+
+    def manual_seed(self, seed):
+        self.state = torch.tensor(list(int(seed).to_bytes(8, "little")) + [0] * 8,
+                                  dtype=torch.uint8)
+
+    def get(self, device):
+        return self.state.clone() if device == "cuda" else torch.get_rng_state()
+
+    def set(self, state, device):
+        if device != "cuda":
+            return torch.set_rng_state(state)
+        if state.numel() != 16:
+            raise RuntimeError("RNG state is wrong size")
+        self.state = state.clone()
+
+    @contextlib.contextmanager
+    def installed(self):
+        saved = (tp_random.get_rng_state, tp_random.set_rng_state, torch.cuda.manual_seed)
+        tp_random.get_rng_state, tp_random.set_rng_state = self.get, self.set
+        torch.cuda.manual_seed = self.manual_seed
+        try:
+            yield
+        finally:
+            tp_random.get_rng_state, tp_random.set_rng_state, torch.cuda.manual_seed = saved
+
+
+def _rng_worker(rank, world, root):
+    args = parse_args(BASE)
+    validate(args, 1)
+    ps.initialize_model_parallel(1)
+    seed, tracker, fake = args.train.seed, tp_random.get_rng_tracker(), _FakeCuda()
+    torch.manual_seed(0)
+    model = GPTModel(args.model)
+    opt = build_optimizer(model, args, torch.device("cpu"))
+
+    def fresh(device):
+        """Seed as a run on ``device`` does; returns (tracker states, default state)."""
+        tp_random.model_parallel_seed(seed, 0, device)
+        return tracker.get_states(), torch.get_rng_state()
+
+    def save(path, device):
+        """Save with RNG streams that differ from a fresh seeding; returns them."""
+        fresh(device)
+        with tracker.fork():
+            torch.rand(7)
+        torch.rand(3)
+        states = (tracker.get_states(), torch.get_rng_state())
+        save_checkpoint(path, 1, 8, model, opt, args)
+        return states
+
+    def load(path, device):
+        fresh(device)
+        torch.rand(5)  # disturb: a reseed or a restore must show
+        logs = []
+        load_checkpoint(path, model, opt, args, log=logs.append)
+        with tracker.fork():  # what the first dropout of the resumed run does
+            pass
+        return logs
+
+    def now_is(want):
+        states, default = tracker.get_states(), torch.get_rng_state()
+        return states.keys() == want[0].keys() and torch.equal(default, want[1]) and \
+            all(torch.equal(states[k], want[0][k]) for k in states)
+
+    save(f"{root}/cpu", "cpu")
+    with fake.installed():
+        want = fresh("cuda")
+        logs = load(f"{root}/cpu", "cuda")  # before the fix: "RNG state is wrong size"
+        assert tracker.device == "cuda" and now_is(want)  # reseeded as a fresh run
+    assert len(logs) == 1 and "saved on cpu, this run is on cuda: reseeded" in logs[0], logs
+    with fake.installed():
+        save(f"{root}/cuda", "cuda")
+    want = fresh("cpu")
+    logs = load(f"{root}/cuda", "cpu")  # before the fix: torch's "RNG state is wrong size"
+    assert len(logs) == 1 and "saved on cuda, this run is on cpu" in logs[0], logs
+    assert tracker.device == "cpu" and now_is(want)
+    # A version-1 file (no device recorded) on the same device resumes its streams exactly.
+    saved = save(f"{root}/v1", "cpu")
+    _downgrade_to_v1(f"{root}/v1/iter_0000001")
+    fresh("cpu")
+    torch.rand(5)
+    logs = []
+    load_checkpoint(f"{root}/v1", model, opt, args, log=logs.append)
+    assert logs == [] and now_is(saved)
+
+
+def test_rng_saved_on_another_device_type_is_reseeded(tmp_path):
+    run_distributed(_rng_worker, 1, str(tmp_path))

@@ -1,4 +1,7 @@
-"""The two errors the checkpoint package raises; both carry a message meant for the user."""
+"""The errors the checkpoint package raises, and how the ranks agree on one.
+
+Both errors carry a one-line message meant for the user, naming the file or flag.
+"""
 from __future__ import annotations
 
 
@@ -8,3 +11,17 @@ class CheckpointError(RuntimeError):
 
 class ConversionError(ValueError):
     """A source that cannot be converted (GPT-2 import/export); the message says what differs."""
+
+
+def raise_agreed(error: str | None) -> None:
+    """Collective: raise the first rank's error (if any rank has one) on every rank.
+
+    Checks run on every rank before this one collective, so a failure on one rank
+    stops all of them with the same message instead of leaving the others hanging.
+    """
+    import torch.distributed as dist  # deferred: the offline tools never need it
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointError(first)

@@ -5,6 +5,7 @@ Layout::
     <root>/latest_checkpointed_iteration.txt       the newest complete iteration
     <root>/iter_0000100/manifest.json              format, sizes, model config, params,
                                                    size + sha256 of every other file
+    <root>/iter_0000100/manifest.sha256            sha256 of manifest.json (sha256sum -c)
     <root>/iter_0000100/common.pt                  iteration, consumed samples, arguments
     <root>/iter_0000100/mp_rank_00/model.pt        TP shard of the weights (compute dtype)
     <root>/iter_0000100/mp_rank_00/optim_dp000.pt  this (TP, DP) rank's fp32 master/m/v
@@ -15,6 +16,10 @@ commit sequence both writers use (temporary directory, fsync, manifest last, ren
 then the latest pointer), the checked reader (size and sha256 once, then mmap), the
 vocabulary-padding fit, and the TP merge of one parameter from its saved slices.
 Nothing here needs process groups.
+
+Versions: 2 (written now) adds manifest.sha256, so a hand-edited manifest is refused
+instead of silently loading wrong weights, and the device of each RNG record. Version
+1 is still read: no manifest checksum, and the RNG device follows from the state size.
 """
 from __future__ import annotations
 
@@ -32,10 +37,11 @@ from ..tensor_parallel.random import get_rng_tracker
 from ..tensor_parallel.utils import merge_partitions, split_for_rank
 from .errors import CheckpointError
 
-FORMAT_VERSION = 1
-READABLE_VERSIONS = (1,)
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 LATEST = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
+MANIFEST_SHA = "manifest.sha256"
 COMMON = "common.pt"
 TMP_PREFIX = ".tmp_iter_"
 _ITER_NAME = re.compile(r"iter_(\d{7,})")
@@ -132,11 +138,24 @@ def fsync_dir(path: str) -> None:
 
 
 def rng_state() -> dict:
-    """The RNG record each optimizer file stores (default generators and TP tracker)."""
-    state = {"cpu": torch.get_rng_state(), "tracker": get_rng_tracker().get_states()}
+    """The RNG record each optimizer file stores: the default generators, and the TP
+    tracker's states with the device they belong to (their format depends on it)."""
+    tracker = get_rng_tracker()
+    state = {"cpu": torch.get_rng_state(), "tracker": tracker.get_states(),
+             "device": tracker.device}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+def rng_device(rng: dict) -> str:
+    """The device of a saved RNG record's tracker states. Version 1 did not say; a CPU
+    generator state has a fixed size that no CUDA (Philox seed + offset) state has."""
+    if "device" in rng:
+        return rng["device"]
+    states = list(rng["tracker"].values())
+    cpu_size = torch.get_rng_state().numel()
+    return "cpu" if not states or states[0].numel() == cpu_size else "cuda"
 
 
 def param_info(named_params, tp: int) -> dict:
@@ -185,7 +204,8 @@ def commit(root: str, iteration: int, manifest: dict) -> str:
     """
     tmp, final = tmp_dir(root, iteration), iter_dir(root, iteration)
     faults.checkpoint_point("before_manifest", iteration)
-    write_file(json.dumps(manifest, indent=1), os.path.join(tmp, MANIFEST), text=True)
+    meta = write_file(json.dumps(manifest, indent=1), os.path.join(tmp, MANIFEST), text=True)
+    write_file(f"{meta['sha256']}  {MANIFEST}\n", os.path.join(tmp, MANIFEST_SHA), text=True)
     fsync_dir(tmp)
     faults.checkpoint_point("before_rename", iteration)
     old = final + ".old"
@@ -209,20 +229,36 @@ def prune(root: str, keep: int, newest: int) -> None:
 
 
 # ------------------------------------------------------------------------ reading
+def _check_manifest_sha(ckpt: str, data: bytes, version) -> None:
+    """The manifest must match manifest.sha256 (version 2 on; version 1 has none)."""
+    path = os.path.join(ckpt, MANIFEST_SHA)
+    if not os.path.exists(path):
+        if version == 1:
+            return
+        raise CheckpointError(f"{path}: missing (version {version} checkpoints have one)")
+    with open(path) as f:
+        want = f.read().split(maxsplit=1)[:1]
+    if want != [hashlib.sha256(data).hexdigest()]:
+        raise CheckpointError(f"{os.path.join(ckpt, MANIFEST)}: does not match {path} "
+                              f"(edited or corrupted); refusing to load it")
+
+
 def read_manifest(ckpt: str) -> dict:
     """The manifest of an iteration directory, after the format checks."""
     path = os.path.join(ckpt, MANIFEST)
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: missing (incomplete save?)")
+    with open(path, "rb") as f:
+        data = f.read()
     try:
-        with open(path) as f:
-            manifest = json.load(f)
+        manifest = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable ({e})") from None
-    version = manifest.get("format_version")
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version not in READABLE_VERSIONS:
         raise CheckpointError(f"{path}: format version {version}, this code reads "
                               f"{', '.join(map(str, READABLE_VERSIONS))}")
+    _check_manifest_sha(ckpt, data, version)
     return manifest
 
 

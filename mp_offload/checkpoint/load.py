@@ -10,12 +10,11 @@ the one collective that shares the errors, so a bad file fails every rank, never
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .. import parallel_state as ps
-from ..tensor_parallel.random import get_rng_tracker
+from ..tensor_parallel.random import get_rng_tracker, model_parallel_seed
 from . import format as fmt
-from .errors import CheckpointError
+from .errors import CheckpointError, raise_agreed
 
 
 def _resharded(read, manifest, name: str, p, key: str) -> torch.Tensor:
@@ -54,9 +53,20 @@ def _install_zero(optimizer, tensors, shard, load_optim: bool) -> None:
         optimizer.load_state_dict({"master": tensors["master"]})
 
 
-def _restore_rng(rng: dict) -> None:
+def _restore_rng(rng: dict, seed: int, log) -> None:
+    """Resume the saved RNG streams, or reseed them when they were saved on another
+    device type: a CPU generator state fed to CUDA (or the reverse) is the wrong size,
+    and the first dropout would fail."""
+    tracker = get_rng_tracker()
+    saved = fmt.rng_device(rng)
+    if saved != tracker.device:
+        model_parallel_seed(seed, ps.get_tensor_model_parallel_rank(), tracker.device)
+        if log:
+            log(f"RNG state was saved on {saved}, this run is on {tracker.device}: reseeded "
+                f"from --seed {seed} (dropout differs from an unbroken run)")
+        return
     torch.set_rng_state(rng["cpu"])
-    get_rng_tracker().set_states(rng["tracker"])
+    tracker.set_states(rng["tracker"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
 
@@ -104,10 +114,10 @@ def _stage(root: str, model, optimizer, args, load_optim: bool):
 
 
 def load_checkpoint(root: str, model, optimizer, args, *, load_optim: bool = True,
-                    load_rng: bool = True) -> tuple[int, int] | None:
+                    load_rng: bool = True, log=None) -> tuple[int, int] | None:
     """Collective. Returns (iteration, consumed_samples), or None when nothing is saved.
 
-    Any rank's failure is raised on every rank (the first failing rank's message).
+    Any rank's failure is raised on every rank (the first failing rank's message). ``log(line)`` hears of a reseeded RNG (saved on another device type).
     """
     error, staged = None, None
     try:
@@ -116,15 +126,11 @@ def load_checkpoint(root: str, model, optimizer, args, *, load_optim: bool = Tru
         error = str(e)
     except Exception as e:  # noqa: BLE001 - an unreadable file must not hang the others
         error = f"checkpoint in {root}: {type(e).__name__}: {e}"
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
-    if first:
-        raise CheckpointError(first)
+    raise_agreed(error)
     if staged is None:
         return None
     result, install, own = staged
     install()  # collective for ZeRO (republishes the device params)
     if own is not None and load_rng:
-        _restore_rng(own["rng"])
+        _restore_rng(own["rng"], args.train.seed, log)
     return result
