@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from . import faults
 from . import parallel_state as ps
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, prepare_save, save_checkpoint
 from .config import Args, ConfigError, parse_args, validate
 from .data.loader import BatchIterator, MockGPTDataset
 from .logger import Logger
@@ -293,7 +293,12 @@ def pretrain(argv=None) -> dict:
     device = init_distributed()
     ps.initialize_model_parallel(args.parallel.tensor_model_parallel_size)
     logger = Logger(args.log, is_main=dist.get_rank() == 0)
+    lock = None
     try:
+        try:  # before anything is built: a bad --save/--load pair must cost nothing
+            lock = prepare_save(args.ckpt, log=logger.info)
+        except CheckpointError as e:
+            fail(str(e))  # status 2, like a bad flag: nothing ran
         train_ds, valid_ds, test_ds, vocab = build_datasets(args)
         args.model.vocab_size = vocab
         torch.manual_seed(args.train.seed)  # the full weights: identical for every TP size
@@ -327,6 +332,8 @@ def pretrain(argv=None) -> dict:
     except (TrainingError, CheckpointError) as e:
         fail(str(e), code=1)
     finally:
+        if lock is not None:
+            lock.release()
         logger.close()
         ps.destroy_model_parallel()
         if dist.is_initialized():

@@ -1,9 +1,12 @@
-"""Checkpoints: exact resume, resharding, crash-safe saves, named load errors, the RNG
-device check and the manifest checksum."""
+"""Checkpoints: exact resume, resharding, crash-safe saves, named load errors, and the
+guards around them (RNG device, overwrite, writability, lock, manifest checksum)."""
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 
@@ -15,6 +18,9 @@ from mp_offload import parallel_state as ps
 from mp_offload.checkpoint import (
     CheckpointError,
     FullTensors,
+    SaveLock,
+    check_no_overwrite,
+    check_writable,
     load_checkpoint,
     read_latest,
     save_checkpoint,
@@ -123,13 +129,15 @@ def test_killed_save_leaves_last_checkpoint_loadable(tmp_path):
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
     assert res.returncode != 0
     assert read_latest(ck) == 2
-    assert sorted(os.listdir(ck)) == [".tmp_iter_0000004", "iter_0000002",
+    # The killed job's lock stays behind (its pid is dead: the next job takes it over).
+    assert sorted(os.listdir(ck)) == [".lock", ".tmp_iter_0000004", "iter_0000002",
                                       "latest_checkpointed_iteration.txt"]
     log = str(tmp_path / "log.jsonl")
     run(2, 1, "--load", ck, "--save", ck, "--train-iters", "3", "--log-json", log)
     assert sorted(losses(log)) == [3]
     assert read_latest(ck) == 3
     assert not os.path.exists(os.path.join(ck, ".tmp_iter_0000004")), "stale temp dir kept"
+    assert not os.path.exists(os.path.join(ck, ".lock")), "lock not released at exit"
 
 
 def _corrupt_worker(rank, world, ck):
@@ -359,3 +367,140 @@ def _rng_worker(rank, world, root):
 
 def test_rng_saved_on_another_device_type_is_reseeded(tmp_path):
     run_distributed(_rng_worker, 1, str(tmp_path))
+
+
+def _two_iterations(root):
+    """A checkpoint root holding iterations 3 and 6 (latest 6)."""
+    write_checkpoint(str(root), 3, 24, TINY, 1, _tensor)
+    shutil.copytree(os.path.join(root, "iter_0000003"), os.path.join(root, "iter_0000006"))
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("6")
+    return str(root)
+
+
+def _snapshot(root):
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            if not n.startswith(".lock"):
+                out[os.path.relpath(os.path.join(d, n), root)] = _sha(os.path.join(d, n))
+    return out
+
+
+def test_overwrite_guard_cases(tmp_path):
+    root = _two_iterations(tmp_path / "ck")
+    other = write_checkpoint(str(tmp_path / "other"), 6, 48, TINY, 1, _tensor)
+    check_no_overwrite(root, root)  # resumes the newest: continues it
+    check_no_overwrite(root, os.path.join(root, "iter_0000006") + "/")
+    check_no_overwrite(root, str(tmp_path / "typo"), override=True)
+    check_no_overwrite(str(tmp_path / "fresh"), str(tmp_path / "typo"))  # nothing to lose
+    refused = [(str(tmp_path / "typo"), {}, "holds no checkpoint"), (None, {}, "no --load"),
+               (os.path.join(root, "iter_0000003"), {}, "resumes iteration 3"),
+               (root, {"finetune": True}, "--finetune restarts at iteration 0"),
+               (other, {}, "is another directory")]
+    for load, kw, why in refused:
+        with pytest.raises(CheckpointError) as err:
+            check_no_overwrite(root, load, **kw)
+        msg = str(err.value)
+        assert f"--save {root} already holds checkpoints (iterations 3, 6)" in msg, msg
+        assert why in msg and "--override-existing-checkpoints" in msg and "\n" not in msg
+
+
+def test_save_must_be_a_writable_directory(tmp_path, monkeypatch):
+    path = tmp_path / "afile"
+    path.write_text("x")
+    with pytest.raises(CheckpointError, match="afile: is a file, not a directory"):
+        check_writable(str(path))
+    check_writable(str(tmp_path / "new" / "dir"))  # created
+    assert os.listdir(tmp_path / "new" / "dir") == []  # the probe is gone
+    ro, real_open = tmp_path / "ro", os.open
+    ro.mkdir()
+
+    def read_only(p, *a, **kw):  # chmod does not stop root: refuse as a read-only fs would
+        if str(p).startswith(str(ro)):
+            raise OSError(errno.EROFS, "Read-only file system", str(p))
+        return real_open(p, *a, **kw)
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(CheckpointError, match=r"ro: not writable \(Read-only file system\)"):
+        check_writable(str(ro))
+
+
+_HOLD = ("import sys, time\nfrom mp_offload.checkpoint import SaveLock\n"
+         "SaveLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\ntime.sleep(300)\n")
+
+
+@contextlib.contextmanager
+def _held_lock(root):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, root], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_save_lock_refuses_a_second_job_and_takes_over_a_dead_ones(tmp_path):
+    root = str(tmp_path / "ck")
+    os.makedirs(root)
+    with _held_lock(root) as holder:
+        with pytest.raises(CheckpointError) as err:
+            SaveLock(root).acquire()
+        msg = str(err.value)
+        assert f"host {socket.gethostname()}, pid {holder.pid}" in msg, msg
+        assert "in use by another job" in msg
+    lock = SaveLock(root)  # the holder was killed without releasing: stale, taken over
+    lock.acquire()
+    with pytest.raises(CheckpointError, match=f"pid {os.getpid()}"):
+        SaveLock(root).acquire()  # held by a live process (this one)
+    lock.release()
+    assert os.listdir(root) == []
+
+
+@pytest.mark.parametrize("case", ["misspelled_load", "older_iteration", "save_is_a_file",
+                                  "locked"])
+def test_bad_save_setup_stops_every_rank_before_training(tmp_path, case):
+    root = _two_iterations(tmp_path / "ck")
+    before = _snapshot(root)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    flags, expect = {
+        "misspelled_load": (["--load", str(tmp_path / "ckk"), "--save", root],
+                            "already holds checkpoints (iterations 3, 6)"),
+        "older_iteration": (["--load", os.path.join(root, "iter_0000003"), "--save", root],
+                            "resumes iteration 3"),
+        "save_is_a_file": (["--save", str(afile)], "is a file, not a directory"),
+        "locked": (["--load", root, "--save", root], "in use by another job"),
+    }[case]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(ROOT, "pretrain_gpt.py"), *BASE, "--save-interval", "1", *flags]
+    with _held_lock(root) if case == "locked" else contextlib.nullcontext():
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240,
+                             check=False)
+    errors = [line for line in res.stderr.splitlines()
+              if line.startswith("pretrain_gpt.py: error:")]
+    assert res.returncode != 0
+    assert len(errors) == 2 and errors[0] == errors[1], res.stderr[-3000:]
+    assert expect in errors[0] and str(tmp_path) in errors[0], errors[0]
+    assert _snapshot(root) == before, "a checkpoint was touched"
+    assert read_latest(root) == 6
+
+
+def test_resume_from_an_iteration_directory(tmp_path):
+    """--load <root>/iter_0000004 continues from that iteration; into the same root only
+    with --override-existing-checkpoints (iteration 8 is rewritten)."""
+    ck = str(tmp_path / "ck")
+    first, again = str(tmp_path / "first.jsonl"), str(tmp_path / "again.jsonl")
+    run(1, 1, "--save", ck, "--save-interval", "4", "--log-json", first)
+    assert sorted(os.listdir(ck)) == ["iter_0000004", "iter_0000008",
+                                      "latest_checkpointed_iteration.txt"]
+    run(1, 1, "--load", os.path.join(ck, "iter_0000004"), "--save", ck,
+        "--override-existing-checkpoints", "--log-json", again)
+    got, want = losses(again), losses(first)
+    assert sorted(got) == [5, 6, 7, 8]
+    assert all(got[i] == want[i] for i in got), (got, want)
+    assert read_latest(ck) == 8

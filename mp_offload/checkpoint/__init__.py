@@ -11,6 +11,7 @@ Modules, each owning one thing:
 - ``hf_gpt2``: export to / import from Hugging Face GPT-2.
 - ``safetensors_io``: the safetensors codec.
 - ``convert``: the converter's command line (``tools/convert_checkpoint.py``).
+- ``guard``: start-up checks of --save (writable, locked, no silent overwrite).
 - ``errors``: ``CheckpointError`` and ``ConversionError``.
 
 Design: docs/DESIGN.md (the metadata contract the resharding reads).
@@ -25,6 +26,7 @@ from .format import (
     list_iterations,
     read_latest,
 )
+from .guard import SaveLock, check_no_overwrite, check_writable, prepare_save
 from .hf_gpt2 import export_hf, import_hf
 from .load import load_checkpoint
 from .offline import (
@@ -41,6 +43,9 @@ __all__ = [
     "CheckpointError",
     "ConversionError",
     "FullTensors",
+    "SaveLock",
+    "check_no_overwrite",
+    "check_writable",
     "export_hf",
     "find_checkpoint",
     "import_hf",
@@ -49,6 +54,7 @@ __all__ = [
     "load_checkpoint",
     "load_weights_resharded",
     "merge_checkpoint",
+    "prepare_save",
     "read_latest",
     "resolve_checkpoint",
     "save_checkpoint",

@@ -3,6 +3,7 @@
 Layout::
 
     <root>/latest_checkpointed_iteration.txt       the newest complete iteration
+    <root>/.lock                                   held by the job saving here (guard.py)
     <root>/iter_0000100/manifest.json              format, sizes, model config, params,
                                                    size + sha256 of every other file
     <root>/iter_0000100/manifest.sha256            sha256 of manifest.json (sha256sum -c)
@@ -40,6 +41,7 @@ from .errors import CheckpointError
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 LATEST = "latest_checkpointed_iteration.txt"
+LOCK = ".lock"
 MANIFEST = "manifest.json"
 MANIFEST_SHA = "manifest.sha256"
 COMMON = "common.pt"

@@ -94,10 +94,9 @@ def _stage_torch_adamw(read, manifest, model, optimizer, load_optim: bool):
 def _stage(root: str, model, optimizer, args, load_optim: bool):
     """Phase 1 of a load (reads and checks, no collectives): None when nothing is saved,
     else ((iteration, consumed), install, shard whose RNG this rank resumes or None)."""
-    iteration = fmt.read_latest(root)
-    if iteration is None:
+    ckpt = fmt.find_checkpoint(root)
+    if ckpt is None:
         return None
-    ckpt = fmt.iter_dir(root, iteration)
     manifest = fmt.read_manifest(ckpt)
     fmt.check_model_shape(manifest, ckpt, args.model)
     read = fmt.CheckedReader(ckpt, manifest)
@@ -117,7 +116,9 @@ def load_checkpoint(root: str, model, optimizer, args, *, load_optim: bool = Tru
                     load_rng: bool = True, log=None) -> tuple[int, int] | None:
     """Collective. Returns (iteration, consumed_samples), or None when nothing is saved.
 
-    Any rank's failure is raised on every rank (the first failing rank's message). ``log(line)`` hears of a reseeded RNG (saved on another device type).
+    ``root``: a save root (its latest checkpoint) or one ``iter_*`` directory (that
+    iteration). Any rank's failure is raised on every rank (the first failing rank's
+    message). ``log(line)`` hears of a reseeded RNG (saved on another device type).
     """
     error, staged = None, None
     try:
