@@ -114,12 +114,16 @@ class LoggingConfig:
 @dataclass
 class CheckpointConfig:
     save: str | None = _f(None, "directory to save checkpoints to")
-    load: str | None = _f(None, "directory to resume from (its latest checkpoint)")
+    load: str | None = _f(None, "directory to resume from (its latest checkpoint), or one "
+                                "iter_* directory (that iteration)")
     save_interval: int | None = _f(None, "iterations between checkpoints (and one at the end)")
     keep_checkpoints: int | None = _f(None, "keep only the newest K checkpoints")
     finetune: bool = _f(False, "load weights only; start at iteration 0")
     no_load_optim: bool = _f(False, "do not load the optimizer state (weights only)")
     no_load_rng: bool = _f(False, "do not restore the RNG state")
+    override_existing_checkpoints: bool = _f(False, "save even into a --save directory holding "
+                                                    "checkpoints this run did not resume from "
+                                                    "(they may be overwritten)")
 
 
 CONFIG_CLASSES = {"model": GPTConfig, "parallel": ParallelConfig, "train": TrainingConfig,

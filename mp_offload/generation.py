@@ -19,12 +19,13 @@ import torch
 import torch.distributed as dist
 
 from . import parallel_state as ps
-from .checkpoint_offline import (
+from .checkpoint import (
     CheckpointError,
     FullTensors,
     load_weights_resharded,
     resolve_checkpoint,
 )
+from .distributed import first_error
 from .model.gpt import GPTModel
 from .tensor_parallel import gather_from_tp_region
 from .tensor_parallel.utils import TP_ATTRIBUTES
@@ -193,10 +194,7 @@ def main(argv=None) -> dict:
             model = load_model(ckpt, tp, getattr(torch, a.dtype), device)
         except (CheckpointError, ValueError, OSError) as e:
             error = f"{type(e).__name__}: {e}"
-        if dist.is_initialized():
-            errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
-            error = next((e for e in errors if e), None)
+        error = first_error(error)
         if error:
             raise SystemExit(f"generate: {error}")
         gen = torch.Generator().manual_seed(a.seed)  # same stream on every rank

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import faults
 from . import parallel_state as ps
-from .checkpointing import CheckpointError, load_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, prepare_save, save_checkpoint
 from .config import Args, ConfigError, parse_args, resolve
 from .data.build import batch_iterator, build_datasets
 from .distributed import (
@@ -119,7 +119,6 @@ class _StopFlag:
 
 
 def _save(args: Args, iteration: int, consumed: int, model, optimizer) -> None:
-    from .checkpointing import save_checkpoint
     t0 = time.perf_counter()
     path = save_checkpoint(args.ckpt.save, iteration, consumed, model, optimizer, args,
                            keep=args.ckpt.keep_checkpoints)
@@ -195,7 +194,7 @@ def _maybe_load(args: Args, model, optimizer) -> tuple[int, int]:
         return 0, 0
     weights_only = c.finetune or c.no_load_optim
     res = load_checkpoint(c.load, model, optimizer, args, load_optim=not weights_only,
-                          load_rng=not (c.finetune or c.no_load_rng))
+                          load_rng=not (c.finetune or c.no_load_rng), log=log.info)
     if res is None:
         log.info(f"no checkpoint in {c.load}: starting from scratch")
         return 0, 0
@@ -273,11 +272,18 @@ def pretrain(argv=None) -> dict:
     ps.initialize_model_parallel(p.tensor_model_parallel_size)
     log.info(apply_cpu_threads(threads_per_rank(p.cpu_threads_per_rank)))
     logger = Logger(args.log, is_main=dist.get_rank() == 0)
+    lock = None
     try:
+        try:  # before anything is built: a bad --save/--load pair must cost nothing
+            lock = prepare_save(args.ckpt, log=log.info)
+        except CheckpointError as e:
+            fail(str(e))  # status 2, like a bad flag: nothing ran
         return _run(args, device, logger)
     except (TrainingError, CheckpointError) as e:
         fail(str(e), code=1)
     finally:
+        if lock is not None:
+            lock.release()
         logger.close()
         ps.destroy_model_parallel()
         if dist.is_initialized():

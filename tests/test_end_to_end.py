@@ -4,6 +4,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here runs torchrun
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "32", "--micro-batch-size", "2", "--hidden-dropout", "0",
@@ -73,7 +77,7 @@ def test_sigterm_finishes_the_step_and_saves(tmp_path):
     import signal
     import time
 
-    from mp_offload.checkpointing import read_latest
+    from mp_offload.checkpoint import read_latest
 
     ck, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

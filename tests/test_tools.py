@@ -7,15 +7,16 @@ import pytest
 import torch
 from dist_helpers import run_distributed
 
-from mp_offload.checkpoint_offline import FullTensors, read_latest, resolve_checkpoint
-from mp_offload.data.loader import MockGPTDataset
-from mp_offload.export import (
+from mp_offload.checkpoint import (
     ConversionError,
-    SafeTensorsFile,
-    check_gpt2_compatible,
+    FullTensors,
     import_hf,
-    write_safetensors,
+    read_latest,
+    resolve_checkpoint,
 )
+from mp_offload.checkpoint.hf_gpt2 import check_gpt2_compatible
+from mp_offload.checkpoint.safetensors_io import SafeTensorsFile, write_safetensors
+from mp_offload.data.loader import MockGPTDataset
 from mp_offload.generation import load_model, sample_token
 from mp_offload.generation import main as generate_main
 from mp_offload.training import pretrain
@@ -69,6 +70,7 @@ def _logits_tp1(ckpt, tokens):
 
 
 # ------------------------------------------------------------------------ merge
+@pytest.mark.slow
 def test_merged_tp1_checkpoint_continues_like_tp2(trained, tmp_path):
     merged = str(tmp_path / "merged")
     assert _tool("convert_checkpoint").main(["--load", str(trained / "ckpt"), "--iteration",
@@ -88,12 +90,14 @@ def test_merged_tp1_checkpoint_continues_like_tp2(trained, tmp_path):
 
 
 # ------------------------------------------------------------------ HF GPT-2
+@pytest.mark.slow
 def test_hf_export_gives_the_same_logits_in_transformers(trained, tmp_path):
     transformers = pytest.importorskip("transformers")
     hf = str(tmp_path / "hf")
     assert _tool("convert_checkpoint").main(["--load", str(trained / "ckpt"),
                                              "--hf-out", hf]) == 0
-    cfg = json.load(open(os.path.join(hf, "config.json")))
+    with open(os.path.join(hf, "config.json")) as f:
+        cfg = json.load(f)
     assert cfg["vocab_size"] == VOCAB and cfg["architectures"] == ["GPT2LMHeadModel"]
     model = transformers.GPT2LMHeadModel.from_pretrained(hf, torch_dtype=torch.float32).eval()
     tokens = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(0))
@@ -104,6 +108,7 @@ def test_hf_export_gives_the_same_logits_in_transformers(trained, tmp_path):
     torch.testing.assert_close(theirs, ours, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_hf_import_export_round_trip_and_finetune(trained, tmp_path):
     tool = _tool("convert_checkpoint")
     hf1, hf2, imported = (str(tmp_path / n) for n in ("hf1", "hf2", "imported"))
@@ -116,8 +121,11 @@ def test_hf_import_export_round_trip_and_finetune(trained, tmp_path):
     assert a.names == b.names and len(a.names) == 4 + 12 * 2
     for n in a.names:
         assert torch.equal(a.get(n), b.get(n)), n
-    assert json.load(open(os.path.join(hf1, "config.json"))) == \
-        json.load(open(os.path.join(hf2, "config.json")))
+    configs = []
+    for d in (hf1, hf2):
+        with open(os.path.join(d, "config.json")) as f:
+            configs.append(json.load(f))
+    assert configs[0] == configs[1]
     # pretrain_gpt.py --finetune starts from it: its first loss is the imported model's
     # loss on the first global batch (samples 0..7 of the mock stream, seed 1234).
     log = str(tmp_path / "ft.jsonl")
@@ -150,9 +158,9 @@ def test_import_a_transformers_gpt2(tmp_path):
 
 
 def test_export_refuses_what_gpt2_cannot_express():
-    from mp_offload.export import gpt2_name_map
+    from mp_offload.checkpoint.hf_gpt2 import gpt2_name_map
     names = list(gpt2_name_map(2))
-    cfg = dict(num_layers=2, hidden_size=32, vocab_size=100)
+    cfg = {"num_layers": 2, "hidden_size": 32, "vocab_size": 100}
     check_gpt2_compatible(cfg, names)
     with pytest.raises(ConversionError, match="swiglu=True"):
         check_gpt2_compatible(dict(cfg, swiglu=True), names)
@@ -182,6 +190,7 @@ def _generate_worker(rank, world, argv):
     generate_main(argv)
 
 
+@pytest.mark.slow
 def test_generate_greedy_tp2_equals_tp1(trained, tmp_path):
     # 8 prompt + 20 new tokens > 16 positions: the context is truncated on the left.
     argv = ["--load", str(trained / "ckpt"), "--prompt", "3 5 7 9 11 13 15 17",
@@ -189,7 +198,8 @@ def test_generate_greedy_tp2_equals_tp1(trained, tmp_path):
     run_distributed(_generate_worker, 2, argv + ["--tensor-model-parallel-size", "2",
                                                  "--output-json", str(tmp_path / "tp2.json")])
     tp1 = generate_main(argv + ["--output-json", str(tmp_path / "tp1.json")])
-    tp2 = json.load(open(tmp_path / "tp2.json"))
+    with open(tmp_path / "tp2.json") as f:
+        tp2 = json.load(f)
     assert tp1["prompt_ids"] == [3, 5, 7, 9, 11, 13, 15, 17]
     assert len(tp1["generated_ids"]) == 20  # mock data has no end-of-document to stop at
     assert tp2["generated_ids"] == tp1["generated_ids"]
@@ -204,7 +214,7 @@ def test_sampling_never_picks_padded_vocabulary():
     logits[100:] = 50.0  # the padding would win every draw if it were not masked
     gen = torch.Generator().manual_seed(0)
     assert sample_token(logits, 100, greedy=True) == int(torch.argmax(logits[:100]))
-    for kw in (dict(), dict(top_k=3), dict(top_p=0.5), dict(temperature=5.0)):
+    for kw in ({}, {"top_k": 3}, {"top_p": 0.5}, {"temperature": 5.0}):
         assert all(sample_token(logits, 100, generator=gen, **kw) < 100 for _ in range(200))
     best = int(torch.argmax(logits[:100]))
     assert sample_token(logits, 100, top_k=1, generator=gen) == best
@@ -212,6 +222,7 @@ def test_sampling_never_picks_padded_vocabulary():
 
 
 # ------------------------------------------------------------------------ plots
+@pytest.mark.slow
 def test_plot_loss_writes_a_png(trained, tmp_path):
     pytest.importorskip("matplotlib")
     out = str(tmp_path / "loss.png")

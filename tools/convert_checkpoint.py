@@ -1,104 +1,15 @@
 #!/usr/bin/env python
 """Convert mp_offload checkpoints: merge to TP=1, export to / import from Hugging Face GPT-2.
 
-    # one TP=1, DP=1 checkpoint (weights, fp32 master, Adam moments, step, RNG):
     python tools/convert_checkpoint.py --load ckpt --save-merged ckpt_tp1
-    # a GPT2LMHeadModel directory (config.json + model.safetensors):
     python tools/convert_checkpoint.py --load ckpt --hf-out gpt2_dir
-    # a GPT-2 as the starting point of a run (pretrain_gpt.py --load out --finetune):
     python tools/convert_checkpoint.py --hf-in gpt2_dir --save out --tensor-model-parallel-size 2
 
---save-merged and --hf-out can be given together. Runs in one process on the CPU; it
-holds one full parameter of the source at a time (plus, for --save-merged, the merged
-optimizer state it writes: 12 bytes per parameter; for --hf-out with the safetensors
-package, the exported weights; without the package they are streamed to the file).
+Thin wrapper: the logic lives in mp_offload.checkpoint.convert (run --help for the flags).
 """
-from __future__ import annotations
-
-import argparse
 import sys
 
-import torch
-
-from mp_offload.checkpoint_offline import CheckpointError, FullTensors, resolve_checkpoint
-from mp_offload.export import ConversionError, export_hf, import_hf, merge_checkpoint
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    src = p.add_argument_group("from an mp_offload checkpoint")
-    src.add_argument("--load", help="checkpoint root (or one iter_* directory)")
-    src.add_argument("--iteration", type=int, help="default: the latest checkpoint")
-    src.add_argument("--save-merged", metavar="OUT", help="write a TP=1, DP=1 checkpoint here")
-    src.add_argument("--hf-out", metavar="HFDIR", help="write a Hugging Face GPT-2 here")
-    src.add_argument("--hf-dtype", choices=DTYPES, default="float32",
-                     help="dtype of the exported weights")
-    src.add_argument("--eod-id", type=int, help="bos/eos id for the HF config (default: the "
-                     "run's tokenizer end-of-document, when it can be found)")
-    hf = p.add_argument_group("from a Hugging Face GPT-2")
-    hf.add_argument("--hf-in", metavar="HFDIR", help="directory with config.json and weights")
-    hf.add_argument("--save", metavar="OUT", help="write the imported checkpoint here")
-    hf.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    hf.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    hf.add_argument("--seq-length", type=int, help="default: the model's n_positions")
-    hf.add_argument("--dtype", choices=DTYPES, default="float32",
-                    help="dtype of the model.pt weights (the fp32 master is always kept)")
-    hf.add_argument("--seed", type=int, default=1234, help="RNG state stored for a resume")
-    p.add_argument("--reduce-bucket-size", type=int, default=None,
-                   help="bucket size of the written optimizer layout (default: the "
-                        "source's, or 5000000); the run's flag should match for an "
-                        "exact resume, otherwise the slices are re-partitioned on load")
-    return p
-
-
-def _eod_guess(ckpt: str) -> int | None:
-    """The run's end-of-document id, if its tokenizer can be rebuilt (best effort)."""
-    from mp_offload.generation import tokenizer_for
-    full = FullTensors(ckpt)
-    try:
-        tok, stops = tokenizer_for(full.common().get("args", {}), full.config.vocab_size)
-        return tok.eod if stops else None
-    except Exception:  # noqa: BLE001 - no tokenizer file here: leave the ids unset
-        return None
-
-
-def main(argv=None) -> int:
-    p = build_parser()
-    a = p.parse_args(argv)
-    if a.hf_in:
-        if a.load or a.save_merged or a.hf_out:
-            p.error("--hf-in goes with --save, not with --load/--save-merged/--hf-out")
-        if not a.save:
-            p.error("--hf-in needs --save OUT")
-    elif not a.load or not (a.save_merged or a.hf_out):
-        p.error("give --load DIR with --save-merged OUT and/or --hf-out HFDIR, "
-                "or --hf-in HFDIR with --save OUT")
-    try:
-        if a.hf_in:
-            out = import_hf(a.hf_in, a.save, a.tensor_model_parallel_size,
-                            make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
-                            seq_length=a.seq_length,
-                            bucket_size=a.reduce_bucket_size or 5_000_000,
-                            dtype=DTYPES[a.dtype], seed=a.seed)
-            print(f"imported {a.hf_in} -> {out} (TP={a.tensor_model_parallel_size}); train "
-                  f"from it with pretrain_gpt.py --load {a.save} --finetune and the same "
-                  f"model flags")
-            return 0
-        ckpt = resolve_checkpoint(a.load, a.iteration)
-        if a.save_merged:
-            out = merge_checkpoint(ckpt, a.save_merged, a.reduce_bucket_size)
-            print(f"merged {ckpt} -> {out} (TP=1, DP=1)")
-        if a.hf_out:
-            eod = a.eod_id if a.eod_id is not None else _eod_guess(ckpt)
-            export_hf(ckpt, a.hf_out, DTYPES[a.hf_dtype], eod=eod)
-            print(f"exported {ckpt} -> {a.hf_out} (GPT2LMHeadModel)")
-        return 0
-    except (CheckpointError, ConversionError, OSError) as e:
-        print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)
-        return 1
-
+from mp_offload.checkpoint.convert import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,9 +1,9 @@
-"""Checkpoint conversions: merge to TP=1, export to / import from Hugging Face GPT-2.
+"""Hugging Face GPT-2: export a checkpoint as ``GPT2LMHeadModel``, import one as a checkpoint.
 
-All three read or write the native format through ``checkpointing`` (``FullTensors``
-merges one parameter at a time from the fp32 master slices; ``write_checkpoint``
-writes a TP=k, DP=1 checkpoint with the layout a real run computes), so the source is
-read one full parameter at a time, never all at once.
+Owns the name map between our parameters and GPT-2's, and the two configs. Export reads
+the native format one full parameter at a time (``offline.FullTensors``); import writes
+it with ``offline.write_checkpoint`` (a TP=k, DP=1 checkpoint with the layout a real
+run computes), so the source is never held whole.
 
 GPT-2 facts used here (public, from the Hugging Face GPT-2 format): linear layers are
 ``Conv1D`` modules whose weight is [in, out] (ours are [out, in]); the fused attention
@@ -16,116 +16,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 
 import torch
 
-from .checkpoint_offline import FullTensors, fit_padding, write_checkpoint
-from .model.gpt import GPTConfig
-
-
-class ConversionError(ValueError):
-    """The source cannot be converted; the message says what differs."""
-
-
-# ------------------------------------------------------------------ safetensors
-# Format: u64 little-endian header length N, N bytes of JSON {name: {dtype, shape,
-# data_offsets: [begin, end]} (offsets relative to the data), optional "__metadata__"},
-# then the raw little-endian bytes. Written by hand when the package is missing.
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32",
-              torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-_ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
-
-
-def _have_safetensors() -> bool:
-    try:
-        import safetensors.torch  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
-def write_safetensors(path: str, entries, produce, metadata: dict | None = None,
-                      use_package: bool | None = None) -> None:
-    """Write ``entries`` [(name, shape, dtype)], each tensor made by ``produce(name)``.
-
-    With the ``safetensors`` package (default when installed) the tensors are collected
-    and saved by it; without it they are streamed to the file one at a time.
-    """
-    if use_package is None:
-        use_package = _have_safetensors()
-    tmp = path + ".tmp"
-    if use_package:
-        from safetensors.torch import save_file
-        tensors = {}
-        for name, shape, dtype in entries:
-            tensors[name] = _checked(produce(name), name, shape, dtype)
-        save_file(tensors, tmp, metadata=metadata)
-    else:
-        if sys.byteorder != "little":
-            raise ConversionError("the safetensors writer assumes a little-endian host")
-        header, offset = {}, 0
-        for name, shape, dtype in entries:
-            size = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-            header[name] = dict(dtype=_ST_DTYPES[dtype], shape=list(shape),
-                                data_offsets=[offset, offset + size])
-            offset += size
-        if metadata:
-            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)  # pad so the data starts 8-byte aligned
-        with open(tmp, "wb") as f:
-            f.write(len(blob).to_bytes(8, "little"))
-            f.write(blob)
-            for name, shape, dtype in entries:
-                t = _checked(produce(name), name, shape, dtype)
-                f.write(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-    umask = os.umask(0)  # the package creates its file private; give it the usual mode
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)
-
-
-def _checked(t: torch.Tensor, name: str, shape, dtype) -> torch.Tensor:
-    t = t.detach().to("cpu", dtype).contiguous()
-    if list(t.shape) != list(shape):
-        raise ConversionError(f"{name}: produced shape {list(t.shape)}, declared {list(shape)}")
-    return t
-
-
-class SafeTensorsFile:
-    """Read-only access by name; the package if installed, else this module's reader."""
-
-    def __init__(self, path: str, use_package: bool | None = None):
-        self.path = path
-        if use_package is None:
-            use_package = _have_safetensors()
-        self._st = None
-        if use_package:
-            from safetensors import safe_open
-            self._st = safe_open(path, framework="pt")
-            self.names = list(self._st.keys())
-            return
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        self._header, self._base = header, 8 + n
-        self._bytes = torch.from_file(path, shared=False, size=os.path.getsize(path),
-                                      dtype=torch.uint8)  # private mmap: pages load lazily
-        self.names = list(header)
-
-    def get(self, name: str) -> torch.Tensor:
-        if self._st is not None:
-            return self._st.get_tensor(name)
-        h = self._header[name]
-        a, b = h["data_offsets"]
-        raw = self._bytes[self._base + a:self._base + b].clone()  # clone: aligned storage
-        return raw.view(_ST_TORCH[h["dtype"]]).reshape(h["shape"])
-
+from ..model.gpt import GPTConfig
+from ..optimizer.base import DEFAULT_BUCKET_SIZE
+from ..tensor_parallel.random import get_rng_tracker, model_parallel_seed
+from .errors import ConversionError
+from .format import fit_padding, rng_state
+from .offline import FullTensors, write_checkpoint
+from .safetensors_io import SafeTensorsFile, write_safetensors
 
 # ------------------------------------------------------------------- GPT-2 names
 _BLOCK = (("ln1", "ln_1", False), ("attn.qkv", "attn.c_attn", True),
@@ -247,8 +147,8 @@ def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 128,
     if hf.get("model_type") != "gpt2":
         raise ConversionError(f"model_type is {hf.get('model_type')!r}, only 'gpt2' converts")
     act = hf.get("activation_function", "gelu_new")
-    checks = [(act in ("gelu_new", "gelu_pytorch_tanh"), f"activation_function {act!r} "
-               "(our MLP uses GELU's tanh approximation)"),
+    checks = [(act in ("gelu_new", "gelu_pytorch_tanh"),
+               f"activation_function {act!r} (our MLP uses GELU's tanh approximation)"),
               (hf.get("scale_attn_weights", True), "scale_attn_weights false"),
               (not hf.get("scale_attn_by_inverse_layer_idx", False),
                "scale_attn_by_inverse_layer_idx true"),
@@ -276,15 +176,12 @@ def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 128,
 def _fresh_rng(seed: int):
     """RNG state per TP rank as a run seeded with ``seed`` would have it (for a resume
     without --finetune); the process's own generators are left as they were."""
-    from .checkpointing import _rng_state  # noqa: deferred
-    from .tensor_parallel.random import get_rng_tracker, model_parallel_seed
-
     def rng(tp_rank: int) -> dict:
         tracker = get_rng_tracker()
         saved = (torch.get_rng_state(), tracker.get_states(), tracker.device)
         try:
             model_parallel_seed(seed, tp_rank, "cpu")
-            return _rng_state()
+            return rng_state()
         finally:
             torch.set_rng_state(saved[0])
             tracker.set_states(saved[1])
@@ -293,7 +190,7 @@ def _fresh_rng(seed: int):
 
 
 def import_hf(hf_dir: str, save: str, tp: int = 1, *, make_vocab_size_divisible_by: int = 128,
-              seq_length: int | None = None, bucket_size: int = 5_000_000,
+              seq_length: int | None = None, bucket_size: int = DEFAULT_BUCKET_SIZE,
               dtype=torch.float32, seed: int = 1234) -> str:
     """Write a GPT-2 from ``hf_dir`` as an iteration-0 checkpoint at TP=``tp``, DP=1."""
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -303,9 +200,11 @@ def import_hf(hf_dir: str, save: str, tp: int = 1, *, make_vocab_size_divisible_
         raise ConversionError(f"--tensor-model-parallel-size {tp} does not divide the heads "
                               f"({cfg.num_attention_heads}), hidden size or MLP width")
     weights = _hf_weights(hf_dir)
-    if "lm_head.weight" in weights:  # some files store the tied head anyway
-        if not torch.equal(weights["lm_head.weight"](), weights["wte.weight"]()):
-            raise ConversionError("lm_head.weight differs from wte.weight: an untied head")
+    # Some files store the tied head anyway: then it must equal the embedding.
+    tied = "lm_head.weight" not in weights or \
+        torch.equal(weights["lm_head.weight"](), weights["wte.weight"]())
+    if not tied:
+        raise ConversionError("lm_head.weight differs from wte.weight: an untied head")
     names = {ours: (theirs.removeprefix("transformer."), conv)
              for ours, (theirs, conv) in gpt2_name_map(cfg.num_layers).items()}
     missing = [t for t, _ in names.values() if t not in weights]
@@ -325,35 +224,6 @@ def import_hf(hf_dir: str, save: str, tp: int = 1, *, make_vocab_size_divisible_
         t = t.t() if conv else t
         return fit_padding(t, shape, max(dim, 0))
 
-    args = dict(model=dataclasses.asdict(cfg), source=dict(hf_dir=os.path.abspath(hf_dir)))
+    args = {"model": dataclasses.asdict(cfg), "source": {"hf_dir": os.path.abspath(hf_dir)}}
     return write_checkpoint(save, 0, 0, cfg, tp, tensor, dtype=dtype, rng=_fresh_rng(seed),
                             args=args, bucket_size=bucket_size)
-
-
-# ------------------------------------------------------------------- TP merge
-def merge_checkpoint(ckpt: str, save: str, bucket_size: int | None = None) -> str:
-    """Write ``ckpt`` (any TP/DP) as a TP=1, DP=1 checkpoint at the same iteration, with
-    the merged fp32 master, Adam moments, step, loss scale and RNG: a run at TP=1, DP=1
-    continues from it exactly; any other size re-partitions it as usual."""
-    full = FullTensors(ckpt)
-    common = full.common()
-    shard = full.shard0()
-    dtype = next(iter(full.read("mp_rank_00/model.pt").values())).dtype  # compute dtype
-    args = {k: dict(v) for k, v in common.get("args", {}).items()}
-    if "parallel" in args:
-        args["parallel"]["tensor_model_parallel_size"] = 1
-
-    def tensor(name, key, shape, dim):
-        return fit_padding(full.get(name, key), shape, max(dim, 0))
-
-    if full.kind == "zero":
-        step, scaler, groups = shard["step"], shard["scaler"], None
-        bucket_size = bucket_size or shard["layout"]["bucket_size"]
-    else:
-        state = shard["torch_adamw"]
-        steps = [float(s["step"]) for s in state["state"].values()]
-        step, scaler, groups = int(max(steps, default=0)), None, state["param_groups"]
-    return write_checkpoint(save, common["iteration"], common["consumed_samples"], full.config,
-                            1, tensor, dtype=dtype, optimizer=full.kind, step=step,
-                            scaler=scaler, rng=shard["rng"], args=args,
-                            bucket_size=bucket_size or 5_000_000, torch_param_groups=groups)
