@@ -59,6 +59,7 @@ def autocast(optimizer: Optimizer, device: torch.device):
 class StepOutput:
     loss: float  # mean over the global batch (all DP ranks)
     result: StepResult
+    optimizer_ms: float = 0.0  # wall time of optimizer.step (the host phase with offload)
 
 
 def train_step(model, optimizer: Optimizer, batches, num_micro: int, lr: float,
@@ -79,8 +80,10 @@ def train_step(model, optimizer: Optimizer, batches, num_micro: int, lr: float,
             loss = model(tokens[:, :-1], tokens[:, 1:]).mean() / num_micro
         optimizer.backward(loss)
         loss_sum += loss.detach()
+    t0 = time.perf_counter()
     result = optimizer.step(lr)
-    return StepOutput(loss=dp_mean(loss_sum, dp), result=result)
+    optimizer_ms = (time.perf_counter() - t0) * 1e3
+    return StepOutput(loss=dp_mean(loss_sum, dp), result=result, optimizer_ms=optimizer_ms)
 
 
 def evaluate(model, optimizer: Optimizer, batches, device, num_iters: int) -> float | None:
@@ -135,7 +138,7 @@ def _record(args: Args, iteration: int, consumed: int, lr: float, out: StepOutpu
     rec = dict(iteration=iteration, consumed_samples=consumed, loss=out.loss, lr=lr,
                grad_norm=out.result.grad_norm, loss_scale=out.result.loss_scale,
                skipped_iterations=optimizer.skipped_steps, tokens_per_sec=tokens_per_sec,
-               elapsed_ms=elapsed * 1e3,
+               elapsed_ms=elapsed * 1e3, optimizer_ms=out.optimizer_ms,
                tflops_per_device=flops_tok * tokens_per_sec / dist.get_world_size() / 1e12)
     rec.update(optimizer.stats())
     return rec

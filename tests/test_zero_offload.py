@@ -126,6 +126,12 @@ def _fp32_worker(rank, world):
     for a, b in zip(acc[0], one[0]):
         assert abs(a - b) <= 1e-5 * abs(b)
     assert _max_rel(_merged_params(acc[3]), _merged_params(one[3])) < 1e-3
+    # The same 4 micro-batches summed on the device, reduce-scattered once per step.
+    dev = _ours(4, micro=1, on_device=True)
+    for a, b in zip(dev[0], acc[0]):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    for a, b in zip(dev[1], acc[1]):
+        assert abs(a - b) <= 1e-5 * abs(b)
 
     # DPU: the first N steps equal the synchronous run; afterwards it still converges.
     dpu = _ours(steps, dpu=5)
@@ -176,6 +182,33 @@ def _offload_off_worker(rank, world):
 @pytest.mark.slow
 def test_offload_off_equals_offload():
     run_distributed(_offload_off_worker, 2)
+
+
+def _traffic(micro_batches, on_device, dtype=torch.bfloat16, reduce_dtype=None):
+    single = ps.ParallelGroup.single()
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(**CFG), tp_group=single)
+    opt = ZeroOptimizer(model, **HP, dp=single, tp=single, device="cpu", dtype=dtype,
+                        cpu_offload=True, bucket_size=2000, micro_batches=micro_batches,
+                        accumulate_on_device=on_device, reduce_dtype=reduce_dtype)
+    for step in range(2):
+        x, y = _batch(step)
+        opt.zero_grad()
+        for k in range(micro_batches):
+            part = slice(k * GBS // micro_batches, (k + 1) * GBS // micro_batches)
+            opt.backward(model(x[part], y[part]).mean() / micro_batches)
+        opt.step(1e-3)
+    return opt.stats()["host_device_bytes_per_param"], opt.memory_bytes()
+
+
+def test_host_device_bytes_per_param_with_and_without_device_accumulation():
+    assert _traffic(1, False)[0] == 4.0  # 2 down + 2 up, the paper's minimum
+    assert _traffic(4, False)[0] == 10.0  # 2k + 2: every micro-batch comes down
+    on_device, mem = _traffic(4, True)
+    assert on_device == 4.0  # summed on the device, down once
+    assert mem["device"]["grad_accumulation"] == mem["device"]["params"]  # bf16 both
+    assert mem["host"]["grads"] == 0, "the staging is the whole gradient: no fp32 copy"
+    assert _traffic(1, False, reduce_dtype=torch.float32)[0] == 6.0  # 4 down (fp32) + 2 up
 
 
 def test_device_keeps_only_low_precision_params_and_fixed_buckets():
