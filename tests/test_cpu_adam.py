@@ -347,6 +347,31 @@ def test_raw_decay_runs_checked_in_cpp():
         _C.adam_step(*args, exp_avg_sq_dtype=7)
 
 
+def test_bias_correction_divide_extremes(level):
+    """sqrt(v) / sqrt(bc2) is computed without a divide on the SIMD paths (csrc
+    DIV_BC2): exp_avg_sq over ~75 binades (subnormal to 1e30), zeros, +inf and NaN,
+    with the smallest bias corrections a double beta2 < 1 allows."""
+    gen = torch.Generator().manual_seed(17)
+    n = 4099
+    for beta2 in (0.999, 1 - 1e-12, 1 - 2**-52, 0.5, 0.0):
+        for step in (1, 2, 7):
+            hyper = dict(HYPER, beta2=beta2)
+            v0 = torch.pow(10.0, torch.rand(n, generator=gen, dtype=torch.float64) * 75 - 45).float()
+            v0[::97] = 0.0
+            v0[5::101] = float("inf")
+            v0[7::103] = float("nan")
+            p0, m0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+            g = torch.randn(n, generator=gen) * torch.pow(10.0, torch.randint(-20, 3, (n,), generator=gen))
+            p, m, v = p0.clone(), m0.clone(), v0.clone()
+            ca.adam_step(p, g, m, v, step=step, weight_decay=0.0, **hyper)
+            rp, rm, rv = p0.clone(), m0.clone(), v0.clone()
+            _ref_step(rp, g, rm, rv, step=step, weight_decay=0.0, adamw=True, bias_correction=True, **hyper)
+            for got, ref in ((p, rp), (m, rm), (v, rv)):
+                nan = torch.isnan(ref)
+                assert torch.equal(torch.isnan(got), nan), f"{level} beta2={beta2} step={step}"
+                assert _bits_equal(got[~nan], ref[~nan]), f"{level} beta2={beta2} step={step}"
+
+
 def _from_bits(bits):
     return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
 
