@@ -201,10 +201,15 @@ inline void store_scalar(void* a, std::size_t i, float x) {
 
 template <int GT, int MT, int VT, int OT, bool PROBE>
 void tile_scalar(const Job& j, std::size_t b, std::size_t e) {
-  const Hyper& h = j.h;
+  const Hyper h = j.h;  // locals: stores through the buffers cannot alias them
+  float* const pp = j.p;
+  const void* const gp = j.g;
+  void* const mp = j.m;
+  void* const vp = j.v;
+  void* const op = j.out;
   for (std::size_t i = b; i < e; ++i) {
-    float g = load_scalar<GT>(j.g, i) * h.grad_scale;
-    float p = j.p[i], m = load_scalar<MT>(j.m, i), v = load_scalar<VT>(j.v, i);
+    float g = load_scalar<GT>(gp, i) * h.grad_scale;
+    float p = pp[i], m = load_scalar<MT>(mp, i), v = load_scalar<VT>(vp, i);
     if constexpr (PROBE) {  // same traffic, trivial math
       m = m + g; v = v + g; p = p + g;
     } else {
@@ -215,10 +220,10 @@ void tile_scalar(const Job& j, std::size_t b, std::size_t e) {
       const float d = std::sqrt(v) / h.bc2_sqrt + h.eps;
       p = p + (h.neg_step * m) / d;
     }
-    j.p[i] = p;
-    store_scalar<MT, false>(j.m, i, m);
-    store_scalar<VT, false>(j.v, i, v);
-    store_scalar<OT, true>(j.out, i, p);
+    pp[i] = p;
+    store_scalar<MT, false>(mp, i, m);
+    store_scalar<VT, false>(vp, i, v);
+    store_scalar<OT, true>(op, i, p);
   }
 }
 
@@ -397,7 +402,7 @@ MPO_AVX512 inline __m256i to_bf16_avx512(__m512 x) {
   const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  r = _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+  r = _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));  // NaN lanes: hi | quiet bit
   return _mm512_cvtepi32_epi16(r);  // values fit in 16 bits
 }
 
