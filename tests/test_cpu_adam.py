@@ -159,6 +159,219 @@ def test_lerp_large_weight_and_grad_scale(level):
             torch.testing.assert_close(p, tp.detach(), rtol=RTOL, atol=ATOL)
 
 
+# ---------------------------------------------------------- bf16 moments
+# (exp_avg dtype, exp_avg_sq dtype): each moment may be bf16 on its own
+MOMENTS = [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)]
+MOMENT_IDS = ["m_bf16", "v_bf16", "mv_bf16"]
+
+
+def _round_moments(rm, rv, mt, vt):
+    """The restatement's fp32 moments as the kernel stores them: .to(bf16) (round to
+    nearest even) where the moment is bf16. Returns the stored tensors and reloads
+    rm/rv from them, as the next step will read them."""
+    sm, sv = rm.to(mt), rv.to(vt)
+    rm.copy_(sm.float())
+    rv.copy_(sv.float())
+    return sm, sv
+
+
+@pytest.mark.parametrize("moments", MOMENTS, ids=MOMENT_IDS)
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=["noout", "out_fp16", "out_bf16"])
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=["g_fp32", "g_fp16", "g_bf16"])
+def test_bf16_moments_match_reference(level, grad_dtype, out_dtype, moments):
+    """bf16 moments: widened, the fp32 step of _ref_step (the param update sees the
+    unrounded moments), then stored rounded to bf16 -- bit for bit."""
+    mt, vt = moments
+    gen = torch.Generator().manual_seed(4321)
+    for n in SIZES:
+        for adamw, wd, bc in CONFIGS:
+            p0 = torch.randn(n, generator=gen)
+            m = (torch.randn(n, generator=gen) * 0.1).to(mt)  # non-trivial starting moments
+            v = (torch.rand(n, generator=gen) * 0.01).to(vt)
+            p, rp, rm, rv = p0.clone(), p0.clone(), m.float().clone(), v.float().clone()
+            out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
+            for step in range(1, 5):
+                g = torch.randn(n, generator=gen).to(grad_dtype)
+                ca.adam_step(p, g, m, v, step=step, weight_decay=wd, adamw=adamw, bias_correction=bc,
+                             param_out=out, **HYPER)
+                _ref_step(rp, g.float(), rm, rv, step=step, weight_decay=wd, adamw=adamw, bias_correction=bc,
+                          **HYPER)
+                sm, sv = _round_moments(rm, rv, mt, vt)
+                ctx = f"{level} n={n} adamw={adamw} wd={wd} bc={bc} step={step}"
+                assert m.dtype == mt and v.dtype == vt, ctx
+                assert _bits_equal(p, rp) and _bits_equal(m, sm) and _bits_equal(v, sv), ctx
+                if out is not None:
+                    assert _bits_equal(out, p.to(out_dtype)), ctx
+
+
+def test_bf16_moments_round_ties_to_even(level):
+    """Enough elements that some fp32 moments land exactly halfway between two
+    bf16 values (low 16 bits 0x8000): those must go to the even neighbour."""
+    n, gen = 1 << 18, torch.Generator().manual_seed(99)
+    p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    m0 = (torch.randn(n, generator=gen) * 0.1).bfloat16()
+    v0 = (torch.rand(n, generator=gen) * 0.01).bfloat16()
+    p, m, v = p0.clone(), m0.clone(), v0.clone()
+    ca.adam_step(p, g, m, v, step=3, weight_decay=0.1, **HYPER)
+    rp, rm, rv = p0.clone(), m0.float(), v0.float()
+    _ref_step(rp, g, rm, rv, step=3, weight_decay=0.1, adamw=True, bias_correction=True, **HYPER)
+    for got, exact in ((m, rm), (v, rv)):
+        ties = (exact.view(torch.int32) & 0xFFFF) == 0x8000
+        assert ties.sum() > 0, "no ties in the sample: grow n"
+        assert _bits_equal(got, exact.to(torch.bfloat16))
+        assert ((got[ties].view(torch.int16) & 1) == 0).all()  # even mantissa
+    assert _bits_equal(p, rp)
+
+
+def test_bf16_moments_optimizer():
+    """CPUAdam keeps its moments in the dtypes asked for, also after load_state_dict
+    (which casts state to the param's fp32)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    kw = {"lr": 1e-2, "weight_decay": 0.01}
+    opt = ca.CPUAdam(model.parameters(), exp_avg_dtype=torch.bfloat16, **kw)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(5, 8)).square().sum().backward()
+        opt.step()
+    for st in opt.state.values():
+        assert st["exp_avg"].dtype == torch.bfloat16 and st["exp_avg_sq"].dtype == torch.float32
+    opt2 = ca.CPUAdam(model.parameters(), exp_avg_dtype=torch.bfloat16, **kw)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    opt2.zero_grad()
+    model(torch.randn(5, 8)).square().sum().backward()
+    opt2.step()
+    for st in opt2.state.values():
+        assert st["exp_avg"].dtype == torch.bfloat16 and st["exp_avg_sq"].dtype == torch.float32
+    with pytest.raises(TypeError, match="exp_avg_sq_dtype must be torch.float32 or torch.bfloat16"):
+        ca.CPUAdam(model.parameters(), exp_avg_sq_dtype=torch.float16)
+
+
+# ------------------------------------------------------------ decay runs
+def _random_runs(n, gen, count):
+    """count sorted, disjoint runs in [0, n) with random gaps (some empty, some adjacent)."""
+    cuts = sorted(torch.randint(0, n + 1, (2 * count,), generator=gen).tolist())
+    return [(cuts[2 * k], cuts[2 * k + 1]) for k in range(count)]
+
+
+def _segments(n, runs):
+    """[(start, end, decayed)] covering [0, n): the runs and the gaps between them."""
+    segs, pos = [], 0
+    for s, e in runs:
+        if s > pos:
+            segs.append((pos, s, False))
+        if e > s:
+            segs.append((s, e, True))
+        pos = max(pos, e)
+    if pos < n:
+        segs.append((pos, n, False))
+    return segs
+
+
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam_l2"])
+@pytest.mark.parametrize("moments", [(torch.float32, torch.float32), MOMENTS[2]], ids=["mv_fp32", "mv_bf16"])
+def test_decay_runs_match_per_run_calls(level, threads, moments, adamw):
+    """One call with decay_runs == one call per run (weight_decay there, 0 in the
+    gaps), bit for bit, on 1 and 2 threads and with a bf16 param_out."""
+    mt, vt = moments
+    gen = torch.Generator().manual_seed(21)
+    n = 3 * _C.TILE + 77  # both threads get work
+    run_sets = [
+        _random_runs(n, gen, 40),
+        [(0, n)], [], [(5, 5)], [(0, 1), (1, 2), (n - 1, n)],
+        [(k, k + 3) for k in range(0, n - 3, 7)],  # many runs shorter than a vector
+        [(17, 12345), (12345, 20000), (24000, n - 1)],
+    ]
+    for runs in run_sets:
+        for t in (1, 2):
+            ca.set_num_threads(t)
+            p0 = torch.randn(n, generator=gen)
+            g = torch.randn(n, generator=gen).bfloat16()
+            a = [p0.clone(), torch.zeros(n, dtype=mt), torch.zeros(n, dtype=vt), torch.empty(n, dtype=torch.bfloat16)]
+            b = [x.clone() for x in a]
+            for step in (1, 2, 3):
+                kw = {"step": step, "adamw": adamw, **HYPER}
+                ca.adam_step(a[0], g, a[1], a[2], weight_decay=0.1, param_out=a[3], decay_runs=runs, **kw)
+                for s, e, dec in _segments(n, runs):
+                    ca.adam_step(b[0][s:e], g[s:e], b[1][s:e], b[2][s:e], weight_decay=0.1 if dec else 0.0,
+                                 param_out=b[3][s:e], **kw)
+            assert all(_bits_equal(x, y) for x, y in zip(a, b)), f"{level} t={t} runs={runs[:4]}"
+
+
+def test_decay_runs_extremes():
+    """All of [0, n) decayed == no runs; no runs at all == weight_decay 0; a tensor works."""
+    n, gen = 1000, torch.Generator().manual_seed(5)
+    p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    results = []
+    for runs, wd in (([(0, n)], 0.1), (None, 0.1), ([], 0.1), (None, 0.0), (torch.tensor([[0, n]]), 0.1)):
+        p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+        ca.adam_step(p, g, m, v, step=1, weight_decay=wd, decay_runs=runs, **HYPER)
+        results.append(p)
+    assert _bits_equal(results[0], results[1]) and _bits_equal(results[2], results[3])
+    assert _bits_equal(results[0], results[4]) and not torch.equal(results[0], results[2])
+
+
+@pytest.mark.parametrize(
+    "runs, exc, match",
+    [
+        ([(4, 8), (0, 3)], ValueError, r"decay_runs\[1\] = \(0, 3\) is unsorted: it starts before decay_runs\[0\]"),
+        ([(0, 6), (4, 8)], ValueError, r"decay_runs\[1\] = \(4, 8\) overlaps decay_runs\[0\] = \(0, 6\)"),
+        ([(0, 13)], ValueError, r"decay_runs\[0\] = \(0, 13\) is out of range \[0, 12\]"),
+        ([(-1, 3)], ValueError, "is out of range"),
+        ([(5, 2)], ValueError, r"decay_runs\[0\] = \(5, 2\) has start > end"),
+        ([(0, 2, 3)], TypeError, r"decay_runs\[0\] must be a \(start, end\) pair"),
+        ([(0.0, 2)], TypeError, "must hold two integers"),
+        (5, TypeError, "decay_runs must be a sequence"),
+    ],
+)
+def test_bad_decay_runs_raise_and_touch_nothing(runs, exc, match):
+    bufs = _bufs()
+    bufs["param"].fill_(1.0)
+    bufs["grad"].fill_(0.5)
+    before = {k: v.clone() for k, v in bufs.items()}
+    with pytest.raises(exc, match=match):
+        _call(bufs, weight_decay=0.1, decay_runs=runs)
+    assert all(torch.equal(bufs[k], v) for k, v in before.items())
+
+
+def test_raw_decay_runs_checked_in_cpp():
+    t = torch.zeros(8)
+    args = (t.data_ptr(), t.data_ptr(), 0, t.data_ptr(), t.data_ptr(), 0, 0, 8, 1, 1e-3, 0.9, 0.999, 1e-8, 0.1,
+            True, True, 1.0)
+    for runs, match in (([(3, 9)], "out of range"), ([(2, 1)], "start > end"), ([(0, 4), (2, 6)], "overlaps")):
+        with pytest.raises(ValueError, match=match):
+            _C.adam_step(*args, decay_runs=runs)
+    with pytest.raises(ValueError, match="exp_avg_dtype must be 0"):
+        _C.adam_step(*args, exp_avg_dtype=1)
+    with pytest.raises(ValueError, match="exp_avg_sq_dtype must be 0"):
+        _C.adam_step(*args, exp_avg_sq_dtype=7)
+
+
+def test_bias_correction_divide_extremes(level):
+    """sqrt(v) / sqrt(bc2) is computed without a divide on the SIMD paths (csrc
+    DIV_BC2): exp_avg_sq over ~75 binades (subnormal to 1e30), zeros, +inf and NaN,
+    with the smallest bias corrections a double beta2 < 1 allows."""
+    gen = torch.Generator().manual_seed(17)
+    n = 4099
+    for beta2 in (0.999, 1 - 1e-12, 1 - 2**-52, 0.5, 0.0):
+        for step in (1, 2, 7):
+            hyper = dict(HYPER, beta2=beta2)
+            v0 = torch.pow(10.0, torch.rand(n, generator=gen, dtype=torch.float64) * 75 - 45).float()
+            v0[::97] = 0.0
+            v0[5::101] = float("inf")
+            v0[7::103] = float("nan")
+            p0, m0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+            g = torch.randn(n, generator=gen) * torch.pow(10.0, torch.randint(-20, 3, (n,), generator=gen))
+            p, m, v = p0.clone(), m0.clone(), v0.clone()
+            ca.adam_step(p, g, m, v, step=step, weight_decay=0.0, **hyper)
+            rp, rm, rv = p0.clone(), m0.clone(), v0.clone()
+            _ref_step(rp, g, rm, rv, step=step, weight_decay=0.0, adamw=True, bias_correction=True, **hyper)
+            for got, ref in ((p, rp), (m, rm), (v, rv)):
+                nan = torch.isnan(ref)
+                assert torch.equal(torch.isnan(got), nan), f"{level} beta2={beta2} step={step}"
+                assert _bits_equal(got[~nan], ref[~nan]), f"{level} beta2={beta2} step={step}"
+
+
 def _from_bits(bits):
     return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
 
@@ -244,6 +457,38 @@ def test_threads_bitwise_identical(level, threads):
         assert _bits_equal(a, b)
 
 
+def test_set_num_threads_is_used(threads):
+    n = 4 * _C.TILE
+    b = _bufs(n)
+    for t in (1, 2, 3):
+        ca.set_num_threads(t)
+        _call(b)
+        assert ca.get_num_threads() == t and ca.last_num_threads() == t
+    _call(_bufs(_C.TILE))  # too small to be worth a second thread
+    assert ca.last_num_threads() == 1
+
+
+def test_threads_ignore_omp_num_threads():
+    """torchrun sets OMP_NUM_THREADS=1 per worker: set_num_threads(2) must still
+    give the kernel two threads (seen from inside its parallel region)."""
+    code = (
+        "import torch\n"
+        "from mp_offload.ops import cpu_adam as ca\n"
+        "from mp_offload import _cpu_adam as C\n"
+        "before = ca.get_num_threads()\n"
+        "ca.set_num_threads(2)\n"
+        "n = 4 * C.TILE\n"
+        "p, g, m, v = torch.zeros(n), torch.ones(n), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n)\n"
+        "ca.adam_step(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,\n"
+        "             decay_runs=[(0, 10)])\n"
+        "print(before, ca.get_num_threads(), ca.last_num_threads())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
+    env.update(OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "2", "2"]
+
+
 @pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam_l2"])
 def test_optimizer_matches_torch(adamw):
     torch.manual_seed(0)
@@ -311,8 +556,24 @@ def _call(bufs, **kw):
         (lambda: dict(_bufs(), exp_avg=torch.zeros(13)), {}, ValueError, "exp_avg has 13 elements, param has 12"),
         (lambda: _bufs(grad_dtype=torch.float64), {}, TypeError, "grad must be float32/float16/bfloat16, got float64"),
         (lambda: dict(_bufs(), param=torch.zeros(12, dtype=torch.float16)), {}, TypeError, "param must be float32"),
-        (lambda: dict(_bufs(), exp_avg_sq=torch.zeros(12, dtype=torch.bfloat16)), {}, TypeError, "exp_avg_sq"),
+        (lambda: dict(_bufs(), exp_avg_sq=torch.zeros(12, dtype=torch.float16)), {}, TypeError,
+         "exp_avg_sq must be float32/bfloat16, got float16"),
         (lambda: dict(_bufs(), exp_avg=torch.zeros(24)[::2]), {}, ValueError, "exp_avg must be contiguous"),
+        (lambda: dict(_bufs(), exp_avg=torch.zeros(12, dtype=torch.float16)), {}, TypeError,
+         "exp_avg must be float32/bfloat16, got float16"),
+        (lambda: dict(_bufs(), exp_avg_sq=torch.zeros(12, dtype=torch.float64)), {}, TypeError,
+         "exp_avg_sq must be float32/bfloat16, got float64"),
+        (lambda: dict(_bufs(), exp_avg=torch.zeros(12, dtype=torch.int16)), {}, TypeError, "exp_avg must be"),
+        (lambda: dict(_bufs(), param=torch.zeros(12, dtype=torch.bfloat16),
+                      exp_avg=torch.zeros(12, dtype=torch.bfloat16)), {}, TypeError, "param must be float32"),
+        (lambda: dict(_bufs(), exp_avg=torch.zeros(13, dtype=torch.bfloat16)), {}, ValueError,
+         "exp_avg has 13 elements, param has 12"),
+        (lambda: dict(_bufs(), exp_avg_sq=torch.zeros(11, dtype=torch.bfloat16)), {}, ValueError,
+         "exp_avg_sq has 11 elements, param has 12"),
+        (lambda: dict(_bufs(), exp_avg_sq=torch.zeros(24, dtype=torch.bfloat16)[::2]), {}, ValueError,
+         "exp_avg_sq must be contiguous"),
+        (lambda: dict(_bufs(), exp_avg=torch.zeros(12, dtype=torch.bfloat16, device="meta")), {}, ValueError,
+         "exp_avg must be a CPU tensor"),
         (lambda: dict(_bufs(), grad=torch.zeros(4, 3).t()), {}, ValueError, "grad must be contiguous"),
         (lambda: dict(_bufs(), grad=torch.zeros(12, device="meta")), {}, ValueError, "grad must be a CPU tensor"),
         (lambda: dict(_bufs(), param=torch.zeros(12, device="meta")), {}, ValueError, "param must be a CPU tensor"),
@@ -355,6 +616,25 @@ def test_aliasing_rejected():
     with pytest.raises(ValueError, match="param and param_out overlap"):
         ca.adam_step(b["param"], b["grad"], b["exp_avg"], b["exp_avg_sq"], param_out=pout[:12], step=1,
                      weight_decay=0.0, **HYPER)
+
+
+def test_bf16_moment_aliasing_rejected_and_touch_nothing():
+    b = _bufs()
+    b["grad"].fill_(1.0)
+    pm = torch.ones(36, dtype=torch.bfloat16)  # bytes shared by two bf16 moments below
+    out = torch.ones(12, dtype=torch.bfloat16)
+    cases = [  # (exp_avg, exp_avg_sq, param_out, error)
+        (b["param"].view(torch.bfloat16)[6:18], b["exp_avg_sq"], None, "param and exp_avg overlap"),
+        (b["exp_avg"], b["grad"].view(torch.bfloat16)[:12], None, "grad and exp_avg_sq overlap"),
+        (pm[:12], pm[11:23], None, "exp_avg and exp_avg_sq overlap"),
+        (pm[:12], out.view(torch.int16).view(torch.bfloat16), out, "exp_avg_sq and param_out overlap"),
+    ]
+    for m, v, o, match in cases:
+        tensors = (b["param"], b["grad"], b["exp_avg"], b["exp_avg_sq"], pm, out)
+        snap = [t.clone() for t in tensors]
+        with pytest.raises(ValueError, match=match):
+            ca.adam_step(b["param"], b["grad"], m, v, param_out=o, step=1, weight_decay=0.1, **HYPER)
+        assert all(torch.equal(x, y) for x, y in zip(snap, tensors)), match
 
 
 def test_empty_is_noop_and_raw_codes_checked():

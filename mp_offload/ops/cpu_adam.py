@@ -7,33 +7,43 @@ param/grad/exp_avg/exp_avg_sq, writes param/exp_avg/exp_avg_sq and, optionally,
 the new param rounded to fp16/bf16 into ``param_out`` (the copy that goes back
 to the GPU). The math is torch.optim.AdamW / Adam's, operation for operation.
 
+The moments may be kept in bf16 (each on its own, like Megatron-core's
+--exp-avg-dtype / --exp-avg-sq-dtype): the kernel widens them, runs the step in
+fp32 and stores them rounded to nearest even. ``decay_runs`` lets one call cover
+a whole slice whose elements take different weight decay (decayed matrices,
+undecayed biases and norms): one pass, one parallel region, the GIL released.
+
 Threads default to the cores this rank may use: ``OMP_NUM_THREADS`` if set,
 else ``len(os.sched_getaffinity(0)) // LOCAL_WORLD_SIZE`` (ranks sharing a host
-must not oversubscribe it). ``MP_OFFLOAD_CPU_ADAM_SIMD`` = scalar|avx2|avx512|auto
+must not oversubscribe it). ``set_num_threads(n)`` then holds whatever
+OMP_NUM_THREADS says (torchrun sets it to 1): the kernel passes n in a
+num_threads clause. ``MP_OFFLOAD_CPU_ADAM_SIMD`` = scalar|avx2|avx512|auto
 forces the SIMD path at import.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import os
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from mp_offload import _cpu_adam as _C
 
 __all__ = [
-    "adam_step",
-    "stream_probe",
-    "simd_level",
-    "set_simd_level",
-    "available_simd_levels",
-    "set_num_threads",
-    "get_num_threads",
-    "default_num_threads",
     "CPUAdam",
+    "adam_step",
+    "available_simd_levels",
+    "default_num_threads",
+    "get_num_threads",
+    "last_num_threads",
+    "set_num_threads",
+    "set_simd_level",
+    "simd_level",
+    "stream_probe",
 ]
 
 _DTYPE_CODES = {
@@ -43,6 +53,7 @@ _DTYPE_CODES = {
 }
 _GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _OUT_DTYPES = (torch.float16, torch.bfloat16)
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def default_num_threads() -> int:
@@ -82,16 +93,23 @@ def set_simd_level(name: str) -> None:
 
 
 def set_num_threads(n: int) -> None:
-    """OpenMP threads used by adam_step / stream_probe (>= 1)."""
+    """Threads used by adam_step / stream_probe (>= 1), whatever OMP_NUM_THREADS says."""
     _C.set_num_threads(int(n))
 
 
 def get_num_threads() -> int:
+    """The count set by set_num_threads (calls on small slices may use fewer)."""
     return _C.get_num_threads()
 
 
+def last_num_threads() -> int:
+    """Threads that actually ran the last adam_step / stream_probe call (0 before any):
+    omp_get_num_threads() read inside its parallel region."""
+    return _C.last_num_threads()
+
+
 # ------------------------------------------------------------------ checks
-def _check_tensor(fn: str, name: str, t, dtypes, numel: Optional[int]) -> None:
+def _check_tensor(fn: str, name: str, t, dtypes, numel: int | None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -110,15 +128,16 @@ def _check_tensor(fn: str, name: str, t, dtypes, numel: Optional[int]) -> None:
 def _check_no_overlap(fn: str, tensors: dict) -> None:
     """The kernel writes param/exp_avg/exp_avg_sq/param_out while reading all:
     any two sharing bytes would make the result depend on the vector width."""
-    spans = [
-        (name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-        for name, t in tensors.items()
-        if t is not None
-    ]
-    for i, (na, a0, a1) in enumerate(spans):
-        for nb, b0, b1 in spans[i + 1 :]:
-            if a0 < b1 and b0 < a1:
-                raise ValueError(f"{fn}: {na} and {nb} overlap in memory")
+    spans = []
+    for name, t in tensors.items():
+        if t is not None:
+            a0 = t.data_ptr()
+            spans.append((a0, a0 + t.numel() * t.element_size(), name))
+    spans.sort()  # by start: only neighbours can overlap first
+    for (_, a1, na), (b0, _, nb) in itertools.pairwise(spans):
+        if b0 < a1:
+            first, second = sorted((na, nb), key=list(tensors).index)
+            raise ValueError(f"{fn}: {first} and {second} overlap in memory")
 
 
 def _as_step(fn: str, step) -> int:
@@ -137,13 +156,12 @@ def _as_step(fn: str, step) -> int:
 
 
 def _check_hyper(fn: str, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0) -> None:
-    def real(name, x):
-        if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(float(x)):
-            raise ValueError(f"{fn}: {name} must be a finite real number, got {x!r}")
-
     for name, x in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps),
                     ("weight_decay", weight_decay), ("grad_scale", grad_scale)):
-        real(name, x)
+        t = type(x)  # float/int first: the ABC check below costs ~10x more per call
+        if not ((t is float or t is int or (t is not bool and isinstance(x, numbers.Real)))
+                and math.isfinite(x)):
+            raise ValueError(f"{fn}: {name} must be a finite real number, got {x!r}")
     if lr < 0:
         raise ValueError(f"{fn}: lr must be >= 0, got {lr}")
     if not 0.0 <= beta1 < 1.0:
@@ -160,14 +178,55 @@ def _check_buffers(fn, param, grad, exp_avg, exp_avg_sq, param_out) -> int:
     _check_tensor(fn, "param", param, (torch.float32,), None)
     n = param.numel()
     _check_tensor(fn, "grad", grad, _GRAD_DTYPES, n)
-    _check_tensor(fn, "exp_avg", exp_avg, (torch.float32,), n)
-    _check_tensor(fn, "exp_avg_sq", exp_avg_sq, (torch.float32,), n)
+    _check_tensor(fn, "exp_avg", exp_avg, _MOMENT_DTYPES, n)
+    _check_tensor(fn, "exp_avg_sq", exp_avg_sq, _MOMENT_DTYPES, n)
     if param_out is not None:
         _check_tensor(fn, "param_out", param_out, _OUT_DTYPES, n)
     if n:
         _check_no_overlap(fn, {"param": param, "grad": grad, "exp_avg": exp_avg,
                                "exp_avg_sq": exp_avg_sq, "param_out": param_out})
     return n
+
+
+def _check_runs(fn: str, runs, n: int) -> list:
+    """decay_runs -> [(start, end), ...]: pairs of ints, 0 <= start <= end <= n,
+    sorted and non-overlapping (each starts at or after the previous one's end).
+    Empty runs are allowed (a zero-size tensor) and do nothing."""
+    if isinstance(runs, torch.Tensor):
+        runs = runs.tolist()
+    if isinstance(runs, (str, bytes)) or not isinstance(runs, Iterable):
+        raise TypeError(f"{fn}: decay_runs must be a sequence of (start, end) pairs, got {type(runs).__name__}")
+    runs = list(runs)
+    out = []
+    prev_end = 0
+    for k, r in enumerate(runs):  # fast path; _bad_run explains the first problem
+        try:
+            s, e = r
+        except (TypeError, ValueError):
+            raise TypeError(f"{fn}: decay_runs[{k}] must be a (start, end) pair, got {r!r}") from None
+        if type(s) is not int or type(e) is not int:
+            if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in (s, e)):
+                raise TypeError(f"{fn}: decay_runs[{k}] must hold two integers, got {r!r}")
+            s, e = int(s), int(e)
+        if not prev_end <= s <= e <= n:
+            _bad_run(fn, runs, k, n)
+        prev_end = e
+        out.append((s, e))
+    return out
+
+
+def _bad_run(fn: str, runs: list, k: int, n: int) -> None:
+    """Raise the ValueError that names what is wrong with runs[k] (runs[:k] are fine)."""
+    s, e = (int(x) for x in runs[k])
+    at = f"{fn}: decay_runs[{k}] = ({s}, {e})"
+    if s > e:
+        raise ValueError(f"{at} has start > end")
+    if s < 0 or e > n:
+        raise ValueError(f"{at} is out of range [0, {n}] (param has {n} elements)")
+    ps, pe = (int(x) for x in runs[k - 1])
+    if s < ps:
+        raise ValueError(f"{at} is unsorted: it starts before decay_runs[{k - 1}] = ({ps}, {pe})")
+    raise ValueError(f"{at} overlaps decay_runs[{k - 1}] = ({ps}, {pe})")
 
 
 # ------------------------------------------------------------------ kernels
@@ -185,22 +244,32 @@ def adam_step(
     weight_decay: float,
     adamw: bool = True,
     bias_correction: bool = True,
-    param_out: Optional[torch.Tensor] = None,
+    param_out: torch.Tensor | None = None,
     grad_scale: float = 1.0,
+    decay_runs: Sequence[tuple[int, int]] | None = None,
 ) -> None:
     """One in-place Adam (adamw=False, L2 added to the grad) or AdamW step.
 
-    param, exp_avg, exp_avg_sq: fp32 contiguous CPU, same numel (updated in place).
+    param: fp32 contiguous CPU (updated in place).
+    exp_avg, exp_avg_sq: fp32 or bf16 (each on its own), contiguous CPU, same numel;
+    updated in place (bf16 ones are widened, the step runs in fp32 and they are
+    stored rounded to nearest even, exactly like ``.to(torch.bfloat16)``).
     grad: fp32/fp16/bf16 contiguous CPU, same numel; multiplied by grad_scale first
     (loss-scale unscaling and clipping folded into the same pass).
     param_out: optional fp16/bf16 contiguous CPU (pinned is fine), same numel;
     receives the new param rounded to nearest even, in the same pass.
     step: the 1-based step number used for bias correction.
+    decay_runs: optional sequence of (start, end) element ranges, sorted and
+    non-overlapping within [0, numel]: weight_decay applies to them only, every
+    other element gets weight decay 0. Bitwise the same as one call per run with
+    the right weight_decay, but one pass with the threads splitting the whole slice.
+    None (the default): weight_decay applies everywhere.
     """
     fn = "adam_step"
     n = _check_buffers(fn, param, grad, exp_avg, exp_avg_sq, param_out)
     step = _as_step(fn, step)
     _check_hyper(fn, lr, beta1, beta2, eps, weight_decay, grad_scale)
+    runs = None if decay_runs is None else _check_runs(fn, decay_runs, n)
     if n == 0:
         return
     _C.adam_step(
@@ -210,6 +279,7 @@ def adam_step(
         0 if param_out is None else _DTYPE_CODES[param_out.dtype],
         n, step, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
         bool(adamw), bool(bias_correction), float(grad_scale),
+        _DTYPE_CODES[exp_avg.dtype], _DTYPE_CODES[exp_avg_sq.dtype], runs,
     )
 
 
@@ -218,12 +288,14 @@ def stream_probe(
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
-    param_out: Optional[torch.Tensor] = None,
+    param_out: torch.Tensor | None = None,
 ) -> float:
-    """Memory-bandwidth ceiling for adam_step: one pass with exactly the same
-    loads/stores (and threads, tiles, SIMD path) but trivial math. Returns the
-    pass's wall time in seconds. OVERWRITES param/exp_avg/exp_avg_sq/param_out
-    with junk: give it scratch buffers."""
+    """adam_step's memory traffic with trivial math: one pass with exactly the same
+    loads/stores (and threads, ranges, SIMD path) as our kernel. Returns the
+    pass's wall time in seconds. It shares our access pattern, so it is NOT a
+    machine ceiling (bench/bench_cpu_adam.py measures that with several
+    independent patterns). OVERWRITES param/exp_avg/exp_avg_sq/param_out with
+    junk: give it scratch buffers."""
     fn = "stream_probe"
     n = _check_buffers(fn, param, grad, exp_avg, exp_avg_sq, param_out)
     if n == 0:
@@ -233,7 +305,7 @@ def stream_probe(
         exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
         0 if param_out is None else param_out.data_ptr(),
         0 if param_out is None else _DTYPE_CODES[param_out.dtype],
-        n,
+        n, _DTYPE_CODES[exp_avg.dtype], _DTYPE_CODES[exp_avg_sq.dtype],
     )
 
 
@@ -244,6 +316,8 @@ class CPUAdam(torch.optim.Optimizer):
     Per-param state matches torch's Adam/AdamW layout: ``step`` (0-dim fp32
     tensor), ``exp_avg``, ``exp_avg_sq``. ``adamw=True`` is AdamW (decoupled
     decay), ``adamw=False`` is Adam with L2 added to the gradient.
+    ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (torch.float32 or torch.bfloat16)
+    set how each moment is stored; loaded state is converted to them.
     """
 
     def __init__(
@@ -255,19 +329,25 @@ class CPUAdam(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         adamw: bool = True,
         bias_correction: bool = True,
+        exp_avg_dtype: torch.dtype = torch.float32,
+        exp_avg_sq_dtype: torch.dtype = torch.float32,
     ):
         if len(betas) != 2:
             raise ValueError(f"CPUAdam: betas must be a pair, got {betas!r}")
         _check_hyper("CPUAdam", lr, betas[0], betas[1], eps, weight_decay)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        adamw=adamw, bias_correction=bias_correction)
+        for name, dt in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
+            if dt not in _MOMENT_DTYPES:
+                raise TypeError(f"CPUAdam: {name} must be torch.float32 or torch.bfloat16, got {dt}")
+        self._moment_dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype}
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
+                    "adamw": adamw, "bias_correction": bias_correction}
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
                 _check_tensor("CPUAdam", "param", p, (torch.float32,), None)
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable] = None):
+    def step(self, closure: Callable | None = None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -282,11 +362,11 @@ class CPUAdam(torch.optim.Optimizer):
                 state = self.state[p]
                 if len(state) == 0:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                for key in ("exp_avg", "exp_avg_sq"):  # e.g. after load_state_dict
-                    if not state[key].is_contiguous():
-                        state[key] = state[key].contiguous()
+                    for key, dt in self._moment_dtypes.items():
+                        state[key] = torch.zeros_like(p, dtype=dt, memory_format=torch.contiguous_format)
+                for key, dt in self._moment_dtypes.items():  # e.g. after load_state_dict
+                    if state[key].dtype != dt or not state[key].is_contiguous():
+                        state[key] = state[key].to(dt).contiguous()
                 state["step"] += 1
                 adam_step(
                     p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"],
