@@ -86,6 +86,10 @@ class OptimizerConfig:
                                           "per step (costs a full gradient on the device)")
     accumulate_allreduce_grads_in_fp32: bool = _f(False, "reduce (and stage) gradients in "
                                                   "fp32 in bf16/fp16 runs")
+    exp_avg_dtype: str = _f("fp32", "dtype of Adam's first moment (bf16 halves it)",
+                            choices=("fp32", "bf16"))
+    exp_avg_sq_dtype: str = _f("fp32", "dtype of Adam's second moment (bf16 halves it)",
+                               choices=("fp32", "bf16"))
 
 
 @dataclass

@@ -66,20 +66,30 @@ def losses(path):
 def unbroken(tmp_path_factory):
     """8 iterations at TP=2 x DP=2 without a break, fp32 and bf16."""
     d = tmp_path_factory.mktemp("unbroken")
-    for dtype in ("fp32", "bf16"):
-        flags = ["--bf16"] if dtype == "bf16" else []
-        run(4, 2, "--log-json", str(d / f"{dtype}.jsonl"), *flags)
+    for dtype in DTYPE_FLAGS:
+        run(4, 2, "--log-json", str(d / f"{dtype}.jsonl"), *DTYPE_FLAGS[dtype])
     return d
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+# bf16-moments: Adam's moments stored in bf16 (and in the checkpoint, in their dtype)
+DTYPE_FLAGS = {"fp32": [], "bf16": ["--bf16"],
+               "bf16-moments": ["--bf16", "--exp-avg-dtype", "bf16",
+                                "--exp-avg-sq-dtype", "bf16"]}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPE_FLAGS))
 def test_exact_resume_tp2_dp2_offload(unbroken, tmp_path, dtype):
-    flags = ["--bf16"] if dtype == "bf16" else []
+    flags = DTYPE_FLAGS[dtype]
     log = str(tmp_path / "log.jsonl")
     ck = str(tmp_path / "ckpt")
     run(4, 2, "--save", ck, "--exit-interval", "4", "--log-json", log, *flags)
     assert read_latest(ck) == 4
     run(4, 2, "--load", ck, "--save", ck, "--log-json", log, *flags)
+    if dtype == "bf16-moments":  # stored in their own dtype, not widened
+        from mp_offload.checkpoint.format import iter_dir, optim_file
+        shard = torch.load(os.path.join(iter_dir(ck, 8), optim_file(1, 1)), weights_only=True)
+        assert shard["exp_avg"].dtype == shard["exp_avg_sq"].dtype == torch.bfloat16
+        assert shard["master"].dtype == torch.float32
     # Bitwise: losses, grad norms, lr and validation losses, iteration by iteration.
     drop = ("elapsed_ms", "optimizer_ms", "tokens_per_sec", "tflops_per_device",
             "peak_device_gb", "peak_host_gb", "host_device_bytes_per_param")

@@ -92,6 +92,25 @@ def test_plan_equals_real_buffers_tp1_dp1(bucket):
                             dpu_warmup_steps=0 if dpu else None)
         _one_step(opt, model)
         _check_against_optimizer(opt, cfg, 1, 1, 0, bucket, offload, dpu, dtype)
+    # bf16 moments, and gradient accumulation on the host or on the device
+    for k, on_device, m in ((1, False, (2, 2)), (4, False, (4, 2)), (4, True, (2, 4))):
+        torch.manual_seed(0)
+        model = GPTModel(cfg, tp_group=ps.ParallelGroup.single())
+        mdt = {2: torch.bfloat16, 4: torch.float32}
+        opt = ZeroOptimizer(model, **HP, dp=ps.ParallelGroup.single(),
+                            tp=ps.ParallelGroup.single(), device="cpu", dtype=torch.bfloat16,
+                            cpu_offload=True, bucket_size=bucket, micro_batches=k,
+                            accumulate_on_device=on_device, exp_avg_dtype=mdt[m[0]],
+                            exp_avg_sq_dtype=mdt[m[1]])
+        real = opt.memory_bytes()
+        run = Run(cfg, mode="offload", elem_bytes=2, bucket_size=bucket, cuda=False,
+                  micro_batches=k, accumulate_on_device=on_device, moment_bytes=m)
+        shapes = rank_shapes(spec_named_params(cfg, 1), 1, bucket)
+        device, host, _ = plan_rank(run, shapes, Hardware())
+        assert {k2: v for k2, v in host.items() if k2 in EXACT} == real["host"]
+        planned = {k2: v for k2, v in device.items() if k2 in EXACT}
+        assert {k2: v for k2, v in planned.items() if k2 != "grad_buckets"} == \
+            {k2: v for k2, v in real["device"].items() if k2 != "grad_buckets"}
 
 
 def _tp2_dp2_worker(rank, world):
@@ -224,6 +243,9 @@ def test_paper_table_reproduces_the_single_gpu_claims():
     # host holds 16 B/param: 20/16 of the model.
     lean = rows[(dgx2, "TP=8 x DP=2 + Offload, no fp32 grad copy")]
     assert 1.15 * dgx <= lean <= 1.3 * dgx, (lean, dgx)
+    # bf16 moments too: 12 B/param on the host; TP=16 spreads the device side the most
+    leaner = rows[(dgx2, "TP=16 + Offload, no fp32 grads, bf16 m/v")]
+    assert leaner > lean, (leaner, lean)
 
 
 def test_throughput_model_matches_the_paper_claim():

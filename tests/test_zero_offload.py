@@ -235,3 +235,28 @@ def test_device_keeps_only_low_precision_params_and_fixed_buckets():
     # one micro-batch: Adam reads the bf16 gradients as they came down, no fp32 copy
     assert rep["host"]["grads"] == 0 and rep["host"]["staging"] == 2 * n + 2 * n
     opt.step(1e-3)
+
+
+def test_bf16_moments_track_fp32_moments():
+    """Adam's moments in bf16 (8 B/param less host state) stay close to fp32 moments."""
+    single = ps.ParallelGroup.single()
+    runs = {}
+    for mdt in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model = GPTModel(GPTConfig(**CFG), tp_group=single)
+        opt = ZeroOptimizer(model, **HP, dp=single, tp=single, device="cpu",
+                            dtype=torch.bfloat16, cpu_offload=True, exp_avg_dtype=mdt,
+                            exp_avg_sq_dtype=mdt)
+        losses = []
+        for step in range(20):
+            x, y = _batch(step)
+            opt.zero_grad()
+            loss = model(x, y).mean()
+            opt.backward(loss)
+            opt.step(HP["lr"])
+            losses.append(loss.item())
+        assert opt.exp_avg.dtype == opt.state_dict()["exp_avg_sq"].dtype == mdt
+        runs[mdt] = losses
+    assert runs[torch.bfloat16][-1] < runs[torch.bfloat16][0] - 0.5
+    worst = max(abs(a - b) / b for a, b in zip(runs[torch.bfloat16], runs[torch.float32]))
+    assert worst < 0.02, f"bf16 moments stray {worst:.3f} from fp32 moments"

@@ -11,6 +11,9 @@ from .base import DEFAULT_BUCKET_SIZE, Optimizer, StepResult
 from .torch_adamw import TorchAdamWOptimizer
 
 
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def compute_dtype(args) -> torch.dtype:
     t = args.train
     return torch.float16 if t.fp16 else (torch.bfloat16 if t.bf16 else torch.float32)
@@ -37,7 +40,8 @@ def build_optimizer(model: torch.nn.Module, args, device: torch.device) -> Optim
                          micro_batches=t.global_batch_size // (t.micro_batch_size * dp),
                          accumulate_on_device=o.accumulate_grads_on_device,
                          reduce_dtype=torch.float32 if o.accumulate_allreduce_grads_in_fp32
-                         else None)
+                         else None, exp_avg_dtype=MOMENT_DTYPES[o.exp_avg_dtype],
+                         exp_avg_sq_dtype=MOMENT_DTYPES[o.exp_avg_sq_dtype])
 
 
 __all__ = ["build_optimizer", "compute_dtype", "DEFAULT_BUCKET_SIZE", "Optimizer",

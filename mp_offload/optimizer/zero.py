@@ -51,7 +51,9 @@ class ZeroOptimizer:
                  cpu_offload: bool = True, bucket_size: int = DEFAULT_BUCKET_SIZE,
                  dpu_warmup_steps: int | None = None, loss_scale: dict | None = None,
                  micro_batches: int = 1, accumulate_on_device: bool = False,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None,
+                 exp_avg_dtype: torch.dtype = torch.float32,
+                 exp_avg_sq_dtype: torch.dtype = torch.float32):
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.clip_grad = clip_grad
@@ -79,8 +81,10 @@ class ZeroOptimizer:
         # is allocated, so start-up peaks at model + master, not model + all state.
         self.master = torch.zeros(n, dtype=torch.float32, device=self.host)
         self._place_model(model)
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        # Moments in fp32 or bf16 (Megatron-core's --exp-avg(-sq)-dtype): bf16 halves them;
+        # the kernel widens them, steps in fp32 and rounds them back to nearest even.
+        self.exp_avg = torch.zeros_like(self.master, dtype=exp_avg_dtype)
+        self.exp_avg_sq = torch.zeros_like(self.master, dtype=exp_avg_sq_dtype)
         # Gradients (DPU: two of each, backward t+1 writes while Adam t reads). With offload
         # they come down as reduced chunks into grad_staging (pinned on CUDA); when that is
         # already the step's whole gradient (one micro-batch, or accumulated on the device)
@@ -98,6 +102,8 @@ class ZeroOptimizer:
         low = dtype != torch.float32
         self.param_staging = host_empty(n, dtype, pin) if low and cpu_offload else None
         self._adam = self._pick_adam()
+        # One kernel call per step over the whole slice; weight decay on these ranges only.
+        self._decay_ranges = [(lo, hi) for lo, hi, decay in self.layout.decay_runs() if decay]
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         self._uploaded = None  # CUDA event: the last host->device copy of the staging
@@ -188,13 +194,10 @@ class ZeroOptimizer:
         if self._uploaded is not None:  # the last copy up may still be reading the staging
             self._uploaded.synchronize()
         b1, b2 = self.betas
-        for lo, hi, decay in self.layout.decay_runs():
-            self._adam(self.master[lo:hi], grad[lo:hi], self.exp_avg[lo:hi],
-                       self.exp_avg_sq[lo:hi], step=step, lr=lr, beta1=b1, beta2=b2,
-                       eps=self.eps, weight_decay=self.weight_decay if decay else 0.0,
-                       adamw=True, bias_correction=True, grad_scale=grad_scale,
-                       param_out=None if self.param_staging is None
-                       else self.param_staging[lo:hi])
+        self._adam(self.master, grad, self.exp_avg, self.exp_avg_sq, step=step, lr=lr,
+                   beta1=b1, beta2=b2, eps=self.eps, weight_decay=self.weight_decay,
+                   adamw=True, bias_correction=True, grad_scale=grad_scale,
+                   param_out=self.param_staging, decay_runs=self._decay_ranges)
 
     def _publish(self) -> None:
         """Copy this rank's new params up (one copy per bucket), then all-gather them."""

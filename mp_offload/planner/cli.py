@@ -58,7 +58,9 @@ def run_from_args(args: Args, world: int, mode: str | None = None, cuda: bool = 
                dpu=o.dpu_warmup_steps is not None and mode == "offload", cuda=cuda,
                micro_batches=max(1, gbs // (t.micro_batch_size * dp)),
                accumulate_on_device=o.accumulate_grads_on_device,
-               reduce_bytes=4 if o.accumulate_allreduce_grads_in_fp32 else None)
+               reduce_bytes=4 if o.accumulate_allreduce_grads_in_fp32 else None,
+               moment_bytes=(2 if o.exp_avg_dtype == "bf16" else 4,
+                             2 if o.exp_avg_sq_dtype == "bf16" else 4))
 
 
 def _host_memory_gib() -> float | None:

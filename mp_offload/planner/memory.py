@@ -10,8 +10,8 @@ Exact (they are the optimizer's own buffers, sized by FlatLayout):
                        arrive in layout order for this GPT; the pool grows past two
                        only if more than two buckets are filling at once.
   device grad_accumulation  r * flat_numel with --accumulate-grads-on-device (k > 1)
-  master / exp_avg / exp_avg_sq  4 * host_numel each: 12Ψ/(T·D) on the host with
-                       offload, on the device without
+  master / exp_avg / exp_avg_sq  4 * host_numel each (moments 2 in bf16): 12Ψ/(T·D)
+                       on the host with offload (8 with bf16 moments), on the device without
   grads                4 * host_numel (twice with DPU), the fp32 sum of k > 1 micro-batches
                        accumulated on the host, or any gradient without offload; none with
                        offload when one chunk per step is the whole gradient (k = 1 or
@@ -75,6 +75,7 @@ class Run:
     micro_batches: int = 1  # backward passes per step (gradient accumulation)
     accumulate_on_device: bool = False
     reduce_bytes: int | None = None  # default: elem_bytes
+    moment_bytes: tuple[int, int] = (4, 4)  # exp_avg, exp_avg_sq (2: bf16 moments)
     flash: bool = True  # fused SDPA kernels keep no s x s scores
     bucket_buffers: int | None = None  # default: ZeroOptimizer's, min(2, number of buckets)
 
@@ -149,7 +150,8 @@ def plan_rank(run: Run, shapes: RankShapes, hw: Hardware) -> tuple[dict, dict, s
         acc = run.accumulate_on_device and k > 1
         offload = run.mode == "offload"
         direct = offload and (k == 1 or acc)  # Adam reads the gradient staging itself
-        state = dict(master=4 * n, exp_avg=4 * n, exp_avg_sq=4 * n,
+        m1, m2 = run.moment_bytes
+        state = dict(master=4 * n, exp_avg=m1 * n, exp_avg_sq=m2 * n,
                      grads=0 if direct else 4 * n * copies)
         device = dict(params=e * shapes.flat_numel,
                       grad_buckets=r * shapes.max_bucket * (

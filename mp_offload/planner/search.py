@@ -94,6 +94,7 @@ class Row:
     # 2: an fp32 gradient slice on the host, as the paper's ZeRO-Offload keeps (gradient
     # accumulation here); 1: Adam reads the gradients as they came down (no fp32 copy)
     micro_batches: int = 1
+    moment_bytes: tuple[int, int] = (4, 4)  # (2, 2): bf16 Adam moments
 
 
 def paper_rows() -> list[Row]:
@@ -118,6 +119,7 @@ def paper_rows() -> list[Row]:
         Row("ZeRO-Offload (fp32 grads on host)", one_v100, "offload", claim="~13B",
             claim_b=13.0, micro_batches=2),
         Row("ZeRO-Offload, no fp32 grad copy", one_v100, "offload"),
+        Row("+ bf16 moments", one_v100, "offload", moment_bytes=(2, 2)),
         Row("model parallelism alone, TP=16", dgx2, "pytorch", tp=16, claim="<15B",
             claim_b=15.0),
         Row("model parallelism alone, TP=8 x DP=2", dgx2, "pytorch", tp=8, dp=2, claim="<15B",
@@ -129,6 +131,8 @@ def paper_rows() -> list[Row]:
         Row("TP=16 + ZeRO-Offload (fp32 grads)", dgx2, "offload", tp=16, claim="~70B",
             claim_b=70.0, micro_batches=2),
         Row("TP=8 x DP=2 + Offload, no fp32 grad copy", dgx2, "offload", tp=8, dp=2),
+        Row("TP=16 + Offload, no fp32 grads, bf16 m/v", dgx2, "offload", tp=16,
+            moment_bytes=(2, 2)),
         Row("PyTorch (mixed-precision Adam)", h100, "pytorch"),
         Row("ZeRO-2, no offload (this code)", h100, "zero2"),
         Row("ZeRO-Offload (this code)", h100, "offload"),
@@ -150,7 +154,8 @@ def paper_table(base: GPTConfig | None = None, micro_batch: int = 1,
                 family: str = "gpt3") -> list[tuple[Row, Found]]:
     base = base or paper_base()
     return [(row, max_model(Run(base, tp=row.tp, dp=row.dp, mode=row.mode,
-                                micro_batch=micro_batch, micro_batches=row.micro_batches),
+                                micro_batch=micro_batch, micro_batches=row.micro_batches,
+                                moment_bytes=row.moment_bytes),
                             row.hw, family))
             for row in paper_rows()]
 
