@@ -1,4 +1,5 @@
-"""Build mp_offload and its C++ CPU-Adam extension (pybind11, no torch headers)."""
+"""Build mp_offload and its C++ extensions (pybind11, no torch headers): the CPU Adam and
+the host-side gradient accumulation."""
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
@@ -11,11 +12,12 @@ compile_args = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off"]
 
 ext_modules = [
     Pybind11Extension(
-        "mp_offload._cpu_adam",
-        ["csrc/cpu_adam.cpp"],
+        f"mp_offload._{name}",
+        [f"csrc/{name}.cpp"],
         extra_compile_args=compile_args,
         extra_link_args=["-fopenmp"],
     )
+    for name in ("cpu_adam", "host_ops")
 ]
 
 setup(

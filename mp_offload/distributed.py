@@ -88,6 +88,8 @@ def apply_cpu_threads(n: int) -> str:
         return (f"host threads {n}; WARNING: the C++ CPU Adam is not built, the optimizer "
                 f"falls back to torch ops (several times slower): run `pip install -e .`")
     set_num_threads(n)
+    from .ops import host_ops
+    host_ops.set_num_threads(n)
     return f"host threads {n}; CPU Adam {simd_level()}"
 
 

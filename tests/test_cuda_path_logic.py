@@ -168,7 +168,8 @@ def test_copy_stream_order_and_buffer_reuse_through_a_fake():
             reducer.finish()
         sums.append((reducer.targets.grads, reducer.norm_squared()))
     assert torch.equal(sums[0][0], sums[1][0]), "the first micro-batch must overwrite"
-    assert torch.allclose(sums[0][1], sums[1][1], rtol=1e-12)
+    # the host sums squares in fp64; the device path takes an fp32 norm per range first
+    assert torch.allclose(sums[0][1], sums[1][1], rtol=1e-6)
     buckets = len(layout.buckets)
     assert buckets >= 3 and fake.copies == 2 * buckets
     log = fake.log

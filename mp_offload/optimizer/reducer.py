@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..ops.host_ops import accumulate_, sum_squares
 from ..parallel_state import ParallelGroup
 from .host_accumulator import HostAccumulator
 from .layout import FlatLayout
@@ -270,9 +271,9 @@ class GradientReducer:
 
     def _host_accumulate(self, grad, stage, first: bool, final: bool, ranges):
         def work():
-            grad.copy_(stage) if first else grad.add_(stage)
+            accumulate_(grad, stage, overwrite=first)  # C++: torch's fp32 += bf16 is slow
             if final:  # the gradient is complete: its norm while the chunk is warm
-                self._norm_parts.append(_sum_squares(grad, ranges))
+                self._norm_parts.append(sum_squares(grad, ranges))
         return work
 
     def finish(self) -> None:
