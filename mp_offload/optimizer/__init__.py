@@ -10,7 +10,6 @@ from .. import parallel_state as ps
 from .base import DEFAULT_BUCKET_SIZE, Optimizer, StepResult
 from .torch_adamw import TorchAdamWOptimizer
 
-
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
