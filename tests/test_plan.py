@@ -49,6 +49,27 @@ def test_written_shapes_equal_the_meta_model(tp):
             assert all(p.is_meta for _, p in named)
 
 
+LLAMA_OPTIONS = [dict(normalization="RMSNorm"), dict(swiglu=True),
+                 dict(position_embedding_type="rope"), dict(disable_bias_linear=True),
+                 dict(group_query_attention=True, num_query_groups=4),
+                 dict(untie_embeddings_and_output_weights=True), dict(sequence_parallel=True),
+                 dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                      group_query_attention=True, num_query_groups=4,
+                      untie_embeddings_and_output_weights=True, disable_bias_linear=True,
+                      sequence_parallel=True)]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_written_shapes_equal_the_meta_model_with_llama_options(tp):
+    """Names, shapes and split metadata (dim, stride) of every option at every rank."""
+    for opts in LLAMA_OPTIONS:
+        cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=8, seq_length=32,
+                        ffn_hidden_size=96, vocab_size=200, **opts)
+        for r in range(tp):
+            check_spec(cfg, tp, r)
+        assert sum(p.numel() for _, p in meta_named_params(cfg, 1)) == num_parameters(cfg)
+
+
 def _one_step(opt, model, dp_rank=0, dp=1):
     torch.manual_seed(7)
     x = torch.randint(0, SMALL["vocab_size"], (2 * dp, SMALL["seq_length"] + 1))[dp_rank::dp]
@@ -85,7 +106,8 @@ def test_plan_equals_real_buffers_tp1_dp1(bucket):
                                 (True, True, torch.bfloat16), (True, False, torch.float32)):
         torch.manual_seed(0)
         model = GPTModel(cfg, tp_group=ps.ParallelGroup.single())
-        opt = ZeroOptimizer(model, **HP, dp=ps.ParallelGroup.single(), tp=ps.ParallelGroup.single(), device="cpu",
+        opt = ZeroOptimizer(model, **HP, dp=ps.ParallelGroup.single(),
+                            tp=ps.ParallelGroup.single(), device="cpu",
                             dtype=dtype, cpu_offload=offload, bucket_size=bucket,
                             dpu_warmup_steps=0 if dpu else None)
         _one_step(opt, model)
@@ -239,7 +261,7 @@ def test_activation_estimate_vs_measured_cuda_peak(recompute):
                         device="cuda", dtype=torch.bfloat16, cpu_offload=True)
     micro = 4
     x = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_length + 1), device="cuda")
-    for it in range(2):  # the first pass allocates the bucket buffers; measure the second
+    for _ in range(2):  # the first pass allocates the bucket buffers; measure the second
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()

@@ -29,8 +29,11 @@ def family_widths(family: str, base: GPTConfig, tp: int) -> list[tuple[int, int,
     if family != "gpt3":
         raise ValueError(f"--family must be one of {FAMILIES}, got {family!r}")
     out = []
+    groups = base.num_query_groups if base.group_query_attention else None
     for h in GPT3_WIDTHS:
         heads = h // (64 if h < 2048 else 128)
+        if groups is not None and heads % groups:  # GQA keeps the base's query groups
+            continue
         if heads % tp == 0 and h % tp == 0:
             out.append((h, heads, -(-h // 128), h // 64))
     return out
@@ -54,7 +57,7 @@ class Found:
 def max_model(run: Run, hw: Hardware, family: str = "gpt3") -> Found:
     best = Found(None, 0, None, "nothing fits")
     for h, heads, lo, hi in family_widths(family, run.cfg, run.tp):
-        def plan(layers):
+        def plan(layers, h=h, heads=heads):
             return plan_job(replace(run, cfg=_shape(run.cfg, h, heads, layers, family)), hw)
         if not plan(lo).fits:
             continue
