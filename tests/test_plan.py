@@ -218,6 +218,28 @@ def test_plan_cli(capsys):
     assert main(["--tensor-model-parallel-size", "3", "--world-size", "4"]) == 2
 
 
+def test_plan_cli_llama_presets(capsys):
+    """``--model NAME`` starts from a published shape; flags given after it still win."""
+    import json
+
+    from mp_offload.plan import main
+    dgx2 = ["--device-memory-gb", "32", "--host-memory-gb", "1536", "--devices-per-node", "16"]
+    run = ["--world-size", "16", "--tensor-model-parallel-size", "8", "--fp16", "--cpu-offload",
+           "--recompute-activations", "--micro-batch-size", "2", *dgx2, "--json"]
+    assert main(["--model", "llama2-70b", *run]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["parameters"] == 68_989_231_104 and plain["fits"]
+    assert main(["--model", "llama2-70b", *run, "--sequence-parallel"]) == 0
+    sp = json.loads(capsys.readouterr().out)
+    assert sp["device"]["activations"] < plain["device"]["activations"] / 4
+    assert main(["--model", "llama3-8b", "--num-layers", "2", "--seq-length", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "GPT 2 layers x hidden 4096" in out and "seq 2048" in out and "GQA 8 groups" in out
+    assert main(["--model", "llama2-70b", "--world-size", "16",
+                 "--tensor-model-parallel-size", "16"]) == 2  # 8 K/V groups over 16 ranks
+    assert "--num-query-groups 8 is not divisible" in capsys.readouterr().err
+
+
 def test_paper_table_reproduces_the_single_gpu_claims():
     """Tolerance: 15% of the paper's figure (it gives one significant digit or two)."""
     rows = {(r.hw.name, r.label): f.params / 1e9 for r, f in paper_table(micro_batch=4)}
