@@ -308,6 +308,20 @@ def _check_sp_dropout_masks_differ_across_ranks(group):
     assert 0.3 < kept.mean() < 0.7
 
 
+def _check_recompute_replays_sp_dropout(group):
+    """Recomputation under SP with dropout on replays the per-TP-rank stream: the same
+    losses and gradients as keeping the activations."""
+    x, y = _batch()
+    runs = []
+    for recompute in (False, True):
+        cfg = _cfg(**LLAMA, sequence_parallel=True, hidden_dropout=0.2, attention_dropout=0.2,
+                   recompute_activations=recompute)
+        runs.append(_loss_and_grads(_model(cfg, group), x, y))
+    assert torch.equal(runs[0][0], runs[1][0])
+    for name, g in runs[0][1].items():
+        assert torch.allclose(g, runs[1][1][name], rtol=1e-6, atol=1e-8), name
+
+
 def _saved_bytes(block, x, rope):
     """Bytes of the distinct storages autograd keeps for backward (parameters excluded)."""
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
@@ -352,6 +366,7 @@ def _tp_worker(rank, world, tp):
                         group)
     _check_equal_to_tp1(_cfg(sequence_parallel=True), group)  # GPT-2 + SP
     _check_sp_dropout_masks_differ_across_ranks(group)
+    _check_recompute_replays_sp_dropout(group)
     _check_saved_activations(group)
 
 
