@@ -132,6 +132,19 @@ def test_gqa_attention_is_attention_with_repeated_kv_heads(groups, rotary):
     assert torch.allclose(attn(x, rope), _attention_by_hand(attn, x, groups, rope), atol=1e-10)
 
 
+def test_gqa_without_a_grouped_kernel_repeats_kv_heads(monkeypatch):
+    """Where SDPA has no fused grouped kernel (CUDA before sm80, fp32) the K/V heads are
+    repeated before the call; same result."""
+    import mp_offload.model.layers as layers
+    monkeypatch.setattr(layers, "sdpa_takes_groups", lambda q: False)
+    torch.manual_seed(1)
+    cfg = _cfg(group_query_attention=True, num_query_groups=2, disable_bias_linear=True)
+    attn = ParallelAttention(cfg, SINGLE, False, torch.float64, None)
+    x = torch.randn(2, 6, 64, dtype=torch.float64)
+    rope = RotaryEmbedding(8, 10000, 1.0)(6, torch.float64, None)
+    assert torch.allclose(attn(x, rope), _attention_by_hand(attn, x, 2, rope), atol=1e-10)
+
+
 def test_untied_head_and_no_biases():
     torch.manual_seed(2)
     model = GPTModel(_cfg(untie_embeddings_and_output_weights=True, disable_bias_linear=True),

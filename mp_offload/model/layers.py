@@ -89,6 +89,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotated if rest.shape[-1] == 0 else torch.cat((rotated, rest), dim=-1)
 
 
+def sdpa_takes_groups(q: torch.Tensor) -> bool:
+    """Whether SDPA's ``enable_gqa`` runs a fused kernel for ``q``: on the CPU yes; on
+    CUDA only the flash kernel takes K/V heads shared by groups (fp16/bf16, sm80+), and
+    elsewhere ``enable_gqa`` falls back to the math kernel and its s x s scores. There,
+    repeating the K/V heads keeps the memory-efficient kernel (V100s, fp32)."""
+    if not q.is_cuda:
+        return True
+    return q.dtype in (torch.float16, torch.bfloat16) and \
+        torch.cuda.get_device_capability(q.device)[0] >= 8
+
+
 class ParallelAttention(nn.Module):
     """Causal self-attention over this rank's heads.
 
@@ -142,11 +153,15 @@ class ParallelAttention(nn.Module):
         if rope is not None:  # q and k become new tensors; so must v, or its view would
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # keep the whole fused
             v = v.contiguous()  # QKV output alive for backward (e*sb*(h + kv)/t more)
+        grouped = self.groups < self.heads
+        if grouped and not sdpa_takes_groups(q):
+            k, v = (t.repeat_interleave(self.heads // self.groups, dim=1) for t in (k, v))
+            grouped = False
         p = self.dropout if self.training else 0.0
         # Attention dropout acts on this rank's own heads: use the per-TP-rank stream.
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                               enable_gqa=self.groups < self.heads)
+                                               enable_gqa=grouped)
         b, _, s, _ = y.shape
         return self.proj(y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
