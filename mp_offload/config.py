@@ -131,12 +131,13 @@ _MODEL_HELP = {
     "hidden_dropout": "dropout on residual branches", "attention_dropout": "attention dropout",
     "layernorm_epsilon": "LayerNorm (and RMSNorm) epsilon", "init_method_std": "init std",
     "recompute_activations": "recompute each layer in backward (activation checkpointing)",
-    "normalization": "LayerNorm (GPT-2) or RMSNorm (Llama)",
+    "normalization": "LayerNorm (GPT-2's, the default) or RMSNorm (Llama)",
     "swiglu": "SwiGLU MLP: silu(gate) * up, gate and up fused in fc1 (2 x --ffn-hidden-size)",
-    "position_embedding_type": "learned_absolute (a table of --max-position-embeddings) "
-                               "or rope (rotary, rotate-half layout)",
-    "rotary_base": "rope: the base of the rotation frequencies (Llama 3: 500000)",
-    "rotary_percent": "rope: the fraction of each head's channels that rotate",
+    "position_embedding_type": "learned_absolute (a table of --max-position-embeddings; "
+                               "the default) or rope (rotary, rotate-half layout)",
+    "rotary_base": "rope: the base of the rotation frequencies (default 10000; Llama 3: "
+                   "500000)",
+    "rotary_percent": "rope: the fraction of each head's channels that rotate (default 1)",
     "group_query_attention": "grouped-query attention: --num-query-groups key/value heads",
     "num_query_groups": "key/value heads with --group-query-attention (default 1); a "
                         "multiple of --tensor-model-parallel-size",
@@ -270,9 +271,10 @@ def _validate_model(m: GPTConfig, tp: int) -> None:
                               f"across the TP ranks, never replicated")
     if m.position_embedding_type == "rope":
         head_dim = m.hidden_size // m.num_attention_heads
-        rotated = int(head_dim * m.rotary_percent)
+        percent = m.rotary[1]
+        rotated = int(head_dim * percent)
         if rotated < 2 or rotated % 2:
-            raise ConfigError(f"--rotary-percent {m.rotary_percent} rotates {rotated} of the "
+            raise ConfigError(f"--rotary-percent {percent} rotates {rotated} of the "
                               f"{head_dim} channels of a head: that must be an even number "
                               f">= 2")
     if m.sequence_parallel and m.seq_length % tp:

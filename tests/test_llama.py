@@ -210,13 +210,17 @@ def test_llama_flags_parse_and_default_to_gpt2():
     args = parse_args(["--train-iters", "1"])
     m = args.model
     assert (m.normalization, m.position_embedding_type, m.swiglu, m.num_query_groups,
-            m.sequence_parallel) == ("LayerNorm", "learned_absolute", False, None, False)
+            m.sequence_parallel, m.rotary) == (None, None, False, None, False, (10000, 1.0))
+    # GPT-2's choices are recorded as None: a plain GPT-2 names no option in a checkpoint.
+    m = parse_args(["--train-iters", "1", "--normalization", "LayerNorm",
+                    "--position-embedding-type", "learned_absolute"]).model
+    assert (m.normalization, m.position_embedding_type) == (None, None)
     args = parse_args(["--train-iters", "1", "--normalization", "RMSNorm", "--swiglu",
                        "--position-embedding-type", "rope", "--rotary-base", "500000",
                        "--group-query-attention", "--untie-embeddings-and-output-weights",
                        "--disable-bias-linear", "--sequence-parallel"])
     m = args.model
-    assert m.num_query_groups == 1 and m.kv_groups == 1 and m.rotary_base == 500000
+    assert m.num_query_groups == 1 and m.kv_groups == 1 and m.rotary == (500000, 1.0)
     validate(args, 2)
     with pytest.raises(SystemExit):
         parse_args(["--normalization", "BatchNorm"])

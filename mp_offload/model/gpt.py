@@ -56,11 +56,11 @@ class GPTConfig:
     layernorm_epsilon: float = 1e-5  # also RMSNorm's
     init_method_std: float = 0.02
     recompute_activations: bool = False
-    normalization: str = "LayerNorm"  # or RMSNorm
+    normalization: str | None = None  # None: LayerNorm (GPT-2's); or RMSNorm
     swiglu: bool = False
-    position_embedding_type: str = "learned_absolute"  # or rope
-    rotary_base: int = 10000
-    rotary_percent: float = 1.0
+    position_embedding_type: str | None = None  # None: learned_absolute (GPT-2's); or rope
+    rotary_base: int | None = None  # rope; None: 10000
+    rotary_percent: float | None = None  # rope; None: 1.0
     group_query_attention: bool = False
     num_query_groups: int | None = None  # with group_query_attention; default 1 (Megatron)
     untie_embeddings_and_output_weights: bool = False
@@ -74,6 +74,12 @@ class GPTConfig:
             self.max_position_embeddings = self.seq_length
         if self.group_query_attention and self.num_query_groups is None:
             self.num_query_groups = 1
+        # GPT-2's own choices are recorded as None, so a plain GPT-2 names no option in its
+        # checkpoint (the GPT-2 export refuses any unknown option that is set).
+        if self.normalization == "LayerNorm":
+            self.normalization = None
+        if self.position_embedding_type == "learned_absolute":
+            self.position_embedding_type = None
 
     @property
     def kv_groups(self) -> int:
@@ -81,8 +87,18 @@ class GPTConfig:
         return self.num_query_groups if self.group_query_attention else self.num_attention_heads
 
     @property
+    def rms_norm(self) -> bool:
+        return self.normalization == "RMSNorm"
+
+    @property
     def learned_positions(self) -> bool:
-        return self.position_embedding_type == "learned_absolute"
+        return self.position_embedding_type is None
+
+    @property
+    def rotary(self) -> tuple[int, float]:
+        """(base, fraction of each head's channels rotated), rope's defaults filled in."""
+        return (10000 if self.rotary_base is None else self.rotary_base,
+                1.0 if self.rotary_percent is None else self.rotary_percent)
 
     def padded_vocab_size(self, tp: int) -> int:
         return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
@@ -104,7 +120,7 @@ class GPTModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp_group = resolve_tp_group(tp_group)
-        if cfg.position_embedding_type not in POSITION_EMBEDDINGS:
+        if cfg.position_embedding_type not in (None, *POSITION_EMBEDDINGS):
             raise ValueError(f"--position-embedding-type must be one of {POSITION_EMBEDDINGS},"
                              f" got {cfg.position_embedding_type!r}")
         sp = self.sequence_parallel = cfg.sequence_parallel and self.tp_group.size > 1
@@ -118,7 +134,7 @@ class GPTModel(nn.Module):
                                           reduce_scatter=sp and not cfg.learned_positions)
         self.wpe = self._learned_positions(dtype, device) if cfg.learned_positions else None
         self.rotary = None if cfg.learned_positions else RotaryEmbedding(
-            cfg.hidden_size // cfg.num_attention_heads, cfg.rotary_base, cfg.rotary_percent)
+            cfg.hidden_size // cfg.num_attention_heads, *cfg.rotary)
         self.drop = nn.Dropout(cfg.hidden_dropout)
         self.blocks = nn.ModuleList(TransformerBlock(cfg, self.tp_group, sp, dtype, device)
                                     for _ in range(cfg.num_layers))
@@ -197,7 +213,7 @@ def num_parameters(cfg: GPTConfig, tp: int = 1) -> int:
     """Total (unsplit) parameter count with the vocabulary padded for ``tp``."""
     h, L, f = cfg.hidden_size, cfg.num_layers, cfg.ffn_hidden_size
     w = layer_widths(cfg)
-    norm = 2 * h if cfg.normalization == "LayerNorm" else h
+    norm = h if cfg.rms_norm else 2 * h
     inputs = dict(qkv=h, proj=h, fc1=h, fc2=f)
     bias = 0 if cfg.disable_bias_linear else sum(w.values())
     per_layer = 2 * norm + sum(w[k] * inputs[k] for k in w) + bias

@@ -31,7 +31,7 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 
 def build_norm(cfg: GPTConfig, sequence_parallel: bool, dtype, device) -> nn.Module:
     """LayerNorm (weight, bias) or RMSNorm (weight only), over the hidden size."""
-    if cfg.normalization == "LayerNorm":
+    if cfg.normalization in (None, "LayerNorm"):
         norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, dtype=dtype,
                             device=device)
     elif cfg.normalization == "RMSNorm":

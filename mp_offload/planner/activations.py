@@ -93,7 +93,7 @@ def estimate_activations(cfg: GPTConfig, tp: int, micro_batch: int, elem_bytes: 
     hid_mask = 1 if cfg.hidden_dropout > 0 else 0
     attn_mask = 1 if cfg.attention_dropout > 0 else 0
 
-    stats = 2 * (8 if cfg.normalization == "LayerNorm" else 4) * s * b  # fp32 mean, rstd
+    stats = 2 * (4 if cfg.rms_norm else 8) * s * b  # fp32 mean, rstd
     replicated = (sbh * 4 * e + sbh * 2 * hid_mask + stats) // r
     mlp = (4 if cfg.swiglu else 2) * f
     split = s * b * e * (2 * h + 2 * kv + mlp) // t
@@ -103,7 +103,7 @@ def estimate_activations(cfg: GPTConfig, tp: int, micro_batch: int, elem_bytes: 
         core = b * a * s * s // t * (e + (e + 1 if attn_mask else 0))
     per_layer = replicated + split + core
 
-    rotary = 0 if cfg.learned_positions else 2 * e * s * int(h // a * cfg.rotary_percent)
+    rotary = 0 if cfg.learned_positions else 2 * e * s * int(h // a * cfg.rotary[1])
     outside = 8 * s * b + (sbh * hid_mask + 2 * e * sbh) // r + rotary
     sbv = s * b * V // t
     loss_kept = 4 * sbv

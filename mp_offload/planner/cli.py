@@ -133,11 +133,11 @@ MODEL_PRESETS = {
 
 def _options(m) -> str:
     """The non-GPT-2 parts of a model, for the one-line description."""
-    parts = [m.normalization] if m.normalization != "LayerNorm" else []
+    parts = ["RMSNorm"] if m.rms_norm else []
     parts += ["SwiGLU"] if m.swiglu else []
     if m.position_embedding_type == "rope":
-        parts.append(f"rope base {m.rotary_base:g}"
-                     + (f" x{m.rotary_percent:g}" if m.rotary_percent != 1 else ""))
+        base, percent = m.rotary
+        parts.append(f"rope base {base:g}" + (f" x{percent:g}" if percent != 1 else ""))
     parts += [f"GQA {m.num_query_groups} groups"] if m.group_query_attention else []
     parts += ["untied head"] if m.untie_embeddings_and_output_weights else []
     parts += ["no linear bias"] if m.disable_bias_linear else []

@@ -62,7 +62,7 @@ def spec_named_params(cfg: GPTConfig, tp: int) -> list[tuple[str, ShapeParam]]:
 
     def norm(name):
         out = [(name + ".weight", rep(h))]
-        return out + [(name + ".bias", rep(h))] if cfg.normalization == "LayerNorm" else out
+        return out if cfg.rms_norm else out + [(name + ".bias", rep(h))]
 
     def column(name, rows, stride=1):
         out = [(name + ".weight", ShapeParam((rows // tp, h), True, 0, stride))]
