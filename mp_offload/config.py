@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 
 from .model.gpt import GPTConfig
+from .model.layers import NORMALIZATIONS, POSITION_EMBEDDINGS
 from .optimizer.base import DEFAULT_BUCKET_SIZE
 from .parallel_state import ParallelConfigError, validate_parallel_sizes
 
@@ -141,13 +142,30 @@ _MODEL_HELP = {
     "vocab_size": "vocabulary size (mock data / NullTokenizer; else from the tokenizer)",
     "make_vocab_size_divisible_by": "pad the vocabulary to a multiple of this x TP",
     "hidden_dropout": "dropout on residual branches", "attention_dropout": "attention dropout",
-    "layernorm_epsilon": "LayerNorm epsilon", "init_method_std": "init std",
+    "layernorm_epsilon": "LayerNorm (and RMSNorm) epsilon", "init_method_std": "init std",
     "recompute_activations": "recompute each layer in backward (activation checkpointing)",
+    "normalization": "LayerNorm (GPT-2's, the default) or RMSNorm (Llama)",
+    "swiglu": "SwiGLU MLP: silu(gate) * up, gate and up fused in fc1 (2 x --ffn-hidden-size)",
+    "position_embedding_type": "learned_absolute (a table of --max-position-embeddings; "
+                               "the default) or rope (rotary, rotate-half layout)",
+    "rotary_base": "rope: the base of the rotation frequencies (default 10000; Llama 3: "
+                   "500000)",
+    "rotary_percent": "rope: the fraction of each head's channels that rotate (default 1)",
+    "group_query_attention": "grouped-query attention: --num-query-groups key/value heads",
+    "num_query_groups": "key/value heads with --group-query-attention (default 1); a "
+                        "multiple of --tensor-model-parallel-size",
+    "untie_embeddings_and_output_weights": "an output layer of its own instead of the input "
+                                           "embedding (output_layer.weight)",
+    "disable_bias_linear": "no biases in the QKV, projection and MLP linear layers",
+    "sequence_parallel": "keep norms, dropout and residuals as sequence shards over the TP "
+                         "ranks (Megatron-SP): activations between the layers divide by TP",
 }
+_MODEL_CHOICES = {"normalization": NORMALIZATIONS, "position_embedding_type": POSITION_EMBEDDINGS}
 
 
 # Valid range of every numeric flag, checked with the others before any process group
-# starts: "lo.." means >= lo, "lo<.." means > lo, "lo..hi)" means lo <= x < hi.
+# starts: "lo.." means >= lo, "lo<.." means > lo, "lo..hi)" means lo <= x < hi,
+# "lo..hi]" means lo <= x <= hi.
 RANGES = {
     "num_layers": "1..", "hidden_size": "1..", "num_attention_heads": "1..",
     "ffn_hidden_size": "1..", "seq_length": "1..", "max_position_embeddings": "1..",
@@ -162,6 +180,7 @@ RANGES = {
     "initial_loss_scale": "0<..", "min_loss_scale": "0<..", "loss_scale_window": "1..",
     "hysteresis": "1..", "reduce_bucket_size": "1..", "dpu_warmup_steps": "0..",
     "log_interval": "1..", "save_interval": "1..", "keep_checkpoints": "1..",
+    "rotary_base": "1..", "rotary_percent": "0<..1]", "num_query_groups": "1..",
 }
 
 
@@ -169,12 +188,14 @@ def _check_range(name: str, value, spec: str) -> None:
     lo_part, _, hi_part = spec.partition("..")
     strict = lo_part.endswith("<")
     lo = float(lo_part.rstrip("<"))
-    hi = float(hi_part.rstrip(")")) if hi_part else None
-    ok = (value > lo if strict else value >= lo) and (hi is None or value < hi)
+    hi = float(hi_part.rstrip(")]")) if hi_part else None
+    closed = hi_part.endswith("]")
+    ok = (value > lo if strict else value >= lo) and (
+        hi is None or (value <= hi if closed else value < hi))
     if not ok:
         want = f"> {lo:g}" if strict else f">= {lo:g}"
         if hi is not None:
-            want += f" and < {hi:g}"
+            want += f" and {'<=' if closed else '<'} {hi:g}"
         raise ConfigError(f"--{name.replace('_', '-')} must be {want}, got {value}")
 
 
@@ -215,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
             flag = "--" + f.name.replace("_", "-")
             tp = _inner(hints[f.name])
             help_ = f.metadata.get("help", _MODEL_HELP.get(f.name, ""))
+            choices = f.metadata.get("choices", _MODEL_CHOICES.get(f.name))
             dest = f"{group_name}.{f.name}"
             default = f.default
             if tp is bool:
@@ -224,8 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    metavar=f.name.upper())
             else:
                 group.add_argument(flag, dest=dest, type=tp, default=default, help=help_,
-                                   choices=f.metadata.get("choices"), metavar=
-                                   None if "choices" in f.metadata else f.name.upper())
+                                   choices=choices,
+                                   metavar=None if choices else f.name.upper())
     return parser
 
 
@@ -236,6 +258,42 @@ def parse_args(argv=None) -> Args:
         group_name, fname = key.split(".", 1)
         parts[group_name][fname] = value
     return Args(**{name: CONFIG_CLASSES[name](**kw) for name, kw in parts.items()})
+
+
+def _validate_model(m: GPTConfig, tp: int) -> None:
+    """The model's shape against itself and the TP size (heads against TP: parallel_state)."""
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by "
+                          f"--num-attention-heads {m.num_attention_heads}")
+    if m.ffn_hidden_size % tp:
+        raise ConfigError(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}")
+    if m.seq_length > m.max_position_embeddings:
+        raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
+                          f"{m.max_position_embeddings}")
+    if m.num_query_groups is not None and not m.group_query_attention:
+        raise ConfigError("--num-query-groups needs --group-query-attention")
+    if m.group_query_attention:
+        g = m.num_query_groups
+        if m.num_attention_heads % g:
+            raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible "
+                              f"by --num-query-groups {g}")
+        if g % tp:
+            raise ConfigError(f"--num-query-groups {g} is not divisible by "
+                              f"--tensor-model-parallel-size {tp}: key/value heads are split "
+                              f"across the TP ranks, never replicated")
+    if m.position_embedding_type == "rope":
+        head_dim = m.hidden_size // m.num_attention_heads
+        percent = m.rotary[1]
+        rotated = int(head_dim * percent)
+        if rotated < 2 or rotated % 2:
+            raise ConfigError(f"--rotary-percent {percent} rotates {rotated} of the "
+                              f"{head_dim} channels of a head: that must be an even number "
+                              f">= 2")
+    if m.sequence_parallel and m.seq_length % tp:
+        raise ConfigError(f"--seq-length {m.seq_length} is not divisible by "
+                          f"--tensor-model-parallel-size {tp} (--sequence-parallel splits "
+                          f"the sequence over the TP ranks)")
 
 
 def _validate_data(d: DataConfig) -> None:
@@ -284,15 +342,7 @@ def validate(args: Args, world_size: int) -> None:
                                 hidden_size=m.hidden_size)
     except ParallelConfigError as e:
         raise ConfigError(str(e)) from None
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by "
-                          f"--num-attention-heads {m.num_attention_heads}")
-    if m.ffn_hidden_size % tp:
-        raise ConfigError(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by "
-                          f"--tensor-model-parallel-size {tp}")
-    if m.seq_length > m.max_position_embeddings:
-        raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
-                          f"{m.max_position_embeddings}")
+    _validate_model(m, tp)
     dp = world_size // tp
     gbs = t.micro_batch_size * dp if t.global_batch_size is None else t.global_batch_size
     if gbs % (t.micro_batch_size * dp):

@@ -92,6 +92,7 @@ def load_model(ckpt: str, tp_group: ps.ParallelGroup | None = None, dtype=torch.
     tp_group = tp_group or ps.ParallelGroup.single()
     cfg = FullTensors(ckpt).config
     cfg.recompute_activations = False
+    cfg.sequence_parallel = False  # contexts of any length, not multiples of the TP size
     # Built on the meta device (no random init), then given storage and the weights.
     model = GPTModel(cfg, tp_group=tp_group, dtype=dtype, device="meta")
     meta = {n: p for n, p in model.named_parameters()}

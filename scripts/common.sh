@@ -2,7 +2,8 @@
 #
 # Environment read here (each script documents its defaults):
 #   DATA_PATH        preprocessed prefix, or "weight prefix weight prefix ..." (blend)
-#   TOKENIZER_MODEL  SentencePiece model file
+#   TOKENIZER_MODEL  SentencePiece model file (HuggingFaceTokenizer scripts: a
+#                    tokenizer.json or a directory holding one)
 #   SAVE_DIR         checkpoints and logs
 #   MOCK_DATA=1      train on synthetic tokens (no DATA_PATH / TOKENIZER_MODEL needed)
 #   DRY_RUN=1        print the memory plan for every rank kind and the exact torchrun
@@ -59,8 +60,10 @@ check_gpus() {
   [ "${!name}" -le "$have" ] || die "$name=${!name} but this machine has $have CUDA GPU(s)"
 }
 
-# data_args: --data-path/--tokenizer-model flags into DATA_ARGS, after checking them.
+# data_args [TOKENIZER_TYPE]: --data-path/--tokenizer-model flags into DATA_ARGS, after
+# checking them. TOKENIZER_TYPE: SentencePieceTokenizer (default) or HuggingFaceTokenizer.
 data_args() {
+  local type=${1:-SentencePieceTokenizer}
   DATA_ARGS=()
   if [ "${MOCK_DATA:-0}" = 1 ]; then
     DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer)
@@ -73,10 +76,15 @@ data_args() {
     [ -f "$item.idx" ] && [ -f "$item.bin" ] || \
       problem "DATA_PATH: no $item.idx/.bin (run tools/preprocess_data.py first)"
   done
-  [ -f "${TOKENIZER_MODEL:-}" ] || \
-    problem "TOKENIZER_MODEL: no such file '${TOKENIZER_MODEL:-}' (a SentencePiece .model)"
+  if [ "$type" = HuggingFaceTokenizer ]; then
+    [ -e "${TOKENIZER_MODEL:-}" ] || problem "TOKENIZER_MODEL: no such file or directory" \
+      "'${TOKENIZER_MODEL:-}' (a tokenizer.json or a directory holding one)"
+  else
+    [ -f "${TOKENIZER_MODEL:-}" ] || \
+      problem "TOKENIZER_MODEL: no such file '${TOKENIZER_MODEL:-}' (a SentencePiece .model)"
+  fi
   # shellcheck disable=SC2206 # the blend is deliberately split into words
-  DATA_ARGS=(--data-path ${DATA_PATH:-missing} --tokenizer-type SentencePieceTokenizer
+  DATA_ARGS=(--data-path ${DATA_PATH:-missing} --tokenizer-type "$type"
              --tokenizer-model "${TOKENIZER_MODEL:-missing}")
 }
 

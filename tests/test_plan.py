@@ -50,6 +50,27 @@ def test_written_shapes_equal_the_meta_model(tp):
             assert all(p.is_meta for _, p in named)
 
 
+LLAMA_OPTIONS = [dict(normalization="RMSNorm"), dict(swiglu=True),
+                 dict(position_embedding_type="rope"), dict(disable_bias_linear=True),
+                 dict(group_query_attention=True, num_query_groups=4),
+                 dict(untie_embeddings_and_output_weights=True), dict(sequence_parallel=True),
+                 dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                      group_query_attention=True, num_query_groups=4,
+                      untie_embeddings_and_output_weights=True, disable_bias_linear=True,
+                      sequence_parallel=True)]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_written_shapes_equal_the_meta_model_with_llama_options(tp):
+    """Names, shapes and split metadata (dim, stride) of every option at every rank."""
+    for opts in LLAMA_OPTIONS:
+        cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=8, seq_length=32,
+                        ffn_hidden_size=96, vocab_size=200, **opts)
+        for r in range(tp):
+            check_spec(cfg, tp, r)
+        assert sum(p.numel() for _, p in meta_named_params(cfg, 1)) == num_parameters(cfg)
+
+
 def _one_step(opt, model, dp_rank=0, dp=1):
     torch.manual_seed(7)
     x = torch.randint(0, SMALL["vocab_size"], (2 * dp, SMALL["seq_length"] + 1))[dp_rank::dp]
@@ -223,6 +244,28 @@ def test_plan_cli(capsys):
     rec = json.loads(capsys.readouterr().out)
     assert rec["tp"] == 2 and rec["dp"] == 2 and rec["fits"] is True
     assert main(["--tensor-model-parallel-size", "3", "--world-size", "4"]) == 2
+
+
+def test_plan_cli_llama_presets(capsys):
+    """``--model NAME`` starts from a published shape; flags given after it still win."""
+    import json
+
+    from mp_offload.plan import main
+    dgx2 = ["--device-memory-gb", "32", "--host-memory-gb", "1536", "--devices-per-node", "16"]
+    run = ["--world-size", "16", "--tensor-model-parallel-size", "8", "--fp16", "--cpu-offload",
+           "--recompute-activations", "--micro-batch-size", "2", *dgx2, "--json"]
+    assert main(["--model", "llama2-70b", *run]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["parameters"] == 68_989_231_104 and plain["fits"]
+    assert main(["--model", "llama2-70b", *run, "--sequence-parallel"]) == 0
+    sp = json.loads(capsys.readouterr().out)
+    assert sp["device"]["activations"] < plain["device"]["activations"] / 4
+    assert main(["--model", "llama3-8b", "--num-layers", "2", "--seq-length", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "GPT 2 layers x hidden 4096" in out and "seq 2048" in out and "GQA 8 groups" in out
+    assert main(["--model", "llama2-70b", "--world-size", "16",
+                 "--tensor-model-parallel-size", "16"]) == 2  # 8 K/V groups over 16 ranks
+    assert "--num-query-groups 8 is not divisible" in capsys.readouterr().err
 
 
 def test_paper_table_reproduces_the_single_gpu_claims():

@@ -69,3 +69,26 @@ def test_recompute_with_dropout_matches_exactly(tmp_path):
         assert res.returncode == 0, res.stderr[-3000:]
         runs.append(_losses(log))
     assert runs[0] == runs[1]
+
+
+LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+               "--rotary-base", "500000", "--group-query-attention", "--num-query-groups", "2",
+               "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+
+
+@pytest.mark.slow
+def test_llama_flags_tp2_sequence_parallel_equals_tp1(tmp_path):
+    """pretrain_gpt.py with every Llama flag: TP=2 with --sequence-parallel (and a
+    checkpoint saved) gives TP=1's losses, and they fall."""
+    runs = {}
+    for tp, extra in ((1, []), (2, ["--sequence-parallel", "--save", str(tmp_path / "ck")])):
+        log = tmp_path / f"tp{tp}.jsonl"
+        res = torchrun(tp, *TINY, *LLAMA_FLAGS, "--train-iters", "20", "--cpu-offload",
+                       "--tensor-model-parallel-size", str(tp), "--log-json", str(log), *extra)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[tp] = _losses(log)
+    assert len(runs[1]) == 20
+    for i, (a, b) in enumerate(zip(runs[1], runs[2])):
+        assert abs(a - b) <= 1e-5 * abs(a), f"iteration {i + 1}: TP=1 {a} vs TP=2+SP {b}"
+    assert sum(runs[2][-5:]) / 5 < sum(runs[2][:5]) / 5 - 0.2, runs[2]  # 2 samples a step
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").exists()

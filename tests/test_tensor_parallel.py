@@ -11,8 +11,13 @@ from mp_offload.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tp_region,
+    gather_from_sequence_region,
     gather_from_tp_region,
+    gather_sequence_to_tp_region,
     reduce_from_tp_region,
+    reduce_scatter_from_tp_region,
+    register_sequence_parallel_grad_hooks,
+    scatter_to_sequence_region,
     scatter_to_tp_region,
     split_for_rank,
     vocab_parallel_cross_entropy,
@@ -114,6 +119,89 @@ def _check_layers(rank, tp, group):
     _grads_equal(par.weight.grad, ref.weight.grad, rank, tp, 0, 1)
 
 
+def _seq(x, tp, rank):
+    """This rank's shard of a [b, s, ...] tensor along the sequence."""
+    return x.chunk(tp, dim=1)[rank]
+
+
+def _check_sequence_primitives(rank, tp, group):
+    full = torch.arange(2.0 * 4 * tp * 3).reshape(2, 4 * tp, 3)
+    x = full.clone().requires_grad_()
+    y = scatter_to_sequence_region(x, group)
+    assert torch.equal(y, _seq(full, tp, rank))
+    y.backward(torch.full_like(y, float(rank)))
+    expect = torch.cat([torch.full((2, 4, 3), float(r)) for r in range(tp)], 1)
+    assert torch.equal(x.grad, expect), "scatter (sequence): backward must all-gather"
+
+    shard = torch.full((2, 4, 3), float(rank), requires_grad=True)
+    y = gather_from_sequence_region(shard, group)
+    assert torch.equal(y, expect)
+    y.backward(full)
+    assert torch.equal(shard.grad, _seq(full, tp, rank)), "gather (sequence): bwd splits"
+
+    x = (full * (rank + 1)).requires_grad_()
+    y = reduce_scatter_from_tp_region(x, group)
+    total = float(sum(range(1, tp + 1)))
+    assert torch.equal(y, _seq(full, tp, rank) * total), "reduce-scatter: sum, then split"
+    y.backward(torch.full_like(y, float(rank)))
+    assert torch.equal(x.grad, expect), "reduce-scatter: backward must all-gather"
+
+    shard = torch.full((2, 4, 3), float(rank), requires_grad=True)
+    y = gather_sequence_to_tp_region(shard, group)
+    assert torch.equal(y, expect)
+    y.backward(full * (rank + 1))
+    assert torch.equal(shard.grad, _seq(full, tp, rank) * total), \
+        "gather to TP: backward must reduce-scatter"
+
+
+def _check_sequence_parallel_layers(rank, tp, group):
+    """Layers fed by sequence shards equal the unsplit layers on the whole sequence."""
+    single = ps.ParallelGroup.single()
+    x = torch.randn(3, 4 * tp, 16, generator=torch.Generator().manual_seed(2))
+    g = torch.randn(3, 4 * tp, 24, generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(20)
+    ref = ColumnParallelLinear(16, 24, stride=3, tp_group=single)
+    torch.manual_seed(20)
+    par = ColumnParallelLinear(16, 24, stride=3, tp_group=group, sequence_parallel=True)
+    xr, xp = x.clone().requires_grad_(), _seq(x, tp, rank).clone().requires_grad_()
+    yr, yp = ref(xr), par(xp)
+    _grads_equal(yp, yr, rank, tp, -1, 3)  # the whole sequence, this rank's columns
+    yr.backward(g)
+    yp.backward(split_for_rank(g, -1, tp, rank, 3))
+    _grads_equal(par.weight.grad, ref.weight.grad, rank, tp, 0, 3)
+    _grads_equal(par.bias.grad, ref.bias.grad, rank, tp, 0, 3)
+    assert torch.allclose(xp.grad, _seq(xr.grad, tp, rank), **TOL)
+
+    torch.manual_seed(21)
+    ref = RowParallelLinear(24, 16, tp_group=single)
+    torch.manual_seed(21)
+    par = RowParallelLinear(24, 16, tp_group=group, sequence_parallel=True)
+    assert par.bias.sequence_parallel == (tp > 1) and not ref.bias.sequence_parallel
+    assert register_sequence_parallel_grad_hooks(par, group) == (1 if tp > 1 else 0)
+    xr, xp = g.clone().requires_grad_(), split_for_rank(g, -1, tp, rank).requires_grad_()
+    yr, yp = ref(xr), par(xp)
+    assert torch.allclose(yp, _seq(yr, tp, rank), **TOL)
+    up = torch.randn(yr.shape, generator=torch.Generator().manual_seed(4))
+    yr.backward(up)
+    yp.backward(_seq(up, tp, rank))
+    _grads_equal(par.weight.grad, ref.weight.grad, rank, tp, 1, 1)
+    # The hook summed the shard-partial bias gradient over TP before accumulation.
+    assert torch.allclose(par.bias.grad, ref.bias.grad, **TOL)
+    assert torch.allclose(xp.grad, split_for_rank(xr.grad, -1, tp, rank), **TOL)
+
+    torch.manual_seed(22)
+    ref = VocabParallelEmbedding(32, 6, tp_group=single)
+    torch.manual_seed(22)
+    par = VocabParallelEmbedding(32, 6, tp_group=group, reduce_scatter=True)
+    ids = torch.randint(0, 32, (2, 4 * tp), generator=torch.Generator().manual_seed(5))
+    yr, yp = ref(ids), par(ids)
+    assert torch.allclose(yp, _seq(yr, tp, rank), **TOL)
+    up = torch.randn(yr.shape, generator=torch.Generator().manual_seed(6))
+    yr.backward(up)
+    yp.backward(_seq(up, tp, rank))
+    _grads_equal(par.weight.grad, ref.weight.grad, rank, tp, 0, 1)
+
+
 def _check_cross_entropy(rank, tp, group):
     torch.manual_seed(5)
     logits = (torch.randn(3, 7, 64) * 4).requires_grad_()
@@ -134,6 +222,8 @@ def _worker(rank, world, tp):
     r = ps.get_tensor_model_parallel_rank()
     _check_primitives(r, tp, group)
     _check_layers(r, tp, group)
+    _check_sequence_primitives(r, tp, group)
+    _check_sequence_parallel_layers(r, tp, group)
     _check_cross_entropy(r, tp, group)
 
 
@@ -148,6 +238,8 @@ def test_tp1_layers_and_loss_single_process():
     single = ps.ParallelGroup.single()
     _check_primitives(0, 1, single)
     _check_layers(0, 1, single)
+    _check_sequence_primitives(0, 1, single)
+    _check_sequence_parallel_layers(0, 1, single)
     _check_cross_entropy(0, 1, single)
 
 

@@ -1,13 +1,18 @@
-"""A GPT-2-style decoder built from the tensor-parallel layers.
+"""A GPT decoder built from the tensor-parallel layers: GPT-2 by default, Llama by options.
 
-Learned positions, pre-LayerNorm blocks, causal self-attention through SDPA, a 4h
-GELU MLP, and an output head tied to the input embedding. With TP=k each rank
-holds 1/k of the attention heads, of the MLP and of the vocabulary; everything
-else (LayerNorms, positions, row-parallel biases) is replicated.
+Default (GPT-2): learned positions, pre-LayerNorm blocks, causal self-attention through
+SDPA, a 4h GELU MLP, biases everywhere, and an output head tied to the input embedding.
+The Llama options (each independent, Megatron-LM's flag names; the parts are in
+``layers.py``): --normalization RMSNorm, --swiglu, --position-embedding-type rope,
+--group-query-attention --num-query-groups G, --untie-embeddings-and-output-weights,
+--disable-bias-linear. With TP=k each rank holds 1/k of the attention heads (and of
+the K/V groups), of the MLP and of the vocabulary; everything else (norms, positions,
+row-parallel biases) is replicated. --sequence-parallel keeps the replicated
+activations as sequence shards too (1/k of the tokens per rank).
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -16,16 +21,24 @@ from torch import nn
 
 from ..tensor_parallel import (
     ColumnParallelLinear,
-    RowParallelLinear,
     VocabParallelEmbedding,
     checkpoint,
     copy_to_tp_region,
-    get_rng_tracker,
     pad_vocab_size,
+    register_sequence_parallel_grad_hooks,
+    scatter_to_sequence_region,
+    sequence_parallel_linear,
     vocab_parallel_cross_entropy,
 )
-from ..tensor_parallel.layers import init_normal, resolve_tp_group, scaled_init_normal
-from ..tensor_parallel.utils import divide, set_defaults_if_not_set
+from ..tensor_parallel.layers import init_normal, resolve_tp_group
+from ..tensor_parallel.utils import set_defaults_if_not_set
+from .layers import (
+    POSITION_EMBEDDINGS,
+    RotaryEmbedding,
+    TransformerBlock,
+    build_norm,
+    dropout,
+)
 
 
 @dataclass
@@ -40,77 +53,55 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = 128
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
-    layernorm_epsilon: float = 1e-5
+    layernorm_epsilon: float = 1e-5  # also RMSNorm's
     init_method_std: float = 0.02
     recompute_activations: bool = False
+    normalization: str | None = None  # None: LayerNorm (GPT-2's); or RMSNorm
+    swiglu: bool = False
+    position_embedding_type: str | None = None  # None: learned_absolute (GPT-2's); or rope
+    rotary_base: int | None = None  # rope; None: 10000
+    rotary_percent: float | None = None  # rope; None: 1.0
+    group_query_attention: bool = False
+    num_query_groups: int | None = None  # with group_query_attention; default 1 (Megatron)
+    untie_embeddings_and_output_weights: bool = False
+    disable_bias_linear: bool = False
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        if self.group_query_attention and self.num_query_groups is None:
+            self.num_query_groups = 1
+        # GPT-2's own choices are recorded as None, so a plain GPT-2 names no option in its
+        # checkpoint (the GPT-2 export refuses any unknown option that is set).
+        if self.normalization == "LayerNorm":
+            self.normalization = None
+        if self.position_embedding_type == "learned_absolute":
+            self.position_embedding_type = None
+
+    @property
+    def kv_groups(self) -> int:
+        """Key/value heads: the query groups with GQA, else one per attention head."""
+        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def rms_norm(self) -> bool:
+        return self.normalization == "RMSNorm"
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.position_embedding_type is None
+
+    @property
+    def rotary(self) -> tuple[int, float]:
+        """(base, fraction of each head's channels rotated), rope's defaults filled in."""
+        return (10000 if self.rotary_base is None else self.rotary_base,
+                1.0 if self.rotary_percent is None else self.rotary_percent)
 
     def padded_vocab_size(self, tp: int) -> int:
         return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
-
-
-def _layer_norm(cfg: GPTConfig, dtype, device) -> nn.LayerNorm:
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, dtype=dtype, device=device)
-
-
-class ParallelAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig, tp_group, dtype, device):
-        super().__init__()
-        self.heads = divide(cfg.num_attention_heads, tp_group.size, "--num-attention-heads")
-        self.head_dim = divide(cfg.hidden_size, cfg.num_attention_heads, "--hidden-size")
-        self.dropout = cfg.attention_dropout
-        # Fused [q; k; v] weight, stride 3: each rank gets [q_r; k_r; v_r] of its heads.
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, stride=3,
-                                        init_method=init_normal(cfg.init_method_std),
-                                        tp_group=tp_group, params_dtype=dtype, device=device)
-        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size,
-                                      init_method=scaled_init_normal(cfg.init_method_std,
-                                                                     cfg.num_layers),
-                                      tp_group=tp_group, params_dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).unbind(dim=2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, head_dim]
-        p = self.dropout if self.training else 0.0
-        # Attention dropout acts on this rank's own heads: use the per-TP-rank stream.
-        with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
-
-
-class ParallelMLP(nn.Module):
-    def __init__(self, cfg: GPTConfig, tp_group, dtype, device):
-        super().__init__()
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size,
-                                        init_method=init_normal(cfg.init_method_std),
-                                        tp_group=tp_group, params_dtype=dtype, device=device)
-        self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size,
-                                     init_method=scaled_init_normal(cfg.init_method_std,
-                                                                    cfg.num_layers),
-                                     tp_group=tp_group, params_dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
-
-
-class TransformerBlock(nn.Module):
-    def __init__(self, cfg: GPTConfig, tp_group, dtype, device):
-        super().__init__()
-        self.ln1 = _layer_norm(cfg, dtype, device)
-        self.attn = ParallelAttention(cfg, tp_group, dtype, device)
-        self.ln2 = _layer_norm(cfg, dtype, device)
-        self.mlp = ParallelMLP(cfg, tp_group, dtype, device)
-        self.dropout = nn.Dropout(cfg.hidden_dropout)  # replicated activations: default RNG
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln1(x)))
-        return x + self.dropout(self.mlp(self.ln2(x)))
 
 
 class GPTModel(nn.Module):
@@ -129,57 +120,114 @@ class GPTModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp_group = resolve_tp_group(tp_group)
+        if cfg.position_embedding_type not in (None, *POSITION_EMBEDDINGS):
+            raise ValueError(f"--position-embedding-type must be one of {POSITION_EMBEDDINGS},"
+                             f" got {cfg.position_embedding_type!r}")
+        sp = self.sequence_parallel = cfg.sequence_parallel and self.tp_group.size > 1
         self.padded_vocab_size = cfg.padded_vocab_size(self.tp_group.size)
         std = cfg.init_method_std
+        # With rotary positions and SP the embedding reduce-scatters straight to shards.
         self.wte = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size,
                                           init_method=init_normal(std), tp_group=self.tp_group,
                                           params_dtype=dtype, device=device,
-                                          num_valid=cfg.vocab_size)
-        # _weight: skip nn.Embedding's own draw (the real one follows, the same on every rank).
-        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
-                                _weight=torch.empty(cfg.max_position_embeddings,
-                                                    cfg.hidden_size, dtype=dtype, device=device))
-        if self.wpe.weight.device.type != "meta":
-            with torch.no_grad():  # same draw on every rank: the default CPU generator
-                self.wpe.weight.copy_(init_normal(std)(torch.empty_like(self.wpe.weight,
-                                                                        device="cpu",
-                                                                        dtype=torch.float32)))
+                                          num_valid=cfg.vocab_size,
+                                          reduce_scatter=sp and not cfg.learned_positions)
+        self.wpe = self._learned_positions(dtype, device) if cfg.learned_positions else None
+        self.rotary = None if cfg.learned_positions else RotaryEmbedding(
+            cfg.hidden_size // cfg.num_attention_heads, *cfg.rotary)
         self.drop = nn.Dropout(cfg.hidden_dropout)
-        self.blocks = nn.ModuleList(TransformerBlock(cfg, self.tp_group, dtype, device)
+        self.blocks = nn.ModuleList(TransformerBlock(cfg, self.tp_group, sp, dtype, device)
                                     for _ in range(cfg.num_layers))
-        self.ln_f = _layer_norm(cfg, dtype, device)
+        self.ln_f = build_norm(cfg, sp, dtype, device)
+        self.output_layer = None  # tied: the head is wte.weight
+        if cfg.untie_embeddings_and_output_weights:
+            self.output_layer = ColumnParallelLinear(
+                cfg.hidden_size, self.padded_vocab_size, bias=False,
+                init_method=init_normal(std), tp_group=self.tp_group, params_dtype=dtype,
+                device=device, sequence_parallel=sp, num_valid=cfg.vocab_size)
         for p in self.parameters():
             set_defaults_if_not_set(p)
+        register_sequence_parallel_grad_hooks(self, self.tp_group)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-token fp32 losses [b, s] when ``labels`` is given, else local logits."""
-        s = tokens.shape[1]
+    def _learned_positions(self, dtype, device) -> nn.Embedding:
+        cfg = self.cfg
+        # _weight: skip nn.Embedding's own draw (the real one follows, the same on every rank).
+        wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
+                           _weight=torch.empty(cfg.max_position_embeddings, cfg.hidden_size,
+                                               dtype=dtype, device=device))
+        if wpe.weight.device.type != "meta":
+            with torch.no_grad():  # same draw on every rank: the default CPU generator
+                wpe.weight.copy_(init_normal(cfg.init_method_std)(
+                    torch.empty_like(wpe.weight, device="cpu", dtype=torch.float32)))
+        return wpe
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token (+ learned position) embeddings after dropout; a sequence shard with SP."""
+        s, t = tokens.shape[1], self.tp_group.size
         if s > self.cfg.max_position_embeddings:
             raise ValueError(f"sequence of {s} tokens exceeds --max-position-embeddings "
                              f"{self.cfg.max_position_embeddings}")
-        pos = torch.arange(s, device=tokens.device)
-        x = self.drop(self.wte(tokens) + self.wpe(pos))
+        if self.sequence_parallel and s % t:
+            raise ValueError(f"--sequence-parallel: a sequence of {s} tokens does not split "
+                             f"over {t} TP ranks")
+        x = self.wte(tokens)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(s, device=tokens.device))
+            if self.sequence_parallel:  # replicated full sequence -> this rank's shard
+                x = scatter_to_sequence_region(x, self.tp_group)
+        return dropout(self.drop, x, self.sequence_parallel)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits, for the whole sequence."""
+        if self.output_layer is not None:
+            return self.output_layer(x)
+        # Tied head: the hidden state (gathered from its shards with SP) meets this rank's
+        # vocabulary slice; its gradient is partial on every rank and summed over TP.
+        if self.sequence_parallel:
+            return sequence_parallel_linear(x, self.wte.weight, None, self.tp_group)
+        return F.linear(copy_to_tp_region(x, self.tp_group), self.wte.weight)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token fp32 losses [b, s] when ``labels`` is given, else local logits."""
+        x = self.embed(tokens)
+        rope = self.rotary(tokens.shape[1], x.dtype, x.device) if self.rotary else None
         for block in self.blocks:
-            x = checkpoint(block, x) if self.cfg.recompute_activations and self.training \
-                else block(x)
-        x = self.ln_f(x)
-        # Tied head: the replicated hidden state meets this rank's vocabulary slice.
-        logits = F.linear(copy_to_tp_region(x, self.tp_group), self.wte.weight)
+            run = functools.partial(block, rope=rope)
+            x = checkpoint(run, x) if self.cfg.recompute_activations and self.training \
+                else run(x)
+        logits = self.head(self.ln_f(x))
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.tp_group, self.cfg.vocab_size)
 
 
+def layer_widths(cfg: GPTConfig) -> dict[str, int]:
+    """Output rows of each linear layer of a block (unsplit): qkv, proj, fc1, fc2."""
+    d = cfg.hidden_size // cfg.num_attention_heads
+    fc1 = cfg.ffn_hidden_size * (2 if cfg.swiglu else 1)
+    return dict(qkv=(cfg.num_attention_heads + 2 * cfg.kv_groups) * d,
+                proj=cfg.hidden_size, fc1=fc1, fc2=cfg.hidden_size)
+
+
 def num_parameters(cfg: GPTConfig, tp: int = 1) -> int:
     """Total (unsplit) parameter count with the vocabulary padded for ``tp``."""
     h, L, f = cfg.hidden_size, cfg.num_layers, cfg.ffn_hidden_size
-    per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-    return L * per_layer + cfg.padded_vocab_size(tp) * h + cfg.max_position_embeddings * h + 2 * h
+    w = layer_widths(cfg)
+    norm = h if cfg.rms_norm else 2 * h
+    inputs = dict(qkv=h, proj=h, fc1=h, fc2=f)
+    bias = 0 if cfg.disable_bias_linear else sum(w.values())
+    per_layer = 2 * norm + sum(w[k] * inputs[k] for k in w) + bias
+    vocab = cfg.padded_vocab_size(tp) * h
+    return (L * per_layer + vocab * (2 if cfg.untie_embeddings_and_output_weights else 1)
+            + (cfg.max_position_embeddings * h if cfg.learned_positions else 0) + norm)
 
 
 def flops_per_token(cfg: GPTConfig, recompute: bool = False, tp: int = 1) -> int:
-    """Training FLOPs per token, Megatron's way (fwd + bwd = 3x fwd; +1 fwd if recomputing)."""
+    """Training FLOPs per token, Megatron's way (fwd + bwd = 3x fwd; +1 fwd if recomputing).
+    Matmuls: 2 FLOPs per weight element of every linear (GQA's narrower K/V and SwiGLU's
+    third matrix included), attention 2 x 2sh, the head 2hV."""
     h, L, s, f = cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.ffn_hidden_size
-    fwd_layer = 2 * (3 * h * h + h * h + 2 * h * f) + 2 * 2 * s * h  # matmuls + attention
+    w = layer_widths(cfg)
+    fwd_layer = 2 * (h * (w["qkv"] + w["proj"] + w["fc1"]) + f * w["fc2"]) + 2 * 2 * s * h
     fwd = L * fwd_layer + 2 * h * cfg.padded_vocab_size(tp)
     return (4 if recompute else 3) * fwd

@@ -121,6 +121,37 @@ def _vocab_from_tokenizer(args: Args) -> str:
         return f"vocabulary {args.model.vocab_size} (--vocab-size; tokenizer failed: {e})"
 
 
+# ``--model NAME``: the flags of a published shape, given before the command line's own
+# (argparse keeps the last value, so an explicit flag still wins).
+_LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+          "--group-query-attention", "--untie-embeddings-and-output-weights",
+          "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0"]
+MODEL_PRESETS = {
+    "llama3-8b": [*_LLAMA, "--num-layers", "32", "--hidden-size", "4096",
+                  "--ffn-hidden-size", "14336", "--num-attention-heads", "32",
+                  "--num-query-groups", "8", "--vocab-size", "128256", "--rotary-base",
+                  "500000", "--seq-length", "8192", "--max-position-embeddings", "8192"],
+    "llama2-70b": [*_LLAMA, "--num-layers", "80", "--hidden-size", "8192",
+                   "--ffn-hidden-size", "28672", "--num-attention-heads", "64",
+                   "--num-query-groups", "8", "--vocab-size", "32000", "--rotary-base", "10000",
+                   "--seq-length", "4096", "--max-position-embeddings", "4096"],
+}
+
+
+def _options(m) -> str:
+    """The non-GPT-2 parts of a model, for the one-line description."""
+    parts = ["RMSNorm"] if m.rms_norm else []
+    parts += ["SwiGLU"] if m.swiglu else []
+    if m.position_embedding_type == "rope":
+        base, percent = m.rotary
+        parts.append(f"rope base {base:g}" + (f" x{percent:g}" if percent != 1 else ""))
+    parts += [f"GQA {m.num_query_groups} groups"] if m.group_query_attention else []
+    parts += ["untied head"] if m.untie_embeddings_and_output_weights else []
+    parts += ["no linear bias"] if m.disable_bias_linear else []
+    parts += ["sequence parallel"] if m.sequence_parallel else []
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def describe_model(args: Args, world: int) -> str:
     m, tp = args.model, args.parallel.tensor_model_parallel_size
     rc = m.recompute_activations
@@ -130,7 +161,7 @@ def describe_model(args: Args, world: int) -> str:
         * m.seq_length
     return (f"GPT {m.num_layers} layers x hidden {m.hidden_size}, {m.num_attention_heads} heads,"
             f" ffn {m.ffn_hidden_size}, seq {m.seq_length}, padded vocabulary "
-            f"{m.padded_vocab_size(tp)}\n"
+            f"{m.padded_vocab_size(tp)}{_options(m)}\n"
             f"parameters {n:,} ({n / 1e9:.2f}B); training FLOPs per token {f / 1e9:.2f} G "
             f"({'with' if rc else 'without'} recomputation); per step "
             f"{tokens:,} tokens = {f * tokens / 1e15:.2f} PFLOP")
@@ -167,6 +198,8 @@ def _planner_parser() -> argparse.ArgumentParser:
         help="plan this mode (default: what the optimizer flags say)")
     add("--plan-cpu", action="store_true", help="plan a CPU run (no CUDA gradient staging)")
     add("--json", action="store_true", help="print the plan as JSON")
+    add("--model", choices=sorted(MODEL_PRESETS), default=None,
+        help="start from a published shape's flags (flags given here still win)")
     add("--max-model", action="store_true", help="largest GPT of --family that fits")
     add("--family", choices=FAMILIES, default="gpt3",
         help="gpt3: width and depth grow together (depth h/128..h/64); layers: only depth")
@@ -190,6 +223,12 @@ def _planner_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv=None) -> tuple[Args, argparse.Namespace]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--model", choices=sorted(MODEL_PRESETS))
+    preset = first.parse_known_args(argv)[0].model
+    if preset:
+        argv = [*MODEL_PRESETS[preset], *argv]
     ns = vars(_planner_parser().parse_args(argv))
     parts: dict[str, dict] = {name: {} for name in [*CONFIG_CLASSES, "plan"]}
     for key, value in ns.items():

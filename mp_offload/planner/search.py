@@ -30,8 +30,11 @@ def family_widths(family: str, base: GPTConfig, tp: int) -> list[tuple[int, int,
     if family != "gpt3":
         raise ValueError(f"--family must be one of {FAMILIES}, got {family!r}")
     out = []
+    groups = base.num_query_groups if base.group_query_attention else None
     for h in GPT3_WIDTHS:
         heads = h // (64 if h < 2048 else 128)
+        if groups is not None and heads % groups:  # GQA keeps the base's query groups
+            continue
         if heads % tp == 0 and h % tp == 0:
             out.append((h, heads, -(-h // 128), h // 64))
     return out

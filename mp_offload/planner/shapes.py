@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import parallel_state as ps
-from ..model.gpt import GPTConfig
+from ..model.gpt import GPTConfig, layer_widths
 from ..optimizer.layout import FlatLayout
 
 
@@ -48,35 +48,55 @@ class ShapeParam:
 def spec_named_params(cfg: GPTConfig, tp: int) -> list[tuple[str, ShapeParam]]:
     """GPTModel's parameters on one TP rank, in ``named_parameters()`` order.
 
-    Sharded (split over TP): the vocabulary slice of the tied embedding, the column-
-    parallel QKV / fc1 weights and biases, the row-parallel proj / fc2 weights.
-    Replicated: positions, LayerNorms, row-parallel biases.
+    Sharded (split over TP): the vocabulary slice of the embedding (and of the untied
+    output layer), the column-parallel QKV / fc1 weights and biases (strides: 3 for
+    [q; k; v], 1 for the per-group GQA layout, 2 for SwiGLU's [gate; up]), the
+    row-parallel proj / fc2 weights. Replicated: learned positions, norms, row-parallel
+    biases. RMSNorm has no bias; --disable-bias-linear drops the linear layers' biases.
     """
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    w = layer_widths(cfg)
+    vocab = cfg.padded_vocab_size(tp) // tp
     rep = lambda *s: ShapeParam(s, False)  # noqa: E731
-    out = [("wte.weight", ShapeParam((cfg.padded_vocab_size(tp) // tp, h), True, 0)),
-           ("wpe.weight", rep(cfg.max_position_embeddings, h))]
+    biases = not cfg.disable_bias_linear
+
+    def norm(name):
+        out = [(name + ".weight", rep(h))]
+        return out if cfg.rms_norm else out + [(name + ".bias", rep(h))]
+
+    def column(name, rows, stride=1):
+        out = [(name + ".weight", ShapeParam((rows // tp, h), True, 0, stride))]
+        return out + [(name + ".bias", ShapeParam((rows // tp,), True, 0, stride))] \
+            if biases else out
+
+    def row(name, cols):
+        out = [(name + ".weight", ShapeParam((h, cols // tp), True, 1))]
+        return out + [(name + ".bias", rep(h))] if biases else out
+
+    out = [("wte.weight", ShapeParam((vocab, h), True, 0))]
+    if cfg.learned_positions:
+        out.append(("wpe.weight", rep(cfg.max_position_embeddings, h)))
     for i in range(cfg.num_layers):
         p = f"blocks.{i}."
-        out += [(p + "ln1.weight", rep(h)), (p + "ln1.bias", rep(h)),
-                (p + "attn.qkv.weight", ShapeParam((3 * h // tp, h), True, 0, 3)),
-                (p + "attn.qkv.bias", ShapeParam((3 * h // tp,), True, 0, 3)),
-                (p + "attn.proj.weight", ShapeParam((h, h // tp), True, 1)),
-                (p + "attn.proj.bias", rep(h)),
-                (p + "ln2.weight", rep(h)), (p + "ln2.bias", rep(h)),
-                (p + "mlp.fc1.weight", ShapeParam((f // tp, h), True, 0)),
-                (p + "mlp.fc1.bias", ShapeParam((f // tp,), True, 0)),
-                (p + "mlp.fc2.weight", ShapeParam((h, f // tp), True, 1)),
-                (p + "mlp.fc2.bias", rep(h))]
-    out += [("ln_f.weight", rep(h)), ("ln_f.bias", rep(h))]
+        out += [*norm(p + "ln1"),
+                *column(p + "attn.qkv", w["qkv"], 1 if cfg.group_query_attention else 3),
+                *row(p + "attn.proj", h), *norm(p + "ln2"),
+                *column(p + "mlp.fc1", w["fc1"], 2 if cfg.swiglu else 1),
+                *row(p + "mlp.fc2", f)]
+    out += norm("ln_f")
+    if cfg.untie_embeddings_and_output_weights:
+        out.append(("output_layer.weight", ShapeParam((vocab, h), True, 0)))
     return out
 
 
 def check_spec(cfg: GPTConfig, tp: int, tp_rank: int = 0) -> None:
-    """Raise if the written-down list differs from what gpt.py really builds."""
-    real = [(n, tuple(p.shape), bool(p.tensor_model_parallel))
-            for n, p in meta_named_params(cfg, tp, tp_rank)]
-    spec = [(n, tuple(p.shape), p.tensor_model_parallel) for n, p in spec_named_params(cfg, tp)]
+    """Raise if the written-down list differs from what gpt.py really builds (names,
+    shapes and the split: tensor_model_parallel, partition_dim, partition_stride)."""
+    def key(n, p):
+        return (n, tuple(p.shape), bool(p.tensor_model_parallel), p.partition_dim,
+                p.partition_stride)
+    real = [key(n, p) for n, p in meta_named_params(cfg, tp, tp_rank)]
+    spec = [key(n, p) for n, p in spec_named_params(cfg, tp)]
     if real != spec:
         diff = next((a, b) for a, b in zip(real + [None], spec + [None]) if a != b)
         raise RuntimeError(f"planner: spec_named_params is out of date with gpt.py: "

@@ -22,9 +22,13 @@ def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool,
 
 
 def set_defaults_if_not_set(param: torch.Tensor) -> None:
-    """Replicated parameters (LayerNorm, row-parallel bias, positions) get explicit metadata."""
+    """Replicated parameters (LayerNorm, row-parallel bias, positions) get explicit metadata;
+    ``sequence_parallel`` (gradient summed over TP, reader 4 of DESIGN.md §2) is False
+    unless a layer said otherwise."""
     if not hasattr(param, "tensor_model_parallel"):
         set_tensor_model_parallel_attributes(param, False, -1, 1)
+    if not hasattr(param, "sequence_parallel"):
+        param.sequence_parallel = False
 
 
 def is_duplicate_across_tp(param: torch.Tensor, tp_rank: int) -> bool:
