@@ -49,6 +49,11 @@ TMP_PREFIX = ".tmp_iter_"
 _ITER_NAME = re.compile(r"iter_(\d{7,})")
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                 "vocab_size", "max_position_embeddings")
+# Model options that change names, shapes or meaning of the weights; a checkpoint written
+# before they existed has none of them, which means the GPT-2 default.
+OPTION_FIELDS = ("normalization", "swiglu", "position_embedding_type", "rotary_base",
+                 "rotary_percent", "group_query_attention", "num_query_groups",
+                 "untie_embeddings_and_output_weights", "disable_bias_linear")
 
 
 # ------------------------------------------------------------------------- names
@@ -266,13 +271,17 @@ def read_manifest(ckpt: str) -> dict:
 
 def check_model_shape(manifest: dict, ckpt: str, model_cfg) -> None:
     """Refuse a checkpoint of another model shape, naming the flag that differs."""
+    import dataclasses
+
+    from ..model.gpt import GPTConfig  # deferred: reading a manifest needs no model
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
     saved = manifest["model_config"]
-    for f in SHAPE_FIELDS:
-        here = getattr(model_cfg, f)
-        if saved.get(f) != here:
+    for f in SHAPE_FIELDS + OPTION_FIELDS:
+        here = getattr(model_cfg, f, defaults.get(f))
+        if saved.get(f, defaults.get(f)) != here:
             flag = "--" + f.replace("_", "-")
             raise CheckpointError(f"{os.path.join(ckpt, MANIFEST)}: {flag} is {here} here but "
-                                  f"{saved.get(f)} in the checkpoint")
+                                  f"{saved.get(f, defaults.get(f))} in the checkpoint")
 
 
 class CheckedReader:
