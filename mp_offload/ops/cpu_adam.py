@@ -15,9 +15,10 @@ undecayed biases and norms): one pass, one parallel region, the GIL released.
 
 Threads default to the cores this rank may use: ``OMP_NUM_THREADS`` if set,
 else ``len(os.sched_getaffinity(0)) // LOCAL_WORLD_SIZE`` (ranks sharing a host
-must not oversubscribe it). ``set_num_threads(n)`` then holds whatever
-OMP_NUM_THREADS says (torchrun sets it to 1): the kernel passes n in a
-num_threads clause. ``MP_OFFLOAD_CPU_ADAM_SIMD`` = scalar|avx2|avx512|auto
+must not oversubscribe it). ``set_num_threads(n)`` overrides that default and
+holds whatever OMP_NUM_THREADS says (torchrun sets it to 1 per worker): the
+kernel passes n in a num_threads clause; ``last_num_threads()`` reports the team
+the last call really ran with. ``MP_OFFLOAD_CPU_ADAM_SIMD`` = scalar|avx2|avx512|auto
 forces the SIMD path at import.
 """
 
