@@ -13,6 +13,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from .help_format import DefaultsHelpFormatter
 from .model.gpt import GPTConfig
 from .optimizer.base import DEFAULT_BUCKET_SIZE
 from .parallel_state import ParallelConfigError, validate_parallel_sizes
@@ -104,6 +105,9 @@ class LoggingConfig:
     log_interval: int = _f(10, "iterations between log lines")
     log_json: str | None = _f(None, "append one JSON object per iteration/evaluation here")
     tensorboard_dir: str | None = _f(None, "write TensorBoard scalars here (if installed)")
+    sample_prompt: str | None = _f(None, "print a greedy continuation of this text at each "
+                                   "evaluation and at the end (\"\": start a document)")
+    sample_tokens: int = _f(32, "tokens to generate for --sample-prompt")
 
 
 @dataclass
@@ -149,6 +153,7 @@ RANGES = {
     "initial_loss_scale": "0<..", "min_loss_scale": "0<..", "loss_scale_window": "1..",
     "hysteresis": "1..", "reduce_bucket_size": "1..", "dpu_warmup_steps": "0..",
     "log_interval": "1..", "save_interval": "1..", "keep_checkpoints": "1..",
+    "sample_tokens": "1..",
 }
 
 
@@ -194,7 +199,8 @@ def _inner(tp):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Pretrain a GPT with TP x ZeRO-Offload DP")
+    parser = argparse.ArgumentParser(description="Pretrain a GPT with TP x ZeRO-Offload DP",
+                                     formatter_class=DefaultsHelpFormatter)
     for group_name, cls in CONFIG_CLASSES.items():
         group = parser.add_argument_group(group_name)
         hints = typing.get_type_hints(cls)

@@ -60,11 +60,26 @@ def peak_memory() -> dict:
     return dict(peak_device_gb=dev, peak_host_gb=host)
 
 
+def hms(seconds: float) -> str:
+    """``h:mm:ss`` (``m:ss`` under an hour)."""
+    s = max(0, round(seconds))
+    h, rest = divmod(s, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
 class Logger:
     def __init__(self, cfg, is_main: bool):
         self.is_main = is_main
         self.start = time.time()
-        self.json = open(cfg.log_json, "a") if is_main and cfg.log_json else None
+        self.json = None
+        if is_main and cfg.log_json:
+            os.makedirs(os.path.dirname(os.path.abspath(cfg.log_json)), exist_ok=True)
+            self.json = open(cfg.log_json, "a")
+        # Progress: set by start_loop (the loop's first iteration, its last, and when).
+        self.total_iters: int | None = None
+        self._loop_first, self._loop_start = 0, self.start
+        self.last_eval: dict[str, float] = {}  # split -> its latest loss (for the summary)
         self.tb = None
         if is_main and cfg.tensorboard_dir:
             try:
@@ -75,6 +90,22 @@ class Logger:
 
     def info(self, msg: str) -> None:
         log.info(msg)
+
+    def start_loop(self, first_iteration: int, total_iters: int) -> None:
+        """The loop runs from ``first_iteration`` (a resumed run: > 0) to ``total_iters``;
+        the ETA is this session's mean time per iteration times the iterations left."""
+        self.total_iters = total_iters
+        self._loop_first, self._loop_start = first_iteration, time.time()
+
+    def progress(self, iteration: int) -> dict:
+        """elapsed_s (since start-up) and, once an iteration of this session is done,
+        eta_s (to ``total_iters``)."""
+        now = time.time()
+        out = {"elapsed_s": now - self.start}
+        done = iteration - self._loop_first
+        if self.total_iters is not None and done > 0:
+            out["eta_s"] = (now - self._loop_start) / done * max(0, self.total_iters - iteration)
+        return out
 
     def _record(self, rec: dict) -> None:
         if self.json:
@@ -88,11 +119,16 @@ class Logger:
     def iteration(self, rec: dict, print_line: bool) -> None:
         if not self.is_main:
             return
-        rec = dict(rec, **peak_memory())
+        rec = dict(rec, **peak_memory(), **self.progress(rec["iteration"]))
         self._record(rec)
         if print_line:
-            line = (f" iteration {rec['iteration']:8d} | consumed samples "
-                    f"{rec['consumed_samples']:10d} | elapsed ms/iter {rec['elapsed_ms']:8.1f} | "
+            it = str(rec["iteration"])
+            if self.total_iters is not None:
+                it = f"{it}/{self.total_iters}".rjust(2 * len(str(self.total_iters)) + 1)
+            eta = f" | ETA {hms(rec['eta_s'])}" if "eta_s" in rec else ""
+            line = (f" iteration {it} | elapsed {hms(rec['elapsed_s'])}"
+                    f"{eta} | consumed samples "
+                    f"{rec['consumed_samples']:10d} | ms/iter {rec['elapsed_ms']:8.1f} | "
                     f"lr {rec['lr']:.3e} | loss {rec['loss']:.4f} | grad norm "
                     f"{rec['grad_norm']:.3f} | loss scale {rec['loss_scale']:g} | skipped "
                     f"{rec['skipped_iterations']} | tokens/s {rec['tokens_per_sec']:.0f} | "
@@ -106,8 +142,17 @@ class Logger:
         if not self.is_main or loss is None:
             return
         ppl = math.exp(min(loss, 50.0))
+        self.last_eval[split] = loss
         self._record({"iteration": iteration, f"{split}_loss": loss, f"{split}_ppl": ppl})
         log.info(f" {split} loss at iteration {iteration} | lm loss {loss:.4f} | ppl {ppl:.2f}")
+
+    def sample(self, iteration: int, text: str) -> None:
+        """A generated sample (``--sample-prompt``): printed as an indented block."""
+        if not self.is_main:
+            return
+        self._record({"iteration": iteration, "sample": text})
+        body = "\n".join("    | " + line for line in text.splitlines() or [""])
+        log.info(f" sample at iteration {iteration} (greedy):\n{body}")
 
     def close(self) -> None:
         if self.json:
