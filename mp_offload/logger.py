@@ -69,7 +69,7 @@ def hms(seconds: float) -> str:
 
 
 class Logger:
-    def __init__(self, cfg, is_main: bool):
+    def __init__(self, cfg, is_main: bool, run_config: dict | None = None):
         self.is_main = is_main
         self.start = time.time()
         self.json = None
@@ -87,6 +87,15 @@ class Logger:
                 self.tb = SummaryWriter(cfg.tensorboard_dir)
             except ImportError:
                 self.info("--tensorboard-dir given but tensorboard is not installed; skipping")
+        self.wandb = None
+        if is_main and getattr(cfg, "wandb_project", None):
+            try:
+                import wandb
+            except ImportError:
+                self.info(f"warning: --wandb-project {cfg.wandb_project}: wandb is not "
+                          "installed (pip install wandb); not logging to Weights & Biases")
+            else:
+                self.wandb = wandb.init(project=cfg.wandb_project, config=run_config or {})
 
     def info(self, msg: str) -> None:
         log.info(msg)
@@ -111,10 +120,13 @@ class Logger:
         if self.json:
             self.json.write(json.dumps(rec) + "\n")
             self.json.flush()
+        numbers = {k: v for k, v in rec.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"}
         if self.tb:
-            for k, v in rec.items():
-                if isinstance(v, (int, float)) and k != "iteration":
-                    self.tb.add_scalar(k, v, rec["iteration"])
+            for k, v in numbers.items():
+                self.tb.add_scalar(k, v, rec["iteration"])
+        if self.wandb:
+            self.wandb.log(numbers, step=rec["iteration"])
 
     def iteration(self, rec: dict, print_line: bool) -> None:
         if not self.is_main:
@@ -159,3 +171,5 @@ class Logger:
             self.json.close()
         if self.tb:
             self.tb.close()
+        if self.wandb:
+            self.wandb.finish()

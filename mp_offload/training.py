@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -22,13 +23,14 @@ import torch.distributed as dist
 from . import faults
 from . import parallel_state as ps
 from .checkpointing import CheckpointError, load_checkpoint
-from .config import Args, ConfigError, parse_args, resolve
+from .config import Args, ConfigError, dump_config, parse_args, resolve
 from .data.build import batch_iterator, build_datasets
 from .distributed import (
     DeviceError,
     apply_cpu_threads,
     env_int,
     fail,
+    first_error,
     init_distributed,
     threads_per_rank,
 )
@@ -325,6 +327,34 @@ def run_summary(args: Args, logger: Logger, summary: dict, start_iteration: int,
     return "\n".join(lines)
 
 
+def flat_config(args: Args) -> dict:
+    """Every field of every group in one dict (the W&B run config)."""
+    return {k: v for group in vars(args).values() for k, v in dataclasses.asdict(group).items()}
+
+
+def write_run_config(args: Args) -> str | None:
+    """``<--save>/config.yaml``: the resolved configuration, readable by ``--config``.
+    Returns an error message instead of raising (the caller makes every rank agree)."""
+    if not args.ckpt.save:
+        return None
+    path = os.path.join(args.ckpt.save, "config.yaml")
+    try:
+        text = dump_config(args)
+    except ImportError:
+        log.info("PyYAML is not installed: no config.yaml written (pip install pyyaml)")
+        return None
+    try:
+        os.makedirs(args.ckpt.save, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        return f"--save {args.ckpt.save}: cannot write config.yaml ({e.strerror or e})"
+    log.info(f"configuration written to {path} (rerun: pretrain_gpt.py --config {path})")
+    return None
+
+
 def pretrain(argv=None) -> dict:
     """The whole run for ``pretrain_gpt.py``'s flags; returns the last iteration's record."""
     args, world = _checked_args(argv)
@@ -339,8 +369,11 @@ def pretrain(argv=None) -> dict:
         fail(str(e))
     ps.initialize_model_parallel(p.tensor_model_parallel_size)
     log.info(apply_cpu_threads(threads_per_rank(p.cpu_threads_per_rank)))
-    logger = Logger(args.log, is_main=dist.get_rank() == 0)
+    logger = Logger(args.log, is_main=dist.get_rank() == 0, run_config=flat_config(args))
     try:
+        error = first_error(write_run_config(args) if dist.get_rank() == 0 else None)
+        if error:
+            fail(error, code=1)
         return _run(args, device, logger)
     except (TrainingError, CheckpointError) as e:
         fail(str(e), code=1)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from dist_helpers import run_distributed
+from dist_helpers import free_port, run_distributed
 from helpers import tiny_model_flags
 
 from mp_offload.training import pretrain
@@ -22,13 +22,20 @@ RUN = [*tiny_model_flags(vocab_size=100), "--mock-data", "--micro-batch-size", "
 
 
 def pretrain_here(argv):
-    """pretrain() in this process (world 1), leaving pytest's signal handlers as they were."""
+    """pretrain() in this process (world 1, a free port), leaving pytest's signal handlers
+    as they were."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    port = os.environ.get("MASTER_PORT")
+    os.environ["MASTER_PORT"] = str(free_port())
     try:
         return pretrain(argv)
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
+        if port is None:
+            del os.environ["MASTER_PORT"]
+        else:
+            os.environ["MASTER_PORT"] = port
 
 
 def records(path):
@@ -56,6 +63,11 @@ def test_progress_samples_and_summary(tmp_path, capsys):
     assert re.search(r"final loss  train \d\.\d{4} \| valid \d\.\d{4} \(ppl [\d.]+\) \| "
                      r"test \d\.\d{4}", summary), summary
     assert f"checkpoint  {tmp_path / 'ck'} (iteration 6)" in summary
+    # The resolved configuration next to the checkpoints, readable by --config.
+    from mp_offload.config import parse_args
+    again = parse_args(["--config", str(tmp_path / "ck" / "config.yaml")])
+    assert again.log.sample_prompt == "3 5 7" and again.model.hidden_size == 32
+    assert again.train.train_iters == 6 and again.ckpt.save == str(tmp_path / "ck")
 
 
 def test_bad_sample_prompt_stops_before_training(capfd):
@@ -122,3 +134,37 @@ def test_main_job_leaves_a_checkpoint_samples_a_plot_and_next_commands(tmp_path)
                              capture_output=True, text=True, timeout=300)
         assert res.returncode == 0 and check in res.stdout, res.stderr[-3000:]
     assert os.path.exists(run / "hf" / "model.safetensors")
+
+
+class _FakeWandb:
+    """Stands in for the wandb package: records init/log/finish."""
+
+    def __init__(self):
+        self.calls = []
+
+    def init(self, **kw):
+        self.calls.append(("init", kw))
+        return self
+
+    def log(self, data, step):
+        self.calls.append(("log", step, data))
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
+def test_wandb_project_logs_when_installed_and_warns_once_when_not(monkeypatch, capsys):
+    from mp_offload.config import LoggingConfig
+    from mp_offload.logger import Logger
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    logger = Logger(LoggingConfig(wandb_project="p"), is_main=True, run_config={"lr": 0.1})
+    logger.evaluation(3, "valid", 2.0)
+    logger.close()
+    assert fake.calls[0] == ("init", {"project": "p", "config": {"lr": 0.1}})
+    assert fake.calls[1][:2] == ("log", 3) and fake.calls[1][2]["valid_loss"] == 2.0
+    assert fake.calls[-1] == ("finish",)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: import fails
+    Logger(LoggingConfig(wandb_project="p"), is_main=True).close()
+    warned = [ln for ln in capsys.readouterr().out.splitlines() if "wandb" in ln]
+    assert len(warned) == 1 and "--wandb-project p: wandb is not installed" in warned[0]

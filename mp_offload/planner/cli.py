@@ -13,7 +13,14 @@ import os
 import sys
 from dataclasses import replace
 
-from ..config import CONFIG_CLASSES, Args, ConfigError, build_parser, resolve
+from ..config import (
+    CONFIG_CLASSES,
+    Args,
+    ConfigError,
+    build_parser,
+    parse_with_config,
+    resolve,
+)
 from ..model.gpt import flops_per_token, num_parameters
 from .memory import (
     ALL_MODES,
@@ -183,9 +190,11 @@ def _planner_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv=None) -> tuple[Args, argparse.Namespace]:
-    ns = vars(_planner_parser().parse_args(argv))
+    ns = vars(parse_with_config(_planner_parser(), argv))
     parts: dict[str, dict] = {name: {} for name in [*CONFIG_CLASSES, "plan"]}
     for key, value in ns.items():
+        if key == "config":
+            continue
         group, name = key.split(".", 1)
         parts[group][name] = value
     args = Args(**{n: cls(**parts[n]) for n, cls in CONFIG_CLASSES.items()})
