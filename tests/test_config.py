@@ -129,3 +129,15 @@ def test_dumped_config_reads_back_as_the_same_run(tmp_path):
     assert again == args
     wider = parse_args(["--config", _yaml(tmp_path, text), "--hidden-size", "512"])
     assert wider.model.ffn_hidden_size == 2048  # derived values follow an override
+
+
+def test_help_shows_defaults():
+    text = " ".join(build_parser().format_help().split())  # argparse wraps lines
+    assert "--num-layers NUM_LAYERS transformer layers (default: 4)" in text
+    assert "--eval-interval EVAL_INTERVAL iterations between validation runs (default: 1000)" \
+        in text
+    assert "--lr-decay-style {constant,linear,cosine} decay after warmup (default: cosine)" \
+        in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    # Help that already names its default is left alone.
+    assert "(default micro- batch x DP: no accumulation) --train-iters" in text  # wrapped
