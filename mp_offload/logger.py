@@ -131,14 +131,15 @@ class Logger:
     def iteration(self, rec: dict, print_line: bool) -> None:
         if not self.is_main:
             return
-        rec = dict(rec, **peak_memory(), **self.progress(rec["iteration"]))
+        rec = dict(rec, **peak_memory())
         self._record(rec)
         if print_line:
+            progress = self.progress(rec["iteration"])  # printed, not recorded
             it = str(rec["iteration"])
             if self.total_iters is not None:
                 it = f"{it}/{self.total_iters}".rjust(2 * len(str(self.total_iters)) + 1)
-            eta = f" | ETA {hms(rec['eta_s'])}" if "eta_s" in rec else ""
-            line = (f" iteration {it} | elapsed {hms(rec['elapsed_s'])}"
+            eta = f" | ETA {hms(progress['eta_s'])}" if "eta_s" in progress else ""
+            line = (f" iteration {it} | elapsed {hms(progress['elapsed_s'])}"
                     f"{eta} | consumed samples "
                     f"{rec['consumed_samples']:10d} | ms/iter {rec['elapsed_ms']:8.1f} | "
                     f"lr {rec['lr']:.3e} | loss {rec['loss']:.4f} | grad norm "

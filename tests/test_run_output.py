@@ -55,8 +55,7 @@ def test_progress_samples_and_summary(tmp_path, capsys):
     samples = {r["iteration"]: r["sample"] for r in recs if "sample" in r}
     assert sorted(samples) == [0, 3, 6]
     assert all(s.startswith("3 5 7") and len(s.split()) <= 8 for s in samples.values())
-    its = [r for r in recs if "loss" in r]
-    assert its[0]["eta_s"] >= 0 and its[-1]["eta_s"] == 0 and its[-1]["elapsed_s"] > 0
+    assert len([r for r in recs if "loss" in r]) == 6
     summary = out[out.index(" run summary:"):]
     assert " iterations  6/6 in " in summary
     assert " tokens      192 trained on in all; this session 192 " in summary  # 6 x 2 x 16
