@@ -26,6 +26,7 @@ from .checkpoint import (
     resolve_checkpoint,
 )
 from .distributed import first_error
+from .help_format import DefaultsHelpFormatter
 from .model.gpt import GPTModel
 from .tensor_parallel import gather_from_tp_region
 from .tensor_parallel.utils import TP_ATTRIBUTES
@@ -129,7 +130,8 @@ def tokenizer_for(saved_args: dict, vocab_size: int, tokenizer_type: str | None 
 # ------------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Sample text from an mp_offload checkpoint "
-                                            "(single process, or torchrun with TP)")
+                                            "(single process, or torchrun with TP)",
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint root (or an iter_* directory)")
     p.add_argument("--iteration", type=int, help="default: the latest checkpoint")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)

@@ -60,11 +60,26 @@ def peak_memory() -> dict:
     return dict(peak_device_gb=dev, peak_host_gb=host)
 
 
+def hms(seconds: float) -> str:
+    """``h:mm:ss`` (``m:ss`` under an hour)."""
+    s = max(0, round(seconds))
+    h, rest = divmod(s, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
 class Logger:
-    def __init__(self, cfg, is_main: bool):
+    def __init__(self, cfg, is_main: bool, run_config: dict | None = None):
         self.is_main = is_main
         self.start = time.time()
-        self.json = open(cfg.log_json, "a") if is_main and cfg.log_json else None
+        self.json = None
+        if is_main and cfg.log_json:
+            os.makedirs(os.path.dirname(os.path.abspath(cfg.log_json)), exist_ok=True)
+            self.json = open(cfg.log_json, "a")
+        # Progress: set by start_loop (the loop's first iteration, its last, and when).
+        self.total_iters: int | None = None
+        self._loop_first, self._loop_start = 0, self.start
+        self.last_eval: dict[str, float] = {}  # split -> its latest loss (for the summary)
         self.tb = None
         if is_main and cfg.tensorboard_dir:
             try:
@@ -72,18 +87,46 @@ class Logger:
                 self.tb = SummaryWriter(cfg.tensorboard_dir)
             except ImportError:
                 self.info("--tensorboard-dir given but tensorboard is not installed; skipping")
+        self.wandb = None
+        if is_main and getattr(cfg, "wandb_project", None):
+            try:
+                import wandb
+            except ImportError:
+                self.info(f"warning: --wandb-project {cfg.wandb_project}: wandb is not "
+                          "installed (pip install wandb); not logging to Weights & Biases")
+            else:
+                self.wandb = wandb.init(project=cfg.wandb_project, config=run_config or {})
 
     def info(self, msg: str) -> None:
         log.info(msg)
+
+    def start_loop(self, first_iteration: int, total_iters: int) -> None:
+        """The loop runs from ``first_iteration`` (a resumed run: > 0) to ``total_iters``;
+        the ETA is this session's mean time per iteration times the iterations left."""
+        self.total_iters = total_iters
+        self._loop_first, self._loop_start = first_iteration, time.time()
+
+    def progress(self, iteration: int) -> dict:
+        """elapsed_s (since start-up) and, once an iteration of this session is done,
+        eta_s (to ``total_iters``)."""
+        now = time.time()
+        out = {"elapsed_s": now - self.start}
+        done = iteration - self._loop_first
+        if self.total_iters is not None and done > 0:
+            out["eta_s"] = (now - self._loop_start) / done * max(0, self.total_iters - iteration)
+        return out
 
     def _record(self, rec: dict) -> None:
         if self.json:
             self.json.write(json.dumps(rec) + "\n")
             self.json.flush()
+        numbers = {k: v for k, v in rec.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"}
         if self.tb:
-            for k, v in rec.items():
-                if isinstance(v, (int, float)) and k != "iteration":
-                    self.tb.add_scalar(k, v, rec["iteration"])
+            for k, v in numbers.items():
+                self.tb.add_scalar(k, v, rec["iteration"])
+        if self.wandb:
+            self.wandb.log(numbers, step=rec["iteration"])
 
     def iteration(self, rec: dict, print_line: bool) -> None:
         if not self.is_main:
@@ -91,8 +134,14 @@ class Logger:
         rec = dict(rec, **peak_memory())
         self._record(rec)
         if print_line:
-            line = (f" iteration {rec['iteration']:8d} | consumed samples "
-                    f"{rec['consumed_samples']:10d} | elapsed ms/iter {rec['elapsed_ms']:8.1f} | "
+            progress = self.progress(rec["iteration"])  # printed, not recorded
+            it = str(rec["iteration"])
+            if self.total_iters is not None:
+                it = f"{it}/{self.total_iters}".rjust(2 * len(str(self.total_iters)) + 1)
+            eta = f" | ETA {hms(progress['eta_s'])}" if "eta_s" in progress else ""
+            line = (f" iteration {it} | elapsed {hms(progress['elapsed_s'])}"
+                    f"{eta} | consumed samples "
+                    f"{rec['consumed_samples']:10d} | ms/iter {rec['elapsed_ms']:8.1f} | "
                     f"lr {rec['lr']:.3e} | loss {rec['loss']:.4f} | grad norm "
                     f"{rec['grad_norm']:.3f} | loss scale {rec['loss_scale']:g} | skipped "
                     f"{rec['skipped_iterations']} | tokens/s {rec['tokens_per_sec']:.0f} | "
@@ -106,11 +155,22 @@ class Logger:
         if not self.is_main or loss is None:
             return
         ppl = math.exp(min(loss, 50.0))
+        self.last_eval[split] = loss
         self._record({"iteration": iteration, f"{split}_loss": loss, f"{split}_ppl": ppl})
         log.info(f" {split} loss at iteration {iteration} | lm loss {loss:.4f} | ppl {ppl:.2f}")
+
+    def sample(self, iteration: int, text: str) -> None:
+        """A generated sample (``--sample-prompt``): printed as an indented block."""
+        if not self.is_main:
+            return
+        self._record({"iteration": iteration, "sample": text})
+        body = "\n".join("    | " + line for line in text.splitlines() or [""])
+        log.info(f" sample at iteration {iteration} (greedy):\n{body}")
 
     def close(self) -> None:
         if self.json:
             self.json.close()
         if self.tb:
             self.tb.close()
+        if self.wandb:
+            self.wandb.finish()

@@ -10,7 +10,9 @@ end-to-end benchmark both call it, so what is measured is what trains.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -21,17 +23,18 @@ import torch.distributed as dist
 from . import faults
 from . import parallel_state as ps
 from .checkpoint import CheckpointError, load_checkpoint, prepare_save, save_checkpoint
-from .config import Args, ConfigError, parse_args, resolve
+from .config import Args, ConfigError, dump_config, parse_args, resolve
 from .data.build import batch_iterator, build_datasets
 from .distributed import (
     DeviceError,
     apply_cpu_threads,
     env_int,
     fail,
+    first_error,
     init_distributed,
     threads_per_rank,
 )
-from .logger import Logger, log
+from .logger import Logger, hms, log
 from .lr_scheduler import LRScheduler
 from .model.gpt import GPTModel, flops_per_token, num_parameters
 from .optimizer import Optimizer, StepResult, build_optimizer
@@ -104,6 +107,40 @@ def evaluate(model, optimizer: Optimizer, batches, device, num_iters: int) -> fl
     return total / n if n else None
 
 
+class Sampler:
+    """``--sample-prompt``: a short greedy continuation, printed at each evaluation and at
+    the end of the run, with the run's own tokenizer.
+
+    Every rank takes part: ``generation.generate`` gathers the vocabulary-parallel logits
+    over the TP group and broadcasts TP rank 0's token, so the ranks of a TP group stay in
+    step; each DP replica computes the same text and global rank 0 prints it. Greedy, so
+    no random numbers are drawn and training is unchanged by it.
+    """
+
+    def __init__(self, args: Args, vocab_size: int):
+        from .generation import tokenizer_for
+        self.tok, stops = tokenizer_for({"data": dataclasses.asdict(args.data)}, vocab_size)
+        text = args.log.sample_prompt
+        try:
+            ids = self.tok.tokenize(text) if text else []
+        except ValueError as e:
+            raise TrainingError(f"--sample-prompt {text!r}: {e}") from None
+        self.prompt, self.show_prompt = (ids, True) if ids else ([self.tok.eod], False)
+        self.eod = self.tok.eod if stops else None
+        self.tokens = args.log.sample_tokens
+
+    def __call__(self, model, optimizer: Optimizer, device, iteration: int,
+                 logger: Logger) -> str:
+        from .generation import generate
+        with torch.no_grad(), autocast(optimizer, device):
+            new = generate(model, self.prompt, self.tokens, eod=self.eod, greedy=True)
+        model.train()
+        # Prompt and continuation decoded together, so pieces join as they should.
+        text = self.tok.detokenize(self.prompt + new if self.show_prompt else new)
+        logger.sample(iteration, text)
+        return text
+
+
 class _StopFlag:
     """SIGINT/SIGTERM finish the current step, then the loop exits cleanly."""
 
@@ -145,9 +182,11 @@ def _record(args: Args, iteration: int, consumed: int, lr: float, out: StepOutpu
 
 
 def train(args: Args, model, optimizer: Optimizer, train_iter, valid_iter, device,
-          logger: Logger, start_iteration: int = 0, consumed_samples: int = 0) -> dict:
+          logger: Logger, start_iteration: int = 0, consumed_samples: int = 0,
+          sampler: Sampler | None = None) -> dict:
     """Iterate from ``start_iteration`` to --train-iters (or --exit-interval, or a signal),
-    evaluating and saving on their intervals; returns the last iteration's record."""
+    evaluating (and sampling) and saving on their intervals; returns the last iteration's
+    record."""
     t = args.train
     dp = ps.get_data_parallel_group()
     num_micro = t.global_batch_size // (t.micro_batch_size * dp.size)
@@ -159,7 +198,10 @@ def train(args: Args, model, optimizer: Optimizer, train_iter, valid_iter, devic
     if t.eval_interval and iteration == 0 and valid_iter is not None:
         # A baseline, so the log shows how far validation loss has come.
         logger.evaluation(0, "valid", evaluate(model, optimizer, valid_iter, device, t.eval_iters))
+        if sampler:
+            sampler(model, optimizer, device, 0, logger)
     model.train()
+    logger.start_loop(iteration, t.train_iters)
     while iteration < end:
         t0 = time.perf_counter()
         lr = sched.get_lr(consumed_samples)
@@ -178,6 +220,8 @@ def train(args: Args, model, optimizer: Optimizer, train_iter, valid_iter, devic
         if t.eval_interval and iteration % t.eval_interval == 0 and iteration < t.train_iters:
             logger.evaluation(iteration, "valid",
                               evaluate(model, optimizer, valid_iter, device, t.eval_iters))
+            if sampler:
+                sampler(model, optimizer, device, iteration, logger)
         faults.after_iteration(iteration)
         if save_every and iteration % save_every == 0:
             _save(args, iteration, consumed_samples, model, optimizer)
@@ -242,6 +286,7 @@ def build_model_and_optimizer(args: Args, device: torch.device):
 def _run(args: Args, device, logger: Logger) -> dict:
     train_ds, valid_ds, test_ds, vocab = build_datasets(args)
     args.model.vocab_size = vocab
+    sampler = Sampler(args, vocab) if args.log.sample_prompt is not None else None
     model, optimizer = build_model_and_optimizer(args, device)
     start, consumed = _maybe_load(args, model, optimizer)
     # Validation batches continue where the uninterrupted run would be (baseline + evals).
@@ -251,13 +296,65 @@ def _run(args: Args, device, logger: Logger) -> dict:
     train_iter = batch_iterator(train_ds, args, consumed, device)
     valid_iter = batch_iterator(valid_ds, args, valid_consumed, device)
     summary = train(args, model, optimizer, train_iter, valid_iter, device, logger, start,
-                    consumed)
+                    consumed, sampler)
     if summary.get("iteration", 0) >= t.train_iters:
         for name, ds in (("valid", valid_ds), ("test", test_ds)):
             logger.evaluation(summary["iteration"], name,
                               evaluate(model, optimizer, batch_iterator(ds, args, 0, device),
                                        device, t.eval_iters))
+    if sampler:
+        sampler(model, optimizer, device, summary["iteration"], logger)
+    log.info(run_summary(args, logger, summary, start, consumed))
     return summary
+
+
+def run_summary(args: Args, logger: Logger, summary: dict, start_iteration: int,
+                start_consumed: int) -> str:
+    """The lines that end a run: time, tokens, final losses and the checkpoint."""
+    seq, it = args.model.seq_length, summary["iteration"]
+    seconds = time.time() - logger.start
+    session = (summary["consumed_samples"] - start_consumed) * seq
+    losses = ([f"train {summary['loss']:.4f}"] if "loss" in summary else []) + [
+        f"{split} {loss:.4f} (ppl {math.exp(min(loss, 50.0)):.1f})"
+        for split, loss in logger.last_eval.items()]
+    lines = [" run summary:",
+             f"   iterations  {it}/{args.train.train_iters}"
+             f"{f' (resumed at {start_iteration})' if start_iteration else ''}"
+             f" in {hms(seconds)} (start-up, training and evaluation)",
+             f"   tokens      {summary['consumed_samples'] * seq:,} trained on in all; this "
+             f"session {session:,} ({session / max(seconds, 1e-9):,.0f} tokens/s overall)",
+             f"   final loss  {' | '.join(losses) or '-'}"]
+    if args.ckpt.save:
+        lines.append(f"   checkpoint  {args.ckpt.save} (iteration {it})")
+    return "\n".join(lines)
+
+
+def flat_config(args: Args) -> dict:
+    """Every field of every group in one dict (the W&B run config)."""
+    return {k: v for group in vars(args).values() for k, v in dataclasses.asdict(group).items()}
+
+
+def write_run_config(args: Args) -> str | None:
+    """``<--save>/config.yaml``: the resolved configuration, readable by ``--config``.
+    Returns an error message instead of raising (the caller makes every rank agree)."""
+    if not args.ckpt.save:
+        return None
+    path = os.path.join(args.ckpt.save, "config.yaml")
+    try:
+        text = dump_config(args)
+    except ImportError:
+        log.info("PyYAML is not installed: no config.yaml written (pip install pyyaml)")
+        return None
+    try:
+        os.makedirs(args.ckpt.save, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        return f"--save {args.ckpt.save}: cannot write config.yaml ({e.strerror or e})"
+    log.info(f"configuration written to {path} (rerun: pretrain_gpt.py --config {path})")
+    return None
 
 
 def pretrain(argv=None) -> dict:
@@ -274,13 +371,16 @@ def pretrain(argv=None) -> dict:
         fail(str(e))
     ps.initialize_model_parallel(p.tensor_model_parallel_size)
     log.info(apply_cpu_threads(threads_per_rank(p.cpu_threads_per_rank)))
-    logger = Logger(args.log, is_main=dist.get_rank() == 0)
+    logger = Logger(args.log, is_main=dist.get_rank() == 0, run_config=flat_config(args))
     lock = None
     try:
         try:  # before anything is built: a bad --save/--load pair must cost nothing
             lock = prepare_save(args.ckpt, log=log.info)
         except CheckpointError as e:
             fail(str(e))  # status 2, like a bad flag: nothing ran
+        error = first_error(write_run_config(args) if dist.get_rank() == 0 else None)
+        if error:
+            fail(error, code=1)
         return _run(args, device, logger)
     except (TrainingError, CheckpointError) as e:
         fail(str(e), code=1)

@@ -11,6 +11,7 @@
 #   PLAN_DEVICE_MEMORY_GB, PLAN_HOST_MEMORY_GB, PLAN_DEVICES_PER_NODE
 #                    hardware the dry run plans for (default: this machine if it has
 #                    CUDA, else each script's target)
+#   PLAN_HOST_HEADROOM_GB  host memory per node a plan leaves free (default 10%)
 #   PYTHON           interpreter (default python3)
 set -euo pipefail
 

@@ -142,7 +142,8 @@ def test_killed_save_leaves_last_checkpoint_loadable(tmp_path):
     assert res.returncode != 0
     assert read_latest(ck) == 2
     # The killed job's lock stays behind (its pid is dead: the next job takes it over).
-    assert sorted(os.listdir(ck)) == [".lock", ".tmp_iter_0000004", "iter_0000002",
+    assert sorted(os.listdir(ck)) == [".lock", ".tmp_iter_0000004", "config.yaml",
+                                      "iter_0000002",
                                       "latest_checkpointed_iteration.txt"]
     log = str(tmp_path / "log.jsonl")
     run(2, 1, "--load", ck, "--save", ck, "--train-iters", "3", "--log-json", log)

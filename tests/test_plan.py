@@ -355,3 +355,138 @@ def test_loss_forward_term_is_a_hand_count_of_the_cross_entropy(elem_bytes, tp):
     shifted = 4 * s * b * V // tp
     at_loss = est.phases["end of forward (loss)"] - est.kept - est.outside
     assert at_loss == logits + fp32_copy + shifted
+
+
+# ------------------------------------------------ the question a new user asks
+RATE = ["--adam-rate-per-core", "8e7"]  # not measured: the same figures on every machine
+
+
+def _plan_out(capsys, monkeypatch, *argv):
+    from mp_offload.plan import main
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code = main([*RATE, *argv])
+    return code, capsys.readouterr().out
+
+
+def _table(out):
+    """{mode: (billions, limit, tokens/day text, days per 1B tokens)} of the mode table."""
+    rows = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if line.startswith("  ") and parts and parts[0].rstrip(":") in ("offload", "zero2",
+                                                                        "pytorch"):
+            billions = next(p for p in parts if p.endswith("B") and p[:-1].replace(".", "")
+                            .isdigit())
+            i = parts.index(billions)
+            rows[parts[0].rstrip(":")] = (float(billions[:-1]), parts[i + 2], parts[-2],
+                                          float(parts[-1]))
+    return rows
+
+
+def test_no_flags_answers_for_the_launch_scripts_defaults(capsys, monkeypatch):
+    """bf16 + offload + recompute + seq 2048 on one 80 GiB GPU with 256 GiB host, 10% of it
+    kept free; every mode side by side; time from the throughput model; the command."""
+    from mp_offload.planner.answer import speed
+    from mp_offload.planner.search import paper_base
+    code, out = _plan_out(capsys, monkeypatch)
+    assert code == 0
+    assert out.startswith("planning bf16, ZeRO-Offload (--cpu-offload), recompute on, seq 2048")
+    assert "assumed (the launch scripts' defaults; give the flag to change it): --bf16 " \
+           "--cpu-offload --recompute-activations --seq-length 2048 --vocab-size 50257" in out
+    assert "host 256 GiB per node with 25.6 GiB kept free" in out
+    # The figures, recomputed: the largest offload model fits in 230.4 GiB, one layer
+    # more does not (host-bound at ~19 bytes per parameter).
+    base = dataclasses.replace(paper_base(seq=2048), recompute_activations=True)
+    hw = Hardware(80, 256, 8, host_headroom_gb=25.6)
+    run = Run(base, micro_batch=4)
+    found = max_model(run, hw)
+    assert found.limit == "host" and found.plan.host_node_peak <= 230.4 * 2**30
+    more = dataclasses.replace(found.cfg, num_layers=found.cfg.num_layers + 1)
+    assert plan_job(Run(more, micro_batch=4), hw).host_node_peak > 230.4 * 2**30
+    assert 11.5e9 < found.params < 12.5e9
+    c = found.cfg
+    assert f"max model (gpt3), offload: {found.params / 1e9:.2f}B = --num-layers " \
+           f"{c.num_layers} --hidden-size {c.hidden_size}" in out
+    rows = _table(out)
+    assert set(rows) == {"offload", "zero2", "pytorch"}
+    assert rows["offload"][:2] == (round(found.params / 1e9, 2), "host")
+    assert rows["zero2"][1] == rows["pytorch"][1] == "device"
+    assert rows["offload"][0] > 2 * rows["zero2"][0]  # one GPU: offload wins by far
+    assert "fits a LARGER model" not in out
+    st = speed(c, dataclasses.replace(run, cfg=c), Machine(devices_per_node=8), 16)
+    assert st.tokens_per_step == 16 * 2048
+    assert rows["offload"][3] == round(st.days_per_billion_tokens, 1)
+    assert f"{st.step_sync:.2f} s per step of 32,768 tokens" in out
+    assert "days per 1B tokens" in out and "tokens/day" in out
+    launch = out[out.index("launch (this node;"):]
+    assert "torchrun --standalone --nproc-per-node 1 pretrain_gpt.py" in launch
+    assert f"--num-layers {c.num_layers} --hidden-size {c.hidden_size} " \
+           f"--num-attention-heads {c.num_attention_heads}" in launch
+    assert "--seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 4 " \
+           "--global-batch-size 16" in launch
+    assert "--bf16 --cpu-offload --recompute-activations" in launch
+    assert f"--train-iters {-(-10**9 // (16 * 2048))}" in launch
+
+
+def test_two_nodes_of_eight_say_no_offload_fits_more(capsys, monkeypatch):
+    """2 x 8 GPUs, TP=8 x DP=2, 512 GiB hosts: offload is host-bound (10 bytes per
+    parameter per node) and leaves 10% free; ZeRO-2 without offload fits more."""
+    code, out = _plan_out(capsys, monkeypatch, "--world-size", "16", "--host-memory-gb", "512",
+                          "--tensor-model-parallel-size", "8")
+    assert code == 0
+    rows = _table(out)
+    assert rows["offload"][1] == "host" and rows["zero2"][1] == "device"
+    assert rows["zero2"][0] > 1.15 * rows["offload"][0]
+    assert f"note: ZeRO-2, no offload fits a LARGER model on this hardware: " \
+           f"{rows['zero2'][0]:.2f}B vs {rows['offload'][0]:.2f}B (offload is limited by host " \
+           f"memory here); plan it with --no-cpu-offload" in out
+    host = float(out.split("host per node: ")[1].split()[0])
+    assert host <= 460.8  # 512 less the 10% headroom, not 503.8
+    assert "torchrun --nnodes 2 --node-rank \"$NODE_RANK\" --master-addr \"$MASTER_ADDR\" " \
+           "--master-port 29500 --nproc-per-node 8 pretrain_gpt.py" in out
+    assert "--tensor-model-parallel-size 8" in out and "--global-batch-size 32" in out
+    # No headroom: a larger offload model, filling the host to the brim.
+    code, out0 = _plan_out(capsys, monkeypatch, "--world-size", "16", "--host-memory-gb", "512",
+                           "--tensor-model-parallel-size", "8", "--host-headroom-gb", "0")
+    assert _table(out0)["offload"][0] > rows["offload"][0]
+    assert 460.8 < float(out0.split("host per node: ")[1].split()[0]) <= 512
+    # Without offload asked for, the answer and the command are for ZeRO-2.
+    code, out2 = _plan_out(capsys, monkeypatch, "--world-size", "16", "--host-memory-gb", "512",
+                           "--tensor-model-parallel-size", "8", "--no-cpu-offload")
+    assert f"max model (gpt3), zero2: {rows['zero2'][0]:.2f}B" in out2
+    assert "fits a LARGER model" not in out2 and "--cpu-offload" not in out2.split("launch (")[1]
+
+
+def test_flags_replace_the_assumed_defaults(capsys, monkeypatch):
+    code, out = _plan_out(capsys, monkeypatch, "--fp32", "--no-cpu-offload",
+                          "--no-recompute-activations", "--seq-length", "256",
+                          "--vocab-size", "4096")
+    assert code == 0
+    assert out.startswith("planning fp32, ZeRO-2, no offload, recompute off, seq 256")
+    assert "assumed" not in out.splitlines()[0]
+    for bad in (["--fp32", "--bf16"], ["--no-cpu-offload", "--cpu-offload"],
+                ["--recompute-activations", "--no-recompute-activations"]):
+        code, _ = _plan_out(capsys, monkeypatch, *bad)
+        assert code == 2
+    # A model given: its plan, then its time and launch command.
+    code, out = _plan_out(capsys, monkeypatch, *TEN_B, "--device-memory-gb", "32",
+                          "--host-memory-gb", "1536")
+    assert code == 0 and "assumed" not in out.splitlines()[0]
+    assert "-> fits" in out and "days per 1B tokens" in out
+    assert "--num-layers 50 --hidden-size 4096 --num-attention-heads 32" in out
+    assert "--seq-length 1024" in out
+
+
+def test_step_time_without_offload_has_no_host_terms():
+    cfg = ten_b()
+    machine = Machine()
+    off, z2, pt = (scaling(cfg, machine, gpus=(8,), mode=m)[0]
+                   for m in ("offload", "zero2", "pytorch"))
+    assert off.copy_up > 0 and z2.copy_up == pt.copy_up == 0
+    assert z2.accumulate == pt.accumulate == 0 and pt.all_gather == 0 < z2.all_gather
+    assert z2.adam < off.adam and z2.step_dpu == z2.step_sync
+    assert off.compute == z2.compute == pt.compute
+    for st in (off, z2, pt):
+        assert st.tokens_per_step == 16 * 8 * 1024
+        assert st.tokens_per_day == pytest.approx(st.tokens_per_step * 86400 / st.step_sync)
+        assert st.days_per_billion_tokens == pytest.approx(1e9 / st.tokens_per_day)

@@ -225,3 +225,28 @@ def test_hf_types_flag_errors(messy_jsonl, tmp_path, capsys, flags, needle):
     assert main(["--input", messy_jsonl, "--output-prefix", str(tmp_path / "o"), *flags]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and needle in err and "\n" not in err
+
+
+def test_progress_bar_shows_rate_and_eta(messy_jsonl, tmp_path):
+    """--progress bar: a tqdm bar over the input bytes (rate, ETA), warnings above it,
+    filled at the end (blank lines are never documents); the same dataset as lines."""
+    pytest.importorskip("tqdm")
+    import io
+
+    from mp_offload.data.preprocess import preprocess
+    outs = {}
+    for mode in ("bar", "lines"):
+        log = io.StringIO()
+        prefix = str(tmp_path / mode)
+        stats = preprocess([messy_jsonl], prefix, "NullTokenizer", vocab_size=100,
+                           append_eod=True, log=log, log_interval=1, progress=mode)
+        assert stats.documents == 2 and stats.skipped == 3
+        outs[mode] = (log.getvalue(), _read(prefix + "_text_document.bin"))
+    bar, lines = outs["bar"][0], outs["lines"][0]
+    assert outs["bar"][1] == outs["lines"][1]
+    size = os.path.getsize(messy_jsonl)
+    assert f"tokenizing: 100%|##########| {size:.1f}/{size:.1f} [" in bar
+    assert "B/s" in bar and "<" in bar  # rate, and the elapsed<remaining ETA field
+    assert "warning: skipping" in bar and "processed 1 documents" not in bar
+    assert "processed 1 documents" in lines and "processed 2 documents" in lines
+    assert "tokenizing" not in lines

@@ -41,6 +41,9 @@ def build_datasets(args):
         dist.barrier()
         data_path, tok_model = prepare_default_corpus(cache)
         data_path = [data_path]
+        # Recorded with the run's arguments (checkpoints): generation and export find the
+        # tokenizer the run trained with.
+        d.tokenizer_model = tok_model
     tok = build_tokenizer(d.tokenizer_type, tok_model, vocab_size=m.vocab_size,
                           vocab_file=d.vocab_file, merge_file=d.merge_file)
     datasets = (None, None, None)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..help_format import DefaultsHelpFormatter
 from .indexed_dataset import (
     IndexedDatasetBuilder,
     best_dtype,
@@ -149,16 +150,22 @@ def preprocess(
     log=None,
     vocab_file: str | None = None,
     merge_file: str | None = None,
+    progress: str = "auto",
 ) -> PreprocessStats:
     """Tokenise ``inputs`` into one dataset per JSON key. Raises PreprocessError.
 
     The tokenizer is ``build_tokenizer(tokenizer_type, tokenizer_model, vocab_size,
     vocab_file=, merge_file=)``; every worker builds its own from the same arguments.
     ``log``: file-like for warnings/progress/summary (default: sys.stderr).
+    ``progress``: "bar" (a tqdm bar over the input bytes: rate and ETA), "lines" (a
+    line every ``log_interval`` documents) or "auto" (the bar when ``log`` is a
+    terminal and tqdm is installed, else lines).
     """
     log = sys.stderr if log is None else log
     if on_bad_line not in ("skip", "fail"):
         raise ValueError("on_bad_line must be 'skip' or 'fail'")
+    if progress not in PROGRESS_MODES:
+        raise ValueError(f"progress must be one of {PROGRESS_MODES}, got {progress!r}")
     for path in inputs:
         if not os.path.isfile(path):
             raise PreprocessError(f"input file not found: {path}")
@@ -178,13 +185,17 @@ def preprocess(
     stats = PreprocessStats(output_prefixes=prefixes)
     start = time.perf_counter()
     ok = False
-    results = None
+    results = reporter = None
     try:
         results = _results(_tasks(inputs), tok_spec, json_keys, append_eod, workers, chunksize)
-        _write_documents(results, inputs, builders, stats, on_bad_line, log_interval, log)
+        reporter = _Progress(progress, log, log_interval,
+                             sum(os.path.getsize(p) for p in inputs))
+        _write_documents(results, inputs, builders, stats, on_bad_line, reporter)
         _publish(builders, prefixes, suffix)
         ok = True
     finally:
+        if reporter is not None:
+            reporter.close(ok)
         if results is not None:
             results.close()  # stops the worker pool promptly on failure
         if not ok:
@@ -194,11 +205,64 @@ def preprocess(
     return stats
 
 
+PROGRESS_MODES = ("auto", "bar", "lines")
+
+
+class _Progress:
+    """Progress while documents are written: a tqdm bar over the input bytes (rate,
+    ETA, documents and tokens/s after it), or a line every ``log_interval`` documents."""
+
+    def __init__(self, mode: str, log, log_interval: int, total_bytes: int):
+        self.log, self.log_interval = log, log_interval
+        self.start = time.perf_counter()
+        self.bar = None
+        if mode == "lines":
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            if mode == "bar":
+                print("warning: no progress bar (tqdm is not installed); progress lines "
+                      "instead", file=log)
+            return
+        isatty = getattr(log, "isatty", None)
+        if mode == "bar" or (isatty is not None and isatty()):
+            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+                            desc="tokenizing", file=log, mininterval=0.5, smoothing=0.1,
+                            dynamic_ncols=True)
+
+    def warn(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(msg, file=self.log)
+        else:
+            print(msg, file=self.log)
+
+    def update(self, stats: PreprocessStats, nbytes: int, document: bool = True) -> None:
+        """``nbytes`` more input read; ``document``: it was a document (not a skipped line)."""
+        if not document:
+            if self.bar is not None:
+                self.bar.update(nbytes)
+            return
+        if self.bar is not None:
+            self.bar.update(nbytes)
+            if stats.documents % 256 == 0:
+                secs = max(time.perf_counter() - self.start, 1e-9)
+                self.bar.set_postfix_str(f"{stats.documents:,} docs, "
+                                         f"{stats.tokens / secs:,.0f} tokens/s", refresh=False)
+        elif self.log_interval and stats.documents % self.log_interval == 0:
+            _progress(stats, time.perf_counter() - self.start, self.log)
+
+    def close(self, ok: bool) -> None:
+        if self.bar is not None:
+            if ok:  # blank JSON lines are never read as documents: fill the bar
+                self.bar.update(max(0, self.bar.total - self.bar.n))
+            self.bar.close()
+
+
 def _write_documents(results, inputs: Sequence[str], builders: list, stats: PreprocessStats,
-                     on_bad_line: str, log_interval: int, log) -> None:
+                     on_bad_line: str, progress: _Progress) -> None:
     """Add each encoded document to the builders (one per JSON key); count, skip or fail
     on bad lines."""
-    start = time.perf_counter()
     for file_no, line_no, nbytes, out in results:
         stats.input_bytes += nbytes
         if isinstance(out, str):
@@ -207,17 +271,17 @@ def _write_documents(results, inputs: Sequence[str], builders: list, stats: Prep
                 raise PreprocessError(f"{where}: {out}")
             stats.skipped += 1
             if stats.skipped <= _MAX_WARNINGS:
-                print(f"warning: skipping {where}: {out}", file=log)
+                progress.warn(f"warning: skipping {where}: {out}")
                 if stats.skipped == _MAX_WARNINGS:
-                    print("warning: further skipped lines are only counted", file=log)
+                    progress.warn("warning: further skipped lines are only counted")
+            progress.update(stats, nbytes, document=False)
             continue
         for builder, ids in zip(builders, out):
             builder.add_item(ids)
             builder.end_document()
             stats.tokens += len(ids)
         stats.documents += 1
-        if log_interval and stats.documents % log_interval == 0:
-            _progress(stats, time.perf_counter() - start, log)
+        progress.update(stats, nbytes)
 
 
 def _publish(builders: list, prefixes: list[str], suffix: str) -> None:
@@ -264,6 +328,7 @@ def _summary(stats: PreprocessStats, log) -> None:
 
 def get_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         description="Tokenise documents into Megatron MMIDIDX files "
         "{output-prefix}_{key}_document.bin/.idx.",
     )
@@ -290,7 +355,10 @@ def get_parser() -> argparse.ArgumentParser:
                    help="tokenizer processes (default 1: in-process)")
     p.add_argument("--chunksize", type=int, default=32, help="lines per worker task")
     p.add_argument("--log-interval", type=int, default=10000,
-                   help="progress line every N documents")
+                   help="progress line every N documents (--progress lines)")
+    p.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
+                   help="bar: a progress bar with rate and ETA (tqdm); lines: a line every "
+                   "--log-interval documents; auto: the bar on a terminal, else lines")
     p.add_argument(
         "--on-bad-line", choices=["skip", "fail"], default="skip",
         help="bad JSON, missing key or empty document: skip and count (default) "
@@ -307,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
             json_keys=args.json_keys, append_eod=args.append_eod, workers=args.workers,
             on_bad_line=args.on_bad_line, log_interval=args.log_interval, chunksize=args.chunksize,
-            vocab_file=args.vocab_file, merge_file=args.merge_file,
+            vocab_file=args.vocab_file, merge_file=args.merge_file, progress=args.progress,
         )
     except PreprocessError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -9,12 +9,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import replace
 
-from ..config import CONFIG_CLASSES, Args, ConfigError, build_parser, resolve
+from ..config import (
+    CONFIG_CLASSES,
+    Args,
+    ConfigError,
+    build_parser,
+    parse_with_config,
+    resolve,
+)
 from ..model.gpt import flops_per_token, num_parameters
+from .answer import (
+    MODE_LABELS,
+    TRAIN_TOKENS,
+    compare_max_models,
+    format_max_models,
+    format_speed,
+    larger_elsewhere,
+    launch_command,
+    speed,
+)
 from .memory import (
     ALL_MODES,
     EXACT,
@@ -30,7 +48,6 @@ from .search import (
     FAMILIES,
     bytes_per_param_note,
     format_paper_table,
-    max_model,
     paper_table,
 )
 from .throughput import (
@@ -72,9 +89,9 @@ def _host_memory_gib() -> float | None:
 
 def hardware_from_env(world: int) -> tuple[Hardware, list[str]]:
     """Hardware for --dry-run: PLAN_DEVICE_MEMORY_GB / PLAN_HOST_MEMORY_GB /
-    PLAN_DEVICES_PER_NODE win; else what a CUDA machine reports about itself; else
-    defaults (an 80 GiB GPU, 256 GiB host, min(world, 8) per node). Returns the notes
-    saying where each number came from."""
+    PLAN_DEVICES_PER_NODE / PLAN_HOST_HEADROOM_GB win; else what a CUDA machine reports
+    about itself; else defaults (an 80 GiB GPU, 256 GiB host of which 10% is kept free,
+    min(world, 8) per node). Returns the notes saying where each number came from."""
     import torch
     notes, hw = [], Hardware()
     cuda = torch.cuda.is_available()
@@ -94,6 +111,13 @@ def hardware_from_env(world: int) -> tuple[Hardware, list[str]]:
     else:
         src = "default; set PLAN_HOST_MEMORY_GB"
     notes.append(f"host memory per node {hw.host_memory_gb:.1f} GiB ({src})")
+    if env("PLAN_HOST_HEADROOM_GB"):
+        hw.host_headroom_gb = float(env("PLAN_HOST_HEADROOM_GB"))
+        src = "PLAN_HOST_HEADROOM_GB"
+    else:
+        hw.host_headroom_gb = HEADROOM_FRACTION * hw.host_memory_gb
+        src = f"default {HEADROOM_FRACTION * 100:g}%; set PLAN_HOST_HEADROOM_GB"
+    notes.append(f"of which {hw.host_headroom_gb:.1f} GiB kept free ({src})")
     if env("PLAN_DEVICES_PER_NODE"):
         hw.devices_per_node, src = int(env("PLAN_DEVICES_PER_NODE")), "PLAN_DEVICES_PER_NODE"
     elif env("LOCAL_WORLD_SIZE"):
@@ -187,15 +211,25 @@ def _planner_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("planner")
 
     def add(flag, **kw):
+        if kw.get("action") is None and "choices" not in kw:
+            kw["metavar"] = flag[2:].replace("-", "_").upper()
         g.add_argument(flag, dest="plan." + flag[2:].replace("-", "_"), **kw)
     add("--device-memory-gb", type=float, default=80.0, help="per device, GiB")
     add("--host-memory-gb", type=float, default=256.0, help="per node, GiB")
+    add("--host-headroom-gb", type=float, default=None,
+        help="host memory per node a plan must leave free: OS, page cache, other jobs "
+        f"(default: {HEADROOM_FRACTION * 100:g}%% of --host-memory-gb)")
     add("--devices-per-node", type=int, default=8)
     add("--device-reserved-gb", type=float, default=1.0,
         help="CUDA context, library workspaces, allocator slack (GiB)")
     add("--host-process-gb", type=float, default=2.0, help="per-rank process overhead (GiB)")
     add("--mode", choices=ALL_MODES, default=None,
         help="plan this mode (default: what the optimizer flags say)")
+    add("--fp32", action="store_true", help="plan fp32 weights (default: --bf16)")
+    add("--no-cpu-offload", action="store_true",
+        help="plan without ZeRO-Offload (default: --cpu-offload)")
+    add("--no-recompute-activations", action="store_true",
+        help="plan without recomputation (default: --recompute-activations)")
     add("--plan-cpu", action="store_true", help="plan a CPU run (no CUDA gradient staging)")
     add("--json", action="store_true", help="print the plan as JSON")
     add("--model", choices=sorted(MODEL_PRESETS), default=None,
@@ -218,8 +252,54 @@ def _planner_parser() -> argparse.ArgumentParser:
         help="elements/s (default: measured here, else 8e7)")
     add("--tp-devices-per-node", type=int, default=Machine.devices_per_node,
         help="devices per node for the throughput model")
+    add("--device-mem-gbs", type=float, default=Machine.device_mem_gbs,
+        help="device memory bandwidth (the optimizer step without offload)")
     add("--plot", default=None, help="write the throughput PNG here (needs matplotlib)")
+    # Flags left out take the launch scripts' values (LAUNCH_DEFAULTS): None marks "not given".
+    p.set_defaults(**{dest: None for dest in (*LAUNCH_DEFAULTS, *SHAPE_DESTS)})
     return p
+
+
+# What scripts/pretrain_gpt_*.sh train with, assumed by the planner for flags not given.
+LAUNCH_DEFAULTS = {"train.bf16": "--bf16", "optim.cpu_offload": "--cpu-offload",
+                   "model.recompute_activations": "--recompute-activations",
+                   "model.seq_length": "--seq-length 2048",
+                   "model.vocab_size": "--vocab-size 50257"}
+SHAPE_DESTS = ("model.num_layers", "model.hidden_size", "model.num_attention_heads",
+               "model.ffn_hidden_size")
+HEADROOM_FRACTION = 0.10
+
+
+def _launch_defaults(parts: dict, opt: argparse.Namespace) -> list[str]:
+    """Fill the flags left out (None) with the launch scripts' values; returns the flags
+    so assumed. Sets ``opt.shape_given`` (a model-shape flag was given) and
+    ``opt.mode_given`` (the user chose offload or not)."""
+    m, t, o = parts["model"], parts["train"], parts["optim"]
+    if opt.fp32 and (t["fp16"] or t["bf16"]):
+        raise ConfigError("--fp32 excludes --fp16 and --bf16")
+    if opt.no_cpu_offload and o["cpu_offload"]:
+        raise ConfigError("--no-cpu-offload excludes --cpu-offload")
+    if opt.no_recompute_activations and m["recompute_activations"]:
+        raise ConfigError("--no-recompute-activations excludes --recompute-activations")
+    opt.mode_given = bool(o["cpu_offload"] or opt.no_cpu_offload or opt.mode
+                          or o["optimizer"] != "adam")
+    opt.shape_given = any(parts[g][f] is not None for g, f in
+                          (d.split(".") for d in SHAPE_DESTS))
+    filled = {"train.bf16": not (t["fp16"] or opt.fp32), "optim.cpu_offload": not opt.mode_given,
+              "model.recompute_activations": not opt.no_recompute_activations,
+              "model.seq_length": 2048, "model.vocab_size": 50257}
+    assumed = []
+    for dest, value in filled.items():
+        group, name = dest.split(".")
+        if parts[group][name] is None:
+            parts[group][name] = value
+            if value is not False:
+                assumed.append(LAUNCH_DEFAULTS[dest])
+    for dest in SHAPE_DESTS:
+        group, name = dest.split(".")
+        if parts[group][name] is None:
+            del parts[group][name]  # GPTConfig's own default
+    return assumed
 
 
 def parse(argv=None) -> tuple[Args, argparse.Namespace]:
@@ -229,26 +309,41 @@ def parse(argv=None) -> tuple[Args, argparse.Namespace]:
     preset = first.parse_known_args(argv)[0].model
     if preset:
         argv = [*MODEL_PRESETS[preset], *argv]
-    ns = vars(_planner_parser().parse_args(argv))
+    ns = vars(parse_with_config(_planner_parser(), argv))
     parts: dict[str, dict] = {name: {} for name in [*CONFIG_CLASSES, "plan"]}
     for key, value in ns.items():
+        if key == "config":
+            continue
         group, name = key.split(".", 1)
         parts[group][name] = value
+    opt = argparse.Namespace(**parts["plan"])
+    opt.assumed = _launch_defaults(parts, opt)
     args = Args(**{n: cls(**parts[n]) for n, cls in CONFIG_CLASSES.items()})
-    return args, argparse.Namespace(**parts["plan"])
+    return args, opt
 
 
 def main(argv=None) -> int:
-    args, opt = parse(argv)
+    try:
+        args, opt = parse(argv)
+    except ConfigError as e:
+        print(f"plan: error: {e}", file=sys.stderr)
+        return 2
     world = args.parallel.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     args.train.dry_run = True  # planning needs no --train-iters
+    # No model given and nothing else asked: the question is what fits here.
+    ask_max = opt.max_model or not (opt.shape_given or opt.paper_table or opt.throughput
+                                    or opt.json)
+    if ask_max and not opt.shape_given:
+        _searchable_base(args)
     try:
         resolve(args, world)
     except ConfigError as e:
         print(f"plan: error: {e}", file=sys.stderr)
         return 2
+    headroom = opt.host_headroom_gb if opt.host_headroom_gb is not None \
+        else HEADROOM_FRACTION * opt.host_memory_gb
     hw = Hardware(opt.device_memory_gb, opt.host_memory_gb, opt.devices_per_node,
-                  opt.device_reserved_gb, opt.host_process_gb)
+                  opt.device_reserved_gb, opt.host_process_gb, host_headroom_gb=headroom)
     run = run_from_args(args, world, opt.mode, cuda=not opt.plan_cpu)
     if opt.paper_table:
         print("largest GPT that fits (family gpt3, seq 1024, micro-batch "
@@ -257,17 +352,9 @@ def main(argv=None) -> int:
         print(bytes_per_param_note())
     if opt.throughput:
         _throughput(args, opt)
-    if opt.max_model:
-        found = max_model(run, hw, opt.family)
-        if found.cfg is None:
-            print(f"max model ({opt.family}): nothing fits")
-            return 1
-        c = found.cfg
-        print(f"max model ({opt.family}): {found.params / 1e9:.2f}B = --num-layers "
-              f"{c.num_layers} --hidden-size {c.hidden_size} --num-attention-heads "
-              f"{c.num_attention_heads} (stopped by: {found.limit})")
-        print(format_job(found.plan))
-    if not (opt.paper_table or opt.throughput or opt.max_model):
+    if ask_max:
+        return _answer_max_model(args, opt, run, hw)
+    if not (opt.paper_table or opt.throughput):
         plan = plan_job(run, hw, source="meta")
         if opt.json:
             rp = plan.ranks[0]
@@ -277,10 +364,88 @@ def main(argv=None) -> int:
                                   exact=list(EXACT), parameters=num_parameters(args.model,
                                                                                run.tp))))
         else:
+            _print_assumed(args, opt, run, hw)
             print(describe_model(args, world))
             print(format_job(plan))
             print("same model and layout, other modes:")
             print(format_comparison(compare_modes(run, hw)))
+            if plan.fits:
+                _print_speed_and_launch(args, opt, run, plan, args.model)
+    return 0
+
+
+def _searchable_base(args: Args) -> None:
+    """The max-model search sets the shape itself; only the TP checks of the base shape
+    matter: heads (and so width) divisible by TP."""
+    tp = args.parallel.tensor_model_parallel_size
+    heads = math.lcm(16, tp)
+    args.model = replace(args.model, num_attention_heads=heads, hidden_size=128 * heads,
+                         ffn_hidden_size=4 * 128 * heads)
+
+
+def _precision(args: Args) -> str:
+    return "bf16" if args.train.bf16 else "fp16" if args.train.fp16 else "fp32"
+
+
+def _print_assumed(args: Args, opt, run: Run, hw: Hardware) -> None:
+    m = args.model
+    nodes = -(-run.world // hw.devices_per_node)
+    print(f"planning {_precision(args)}, {MODE_LABELS.get(run.mode, run.mode)}, recompute "
+          f"{'on' if m.recompute_activations else 'off'}, seq {m.seq_length}, micro-batch "
+          f"{run.micro_batch}, TP={run.tp} x DP={run.dp}"
+          + (f"; assumed (the launch scripts' defaults; give the flag to change it): "
+             f"{' '.join(opt.assumed)}" if opt.assumed else ""))
+    print(f"hardware: {run.world} x {hw.device_memory_gb:g} GiB device(s) on {nodes} node(s) "
+          f"of {hw.devices_per_node}, host {hw.host_memory_gb:g} GiB per node with "
+          f"{hw.host_headroom_gb:.1f} GiB kept free (--host-headroom-gb)")
+
+
+def _machine(opt, hw: Hardware) -> tuple[Machine, str]:
+    measured = measure_adam_rate() if opt.adam_rate_per_core is None else None
+    rate = opt.adam_rate_per_core or measured or Machine.adam_rate_per_core
+    src = "measured here, 1 thread" if measured else "given" if opt.adam_rate_per_core \
+        else "stated default"
+    return Machine(opt.device_tflops, hw.devices_per_node, opt.intra_node_gbs,
+                   opt.inter_node_gbs, opt.pcie_gbs, opt.cpu_cores_per_node, opt.host_mem_gbs,
+                   rate, opt.device_mem_gbs), src
+
+
+def _print_speed_and_launch(args: Args, opt, run: Run, plan, cfg, machine=None,
+                            rate_src: str = "") -> None:
+    if machine is None:
+        machine, rate_src = _machine(opt, plan.hw)
+    st = speed(cfg, run, machine, opt.batch_per_gpu)
+    print(format_speed(st, cfg, machine, rate_src))
+    where = "every node, with its NODE_RANK and node 0's MASTER_ADDR" \
+        if len(plan.node_ranks) > 1 else "this node"
+    print(f"launch ({where}; {math.ceil(TRAIN_TOKENS / st.tokens_per_step):,} iterations = "
+          f"{TRAIN_TOKENS / 1e9:g}B tokens):")
+    print("  " + launch_command(cfg, run, plan, st, _precision(args), args.data.data_path,
+                                args.data.tokenizer_model, args.optim.dpu_warmup_steps))
+
+
+def _answer_max_model(args: Args, opt, run: Run, hw: Hardware) -> int:
+    _print_assumed(args, opt, run, hw)
+    machine, rate_src = _machine(opt, hw)
+    answers = compare_max_models(run, hw, opt.family, machine, opt.batch_per_gpu)
+    mine = answers[run.mode].found
+    if mine.cfg is not None:
+        c = mine.cfg
+        print(f"max model ({opt.family}), {run.mode}: {mine.params / 1e9:.2f}B = --num-layers "
+              f"{c.num_layers} --hidden-size {c.hidden_size} --num-attention-heads "
+              f"{c.num_attention_heads} (stopped by: {mine.limit})")
+        print(format_job(mine.plan))
+    print(f"largest GPT per mode (family {opt.family}), same hardware, TP and batch; "
+          f"{opt.batch_per_gpu} sequences per GPU per step:")
+    print(format_max_models(answers))
+    note = larger_elsewhere(answers, run.mode)
+    if note:
+        print(note)
+    if mine.cfg is None:
+        print(f"max model ({opt.family}): nothing fits with {run.mode}")
+        return 1
+    _print_speed_and_launch(args, opt, replace(run, cfg=mine.cfg), mine.plan, mine.cfg,
+                            machine, rate_src)
     return 0
 
 

@@ -58,6 +58,13 @@ class Hardware:
     device_reserved_gb: float = 1.0  # CUDA context + library workspaces + allocator slack
     host_process_gb: float = 2.0  # per rank: interpreter, torch, CUDA runtime, data loader
     name: str = ""
+    # Host memory per node left to the OS, page cache, other jobs: a plan must fit in the
+    # rest. 0 here (the paper table asks what fits at all); the CLI defaults to 10%.
+    host_headroom_gb: float = 0.0
+
+    @property
+    def host_usable_gb(self) -> float:
+        return self.host_memory_gb - self.host_headroom_gb
 
 
 @dataclass
@@ -123,7 +130,7 @@ class JobPlan:
 
     @property
     def fits_host(self) -> bool:
-        return self.host_node_peak <= self.hw.host_memory_gb * GiB
+        return self.host_node_peak <= self.hw.host_usable_gb * GiB
 
     @property
     def fits(self) -> bool:
@@ -242,10 +249,16 @@ def format_job(plan: JobPlan) -> str:
     body = [format_rank(rp, run) for rp in plan.ranks]
     verdict = (f"  device: {plan.device_peak / GiB:.2f} of {hw.device_memory_gb:g} GiB -> "
                f"{'fits' if plan.fits_device else 'DOES NOT FIT'}; host per node: "
-               f"{plan.host_node_peak / GiB:.2f} of {hw.host_memory_gb:g} GiB "
-               f"({max(plan.node_ranks)} ranks) -> "
+               f"{plan.host_node_peak / GiB:.2f} of {hw.host_memory_gb:g} GiB"
+               f"{_headroom(hw)} ({max(plan.node_ranks)} ranks) -> "
                f"{'fits' if plan.fits_host else 'DOES NOT FIT'}")
     return "\n".join([head, *body, verdict])
+
+
+def _headroom(hw: Hardware) -> str:
+    if not hw.host_headroom_gb:
+        return ""
+    return f" ({hw.host_usable_gb:.1f} usable, {hw.host_headroom_gb:.1f} GiB headroom)"
 
 
 def format_comparison(plans: dict[str, JobPlan]) -> str:

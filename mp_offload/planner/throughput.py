@@ -26,6 +26,12 @@ FLOPs per token (flops_per_token, recomputation counted), C = sustained device F
   DPU: CPU Adam and the copy up run behind the next step's forward/backward; only
   what does not fit under it counts.
 
+Without offload (``mode``): "zero2" keeps the fp32 slice on the device, so the host
+terms go (no PCIe, no host accumulation) and zeroing, norm and Adam are passes over the
+slice at device memory bandwidth; "pytorch" (no ZeRO) all-reduces the gradients of
+every micro-batch (twice the reduce-scatter's bytes, overlapping backward), runs Adam
+over all of its parameters on the device and needs no all-gather. Neither has DPU.
+
 The DP link is the intra-node bandwidth while T*D fits in one node, else the per-GPU
 share of the node's network. TFLOPS/GPU = B*s*F/T / step time. Not modelled: kernel
 efficiency changing with shapes, collective latency, host contention between the Adam
@@ -58,6 +64,7 @@ class Machine:
     cpu_cores_per_node: int = 48
     host_mem_gbs: float = 120.0  # sustained per node; 10B Adam in 2.6 s, as the paper
     adam_rate_per_core: float = 80e6  # elements/s; replaced by a measurement if possible
+    device_mem_gbs: float = 900.0  # device memory bandwidth (V100 HBM2): Adam without offload
 
 
 def measure_adam_rate(numel: int = 1 << 22, repeats: int = 3) -> float | None:
@@ -102,13 +109,25 @@ class StepTime:
     step_dpu: float
     tflops_sync: float
     tflops_dpu: float
+    mode: str = "offload"
+    tokens_per_step: int = 0  # sequences per step (B x DP) x sequence length
+
+    @property
+    def tokens_per_day(self) -> float:
+        return self.tokens_per_step * 86400 / self.step_sync
+
+    @property
+    def days_per_billion_tokens(self) -> float:
+        return 1e9 / self.tokens_per_day
 
 
 def step_time(cfg: GPTConfig, gpus: int, machine: Machine, tp: int = 1,
               batch_per_gpu: int = 16, micro_batch: int = 4, elem_bytes: int = 2,
-              bucket_size: int = DEFAULT_BUCKET_SIZE) -> StepTime:
+              bucket_size: int = DEFAULT_BUCKET_SIZE, mode: str = "offload") -> StepTime:
     if gpus % tp:
         raise ValueError(f"{gpus} GPUs do not split into TP={tp}")
+    if mode not in ("offload", "zero2", "pytorch"):
+        raise ValueError(f"mode must be offload, zero2 or pytorch, got {mode!r}")
     dp = gpus // tp
     recompute = cfg.recompute_activations
     shapes = rank_shapes(spec_named_params(cfg, tp), dp, bucket_size)
@@ -130,25 +149,36 @@ def step_time(cfg: GPTConfig, gpus: int, machine: Machine, tp: int = 1,
         volume = n_ar * 2 * (tp - 1) / tp * e * s * micro_batch * h
         tp_comm = volume / (machine.intra_node_gbs * 1e9)
     rs = (dp - 1) / dp * e * P / dp_bw
-    accumulate_work = ACCUMULATE_BYTES_PER_ELEMENT * n / host_bw
-    # reduce-scatter, copy down and host accumulation are pipelined under backward
-    grad_exposed = max(0.0, max(rs, e * n / pcie) - bwd)
-    accumulate = max(0.0, accumulate_work - bwd - grad_exposed)
-    zero = ZERO_BYTES_PER_ELEMENT * n / host_bw
-    norm = NORM_BYTES_PER_ELEMENT * n / host_bw
-    rate = min(machine.cpu_cores_per_node / ranks_node * machine.adam_rate_per_core,
-               host_bw / ADAM_BYTES_PER_ELEMENT)
-    adam = n / rate
-    up = e * n / pcie
     ag = (dp - 1) / dp * e * P / dp_bw
+    if mode == "offload":
+        accumulate_work = ACCUMULATE_BYTES_PER_ELEMENT * n / host_bw
+        # reduce-scatter, copy down and host accumulation are pipelined under backward
+        grad_exposed = max(0.0, max(rs, e * n / pcie) - bwd)
+        accumulate = max(0.0, accumulate_work - bwd - grad_exposed)
+        zero = ZERO_BYTES_PER_ELEMENT * n / host_bw
+        norm = NORM_BYTES_PER_ELEMENT * n / host_bw
+        rate = min(machine.cpu_cores_per_node / ranks_node * machine.adam_rate_per_core,
+                   host_bw / ADAM_BYTES_PER_ELEMENT)
+        adam = n / rate
+        up = e * n / pcie
+    else:  # the optimizer state on the device: passes at device memory bandwidth
+        dev_bw = machine.device_mem_gbs * 1e9
+        if mode == "pytorch":  # all-reduce (2x the bytes), Adam over every parameter
+            rs, ag, n = 2 * rs, 0.0, shapes.params
+        grad_exposed, accumulate, up = max(0.0, rs - bwd), 0.0, 0.0
+        zero = ZERO_BYTES_PER_ELEMENT * n / dev_bw
+        norm = NORM_BYTES_PER_ELEMENT * n / dev_bw
+        adam = ADAM_BYTES_PER_ELEMENT * n / dev_bw
     per_micro = fb + tp_comm + grad_exposed + accumulate
     work = micro * per_micro
     sync = work + zero + norm + adam + up + ag
-    dpu = work + zero + norm + max(0.0, adam - micro * fb) + up + ag
+    dpu = work + zero + norm + max(0.0, adam - micro * fb) + up + ag if mode == "offload" \
+        else sync
     flops = batch_per_gpu * s * F / tp
     return StepTime(gpus, tp, dp, micro * fb, micro * tp_comm, micro * grad_exposed,
                     micro * accumulate, zero, norm, adam, up, ag, sync, dpu,
-                    flops / sync / 1e12, flops / dpu / 1e12)
+                    flops / sync / 1e12, flops / dpu / 1e12, mode,
+                    (batch_per_gpu // micro_batch) * micro_batch * dp * s)
 
 
 def scaling(cfg: GPTConfig, machine: Machine, gpus=(1, 2, 4, 8, 16, 32, 64, 128), **kw):
