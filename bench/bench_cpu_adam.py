@@ -26,6 +26,7 @@ artefact of allocation order rather than of the optimizer.
 
   python bench/bench_cpu_adam.py [--sizes 10e6,100e6] [--repeats 7] [--threads N] [--json out.json]
 """
+
 import argparse
 import json
 import os
@@ -36,14 +37,24 @@ import time
 
 
 def _parse_args():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="10e6,100e6", help="comma-separated element counts (default 10e6,100e6)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--sizes", default="10e6,100e6", help="comma-separated element counts (default 10e6,100e6)"
+    )
     ap.add_argument("--repeats", type=int, default=7, help="timed steps per row (median reported)")
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                    help="threads for ours, torch and DeepSpeed (default: all available cores)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="threads for ours, torch and DeepSpeed (default: all available cores)",
+    )
     ap.add_argument("--simd", default="auto", help="scalar|avx2|avx512|auto")
     ap.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeedCPUAdam row")
-    ap.add_argument("--no-thp", action="store_true", help="plain 4 KiB pages (no THP_MEM_ALLOC_ENABLE)")
+    ap.add_argument(
+        "--no-thp", action="store_true", help="plain 4 KiB pages (no THP_MEM_ALLOC_ENABLE)"
+    )
     ap.add_argument("--json", metavar="FILE", help="also write results as JSON")
     return ap.parse_args()
 
@@ -82,7 +93,11 @@ def _deepspeed_adam():
         DeepSpeedCPUAdam([probe], **HP, adamw_mode=True).step()  # JIT-builds the op the first time
         return DeepSpeedCPUAdam, ""
     except Exception as exc:  # noqa: BLE001 - any failure just drops the row
-        return None, f"unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''})"
+        return (
+            None,
+            f"unavailable ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:80] if str(exc) else ''})",
+        )
 
 
 def _decay_runs(n):
@@ -100,7 +115,11 @@ def bench_size(n, ds_cls, ds_note, lib):
     g16, gbf = g32.half(), g32.bfloat16()
     out = torch.empty(n, dtype=torch.bfloat16)
     # ours with bf16 moments: its own param and bf16 exp_avg / exp_avg_sq
-    pb, mb, vb = torch.randn(n, generator=gen), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    pb, mb, vb = (
+        torch.randn(n, generator=gen),
+        torch.zeros(n, dtype=torch.bfloat16),
+        torch.zeros(n, dtype=torch.bfloat16),
+    )
     # torch / DeepSpeed: one big param with an fp32 grad, each optimizer with its own state
     tp = torch.nn.Parameter(torch.randn(n, generator=gen))
     tp.grad = torch.randn(n, generator=gen)
@@ -115,9 +134,22 @@ def bench_size(n, ds_cls, ds_note, lib):
     def ours(grad, param_out=None, decay_runs=None, state=(p, m, v)):
         def run():
             step[0] += 1
-            ca.adam_step(state[0], grad, state[1], state[2], step=step[0], lr=HP["lr"], beta1=HP["betas"][0],
-                         beta2=HP["betas"][1], eps=HP["eps"], weight_decay=HP["weight_decay"], adamw=True,
-                         param_out=param_out, decay_runs=decay_runs)
+            ca.adam_step(
+                state[0],
+                grad,
+                state[1],
+                state[2],
+                step=step[0],
+                lr=HP["lr"],
+                beta1=HP["betas"][0],
+                beta2=HP["betas"][1],
+                eps=HP["eps"],
+                weight_decay=HP["weight_decay"],
+                adamw=True,
+                param_out=param_out,
+                decay_runs=decay_runs,
+            )
+
         return run
 
     def fused_copy():
@@ -127,12 +159,29 @@ def bench_size(n, ds_cls, ds_note, lib):
     # (key, label, bytes/element, fn, traffic class for "of ceil.")
     rows = [
         ("ours_fp32", "(1) ours fp32 grads", 28, ours(g32), "fp32"),
-        ("ours_fp32_bf16out", "(2) ours fp32 grads + bf16 param_out", 30, ours(g32, out), "fp32+bf16out"),
+        (
+            "ours_fp32_bf16out",
+            "(2) ours fp32 grads + bf16 param_out",
+            30,
+            ours(g32, out),
+            "fp32+bf16out",
+        ),
         ("ours_bf16g", "(3) ours bf16 grads", 26, ours(gbf), "bf16grad"),
         ("ours_fp16g", "(4) ours fp16 grads", 26, ours(g16), "bf16grad"),
-        ("ours_bf16mom", "(5) ours bf16 exp_avg + exp_avg_sq", 20, ours(g32, state=(pb, mb, vb)), "bf16mom"),
-        ("ours_decay_runs", f"(6) ours fp32, decay_runs ({len(runs)} runs)", 28, ours(g32, decay_runs=runs),
-         "fp32"),
+        (
+            "ours_bf16mom",
+            "(5) ours bf16 exp_avg + exp_avg_sq",
+            20,
+            ours(g32, state=(pb, mb, vb)),
+            "bf16mom",
+        ),
+        (
+            "ours_decay_runs",
+            f"(6) ours fp32, decay_runs ({len(runs)} runs)",
+            28,
+            ours(g32, decay_runs=runs),
+            "fp32",
+        ),
         ("torch_fused", "(7) torch AdamW(fused=True)", 28, fused.step, "fp32"),
         ("torch_fused_copy", "(8) torch fused + out.copy_(p) bf16", 30, fused_copy, "fp32+bf16out"),
         ("torch_foreach", "(9) torch AdamW(foreach=True)", 28, foreach.step, "fp32"),
@@ -150,9 +199,20 @@ def bench_size(n, ds_cls, ds_note, lib):
             key = f"ceil_{traffic}_{pattern}"
             rows.append((key, None, ceiling.bytes_per_elem, fn, None))
             ceil_rows.append((traffic, pattern, key))
-    sp, sm, sv = scratch[("param", "float32")], scratch[("exp_avg", "float32")], scratch[("exp_avg_sq", "float32")]
-    rows.append(("stream_probe", "(12) stream_probe (our pattern), 28 B", 28,
-                 lambda: ca.stream_probe(sp, g32, sm, sv), "fp32"))
+    sp, sm, sv = (
+        scratch[("param", "float32")],
+        scratch[("exp_avg", "float32")],
+        scratch[("exp_avg_sq", "float32")],
+    )
+    rows.append(
+        (
+            "stream_probe",
+            "(12) stream_probe (our pattern), 28 B",
+            28,
+            lambda: ca.stream_probe(sp, g32, sm, sv),
+            "fp32",
+        )
+    )
 
     for _, _, _, fn, _ in rows:  # warm-up: lazy state, page faults, JIT
         fn()
@@ -169,24 +229,38 @@ def bench_size(n, ds_cls, ds_note, lib):
     for traffic, (nbytes, _) in hc.TRAFFIC.items():
         pats = {pattern: times[key] for tr, pattern, key in ceil_rows if tr == traffic}
         best, t = hc.best_of(pats)
-        ceiling[traffic] = {"bytes_per_elem": nbytes, "best": best, "ms_median": t * 1e3,
-                            "patterns_ms": {k: statistics.median(v) * 1e3 for k, v in pats.items()}}
+        ceiling[traffic] = {
+            "bytes_per_elem": nbytes,
+            "best": best,
+            "ms_median": t * 1e3,
+            "patterns_ms": {k: statistics.median(v) * 1e3 for k, v in pats.items()},
+        }
     results = []
 
     def row(key, label, nbytes, t_all, traffic):
         t = statistics.median(t_all)
-        return {"key": key, "label": label, "n": n, "bytes_per_elem": nbytes, "ms_median": t * 1e3,
-                "ms_min": min(t_all) * 1e3, "times_ms": [round(x * 1e3, 2) for x in t_all],
-                "params_per_s": n / t, "gbps": nbytes * n / t / 1e9,
-                "frac_ceiling": ceiling[traffic]["ms_median"] / 1e3 / t if traffic else 1.0,
-                "vs_torch_fused": med["torch_fused"] / t}
+        return {
+            "key": key,
+            "label": label,
+            "n": n,
+            "bytes_per_elem": nbytes,
+            "ms_median": t * 1e3,
+            "ms_min": min(t_all) * 1e3,
+            "times_ms": [round(x * 1e3, 2) for x in t_all],
+            "params_per_s": n / t,
+            "gbps": nbytes * n / t / 1e9,
+            "frac_ceiling": ceiling[traffic]["ms_median"] / 1e3 / t if traffic else 1.0,
+            "vs_torch_fused": med["torch_fused"] / t,
+        }
 
     for key, label, nbytes, _, traffic in rows:
         if key.startswith("ceil_") or key == "stream_probe":
             continue
         results.append(row(key, label, nbytes, times[key], traffic))
         if key == "torch_foreach" and ds is None:
-            results.append({"key": "deepspeed", "label": "(10) DeepSpeedCPUAdam", "n": n, "skipped": ds_note})
+            results.append(
+                {"key": "deepspeed", "label": "(10) DeepSpeedCPUAdam", "n": n, "skipped": ds_note}
+            )
     for traffic, c in ceiling.items():
         key = f"ceil_{traffic}_{c['best']}"
         label = f"(11) ceiling {c['bytes_per_elem']} B: {c['best']}"
@@ -198,22 +272,32 @@ def bench_size(n, ds_cls, ds_note, lib):
 
 
 def print_table(n, results, ceiling):
-    print(f"\n=== n = {n:,} params ({n / 1e6:g}M), threads = {ARGS.threads}, simd = {ca.simd_level()} ===")
-    hdr = (f"{'row':46s} {'ms/step':>9s} {'(min)':>8s} {'Mparams/s':>10s} {'GB/s eff.':>10s} "
-           f"{'of ceil.':>9s} {'vs fused':>9s}")
+    print(
+        f"\n=== n = {n:,} params ({n / 1e6:g}M), threads = {ARGS.threads}, "
+        f"simd = {ca.simd_level()} ==="
+    )
+    hdr = (
+        f"{'row':46s} {'ms/step':>9s} {'(min)':>8s} {'Mparams/s':>10s} {'GB/s eff.':>10s} "
+        f"{'of ceil.':>9s} {'vs fused':>9s}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in results:
         if "skipped" in r:
             print(f"{r['label']:46s} {r['skipped']}")
             continue
-        print(f"{r['label']:46s} {r['ms_median']:9.1f} {r['ms_min']:8.1f} {r['params_per_s'] / 1e6:10.0f} "
-              f"{r['gbps']:10.1f} {r['frac_ceiling']:8.0%} {r['vs_torch_fused']:8.2f}x")
+        print(
+            f"{r['label']:46s} {r['ms_median']:9.1f} {r['ms_min']:8.1f} "
+            f"{r['params_per_s'] / 1e6:10.0f} "
+            f"{r['gbps']:10.1f} {r['frac_ceiling']:8.0%} {r['vs_torch_fused']:8.2f}x"
+        )
     print("ceiling patterns (median ms; * = best):")
     names = list(next(iter(ceiling.values()))["patterns_ms"])
     print(f"  {'traffic':16s}" + "".join(f"{k:>15s}" for k in names))
     for traffic, c in ceiling.items():
-        cells = "".join(f"{c['patterns_ms'][k]:14.1f}{'*' if k == c['best'] else ' '}" for k in names)
+        cells = "".join(
+            f"{c['patterns_ms'][k]:14.1f}{'*' if k == c['best'] else ' '}" for k in names
+        )
         print(f"  {traffic + ' ' + str(c['bytes_per_elem']) + ' B':16s}{cells}")
 
 
@@ -221,15 +305,36 @@ def checks(results):
     t = {r["key"]: r["ms_median"] for r in results if "skipped" not in r}
     out = [
         ("ours fp32 >= torch fused (speed ratio)", t["torch_fused"] / t["ours_fp32"], 1.0),
-        ("ours + bf16 copy >= 1.15x torch fused + copy", t["torch_fused_copy"] / t["ours_fp32_bf16out"], 1.15),
-        ("bf16 grads within 10% of fp32 time (1.1 * t_fp32 / t_bf16)", t["ours_fp32"] * 1.10 / t["ours_bf16g"], 1.0),
-        ("decay_runs within 3% of one decay (1.03 * t_fp32 / t_runs)", t["ours_fp32"] * 1.03 / t["ours_decay_runs"],
-         1.0),
-        ("ours fp32 within 10% of ceiling (t_ceiling / t_ours)", t["ceiling_fp32"] / t["ours_fp32"], 0.90),
-        ("ours + bf16 copy within 10% of ceiling", t["ceiling_fp32+bf16out"] / t["ours_fp32_bf16out"], 0.90),
+        (
+            "ours + bf16 copy >= 1.15x torch fused + copy",
+            t["torch_fused_copy"] / t["ours_fp32_bf16out"],
+            1.15,
+        ),
+        (
+            "bf16 grads within 10% of fp32 time (1.1 * t_fp32 / t_bf16)",
+            t["ours_fp32"] * 1.10 / t["ours_bf16g"],
+            1.0,
+        ),
+        (
+            "decay_runs within 3% of one decay (1.03 * t_fp32 / t_runs)",
+            t["ours_fp32"] * 1.03 / t["ours_decay_runs"],
+            1.0,
+        ),
+        (
+            "ours fp32 within 10% of ceiling (t_ceiling / t_ours)",
+            t["ceiling_fp32"] / t["ours_fp32"],
+            0.90,
+        ),
+        (
+            "ours + bf16 copy within 10% of ceiling",
+            t["ceiling_fp32+bf16out"] / t["ours_fp32_bf16out"],
+            0.90,
+        ),
     ]
     if "deepspeed" in t:
-        out.insert(1, ("ours fp32 >= DeepSpeed (speed ratio)", t["deepspeed"] / t["ours_fp32"], 1.0))
+        out.insert(
+            1, ("ours fp32 >= DeepSpeed (speed ratio)", t["deepspeed"] / t["ours_fp32"], 1.0)
+        )
     return [{"name": name, "value": val, "target": tgt, "ok": val >= tgt} for name, val, tgt in out]
 
 
@@ -240,20 +345,34 @@ def main():
     torch.set_num_threads(ARGS.threads)
     ds_cls, ds_note = _deepspeed_adam()
     lib, why = hc.build_library()
-    print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, load avg "
-          f"{os.getloadavg()[0]:.2f}; torch {torch.__version__}; python {platform.python_version()}; "
-          f"THP {'off' if ARGS.no_thp else 'on'}")
+    print(
+        f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, load avg "
+        f"{os.getloadavg()[0]:.2f}; torch {torch.__version__}; python {platform.python_version()}; "
+        f"THP {'off' if ARGS.no_thp else 'on'}"
+    )
     if lib is None:
         print(f"ceiling: C++ patterns unavailable ({why}); torch-ops only")
-    report = {"meta": {"threads": ARGS.threads, "simd": ca.simd_level(), "repeats": ARGS.repeats,
-                       "torch": torch.__version__, "thp": not ARGS.no_thp, "argv": sys.argv[1:]}, "sizes": {}}
+    report = {
+        "meta": {
+            "threads": ARGS.threads,
+            "simd": ca.simd_level(),
+            "repeats": ARGS.repeats,
+            "torch": torch.__version__,
+            "thp": not ARGS.no_thp,
+            "argv": sys.argv[1:],
+        },
+        "sizes": {},
+    }
     for n in sizes:
         results, ceiling = bench_size(n, ds_cls, ds_note, lib)
         print_table(n, results, ceiling)
         chk = checks(results)
         print("targets (medians):")
         for c in chk:
-            print(f"  [{'PASS' if c['ok'] else 'MISS'}] {c['name']}: {c['value']:.2f} (target >= {c['target']:.2f})")
+            print(
+                f"  [{'PASS' if c['ok'] else 'MISS'}] {c['name']}: {c['value']:.2f} "
+                f"(target >= {c['target']:.2f})"
+            )
         report["sizes"][str(n)] = {"rows": results, "ceiling": ceiling, "checks": chk}
     report["meta"]["load_avg_end"] = os.getloadavg()[0]
     if ARGS.json:

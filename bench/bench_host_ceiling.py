@@ -22,6 +22,7 @@ bench/bench_cpu_adam.py times these patterns round-robin with its rows; run alon
 
   python bench/bench_host_ceiling.py [--sizes 100e6] [--threads N] [--repeats 7]
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -39,15 +40,43 @@ SOURCE = os.path.join(ROOT, "csrc", "host_ceiling.cpp")
 READ, WRITE, READ_WRITE = 1, 2, 3
 # traffic class -> (bytes/element, [(array, dtype name, mode)])
 TRAFFIC = {
-    "fp32": (28, [("param", "float32", READ_WRITE), ("grad", "float32", READ),
-                  ("exp_avg", "float32", READ_WRITE), ("exp_avg_sq", "float32", READ_WRITE)]),
-    "fp32+bf16out": (30, [("param", "float32", READ_WRITE), ("grad", "float32", READ),
-                          ("exp_avg", "float32", READ_WRITE), ("exp_avg_sq", "float32", READ_WRITE),
-                          ("param_out", "bfloat16", WRITE)]),
-    "bf16grad": (26, [("param", "float32", READ_WRITE), ("grad", "bfloat16", READ),
-                      ("exp_avg", "float32", READ_WRITE), ("exp_avg_sq", "float32", READ_WRITE)]),
-    "bf16mom": (20, [("param", "float32", READ_WRITE), ("grad", "float32", READ),
-                     ("exp_avg", "bfloat16", READ_WRITE), ("exp_avg_sq", "bfloat16", READ_WRITE)]),
+    "fp32": (
+        28,
+        [
+            ("param", "float32", READ_WRITE),
+            ("grad", "float32", READ),
+            ("exp_avg", "float32", READ_WRITE),
+            ("exp_avg_sq", "float32", READ_WRITE),
+        ],
+    ),
+    "fp32+bf16out": (
+        30,
+        [
+            ("param", "float32", READ_WRITE),
+            ("grad", "float32", READ),
+            ("exp_avg", "float32", READ_WRITE),
+            ("exp_avg_sq", "float32", READ_WRITE),
+            ("param_out", "bfloat16", WRITE),
+        ],
+    ),
+    "bf16grad": (
+        26,
+        [
+            ("param", "float32", READ_WRITE),
+            ("grad", "bfloat16", READ),
+            ("exp_avg", "float32", READ_WRITE),
+            ("exp_avg_sq", "float32", READ_WRITE),
+        ],
+    ),
+    "bf16mom": (
+        20,
+        [
+            ("param", "float32", READ_WRITE),
+            ("grad", "float32", READ),
+            ("exp_avg", "bfloat16", READ_WRITE),
+            ("exp_avg_sq", "bfloat16", READ_WRITE),
+        ],
+    ),
 }
 # name -> (pattern code in host_ceiling.cpp, tile elements, non-temporal stores)
 C_PATTERNS = {
@@ -74,7 +103,19 @@ def build_library():
         so = os.path.join(out_dir, f"host_ceiling-{digest}{'-native' if arch else ''}.so")
         if not os.path.exists(so):
             tmp = f"{so}.{os.getpid()}.tmp"
-            cmd = [cxx, "-O3", *arch, "-fopenmp", "-shared", "-fPIC", "-w", "-std=c++17", SOURCE, "-o", tmp]
+            cmd = [
+                cxx,
+                "-O3",
+                *arch,
+                "-fopenmp",
+                "-shared",
+                "-fPIC",
+                "-w",
+                "-std=c++17",
+                SOURCE,
+                "-o",
+                tmp,
+            ]
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
             if res.returncode != 0:
                 errors.append(res.stderr.strip().splitlines()[-1:] or ["failed"])
@@ -87,9 +128,18 @@ def build_library():
             continue
         fn = lib.mpo_host_stream
         fn.restype = ctypes.c_double
-        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int),
-                       ctypes.POINTER(ctypes.c_int), ctypes.c_size_t, ctypes.c_int, ctypes.c_size_t, ctypes.c_int,
-                       ctypes.POINTER(ctypes.c_uint32)]
+        fn.argtypes = [
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.POINTER(ctypes.c_int),
+            ctypes.POINTER(ctypes.c_int),
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.POINTER(ctypes.c_uint32),
+        ]
         return lib, ""
     return None, f"could not build {os.path.relpath(SOURCE, ROOT)}: {errors}"
 
@@ -128,14 +178,18 @@ class HostCeiling:
         sink = ctypes.c_uint32(0)
 
         def run():
-            self.lib.mpo_host_stream(code, k, ptrs, esize, mode, self.n, self.threads, tile, int(nt),
-                                     ctypes.byref(sink))
+            self.lib.mpo_host_stream(
+                code, k, ptrs, esize, mode, self.n, self.threads, tile, int(nt), ctypes.byref(sink)
+            )
+
         return run
 
     def _torch_pass(self):
         by_name = {name: (t, mode) for name, t, mode in self.arrays}
         param, grad = by_name["param"][0], by_name["grad"][0]
-        others = [t for name, (t, mode) in by_name.items() if mode == READ_WRITE and name != "param"]
+        others = [
+            t for name, (t, mode) in by_name.items() if mode == READ_WRITE and name != "param"
+        ]
         outs = [t for name, (t, mode) in by_name.items() if mode == WRITE]
 
         def run():
@@ -144,6 +198,7 @@ class HostCeiling:
                 t.mul_(1.0)  # read + write
             for t in outs:
                 t.fill_(1.0)  # write
+
         return run
 
     def patterns(self):
@@ -168,12 +223,20 @@ def best_of(times_by_pattern):
 def main(argv=None):
     import argparse
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--sizes", default="100e6")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--traffic", default=",".join(TRAFFIC), help=f"comma-separated subset of {','.join(TRAFFIC)}")
-    ap.add_argument("--no-thp", action="store_true", help="do not ask torch for transparent huge pages")
+    ap.add_argument(
+        "--traffic",
+        default=",".join(TRAFFIC),
+        help=f"comma-separated subset of {','.join(TRAFFIC)}",
+    )
+    ap.add_argument(
+        "--no-thp", action="store_true", help="do not ask torch for transparent huge pages"
+    )
     args = ap.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     if not args.no_thp:
@@ -194,14 +257,16 @@ def main(argv=None):
                 fn()
             times = {name: [] for name, _ in pats}
             for r in range(args.repeats):
-                for name, fn in pats[r % len(pats):] + pats[:r % len(pats)]:
+                for name, fn in pats[r % len(pats) :] + pats[: r % len(pats)]:
                     t0 = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - t0)
             best, t = best_of(times)
             cells = "  ".join(f"{k} {statistics.median(v) * 1e3:.1f}" for k, v in times.items())
-            print(f"{traffic:>13s} ({hc.bytes_per_elem} B): best {best} {t * 1e3:.1f} ms = "
-                  f"{hc.bytes_per_elem * n / t / 1e9:.1f} GB/s | ms: {cells}")
+            print(
+                f"{traffic:>13s} ({hc.bytes_per_elem} B): best {best} {t * 1e3:.1f} ms = "
+                f"{hc.bytes_per_elem * n / t / 1e9:.1f} GB/s | ms: {cells}"
+            )
     return 0
 
 

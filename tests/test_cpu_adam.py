@@ -17,6 +17,7 @@ Two references:
     addcmul round twice and exp_avg drifts by a few ulp per step (measured
     |diff| <= 6.7e-8 over 5 steps): RTOL = 1e-5, ATOL = 1e-7 then.
 """
+
 import copy
 import os
 import subprocess
@@ -36,8 +37,14 @@ GRAD_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OUT_DTYPES = [None, torch.float16, torch.bfloat16]
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 # (adamw, weight_decay, bias_correction)
-CONFIGS = [(True, 0.0, True), (True, 0.1, True), (False, 0.0, True), (False, 0.1, True),
-           (True, 0.1, False), (False, 0.1, False)]
+CONFIGS = [
+    (True, 0.0, True),
+    (True, 0.1, True),
+    (False, 0.0, True),
+    (False, 0.1, True),
+    (True, 0.1, False),
+    (False, 0.1, False),
+]
 
 
 @pytest.fixture(params=LEVELS)
@@ -92,14 +99,17 @@ def _ref_step(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay, adamw, b
     v.copy_(_fma(_op(d(g) * _f32(1 - beta2)), g, _op(d(v) * _f32(beta2))))
     bc1 = 1 - beta1**step if bias_correction else 1.0
     bc2 = 1 - beta2**step if bias_correction else 1.0
-    # denom = (exp_avg_sq.sqrt() / bc2 ** 0.5).add_(eps); param.addcdiv_(exp_avg, denom, value=-lr / bc1)
+    # denom = (exp_avg_sq.sqrt() / bc2 ** 0.5).add_(eps)
+    # param.addcdiv_(exp_avg, denom, value=-lr / bc1)
     denom = _op(d(_op(d(_op(d(v).sqrt())) / _f32(bc2**0.5))) + _f32(eps))
     p.copy_(_op(d(p) + d(_op(d(_op(d(m) * _f32(-(lr / bc1)))) / d(denom)))))
 
 
 def _bits_equal(a, b):
-    return a.dtype == b.dtype and torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
-                                              b.view(torch.int16 if b.element_size() == 2 else torch.int32))
+    return a.dtype == b.dtype and torch.equal(
+        a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+        b.view(torch.int16 if b.element_size() == 2 else torch.int32),
+    )
 
 
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=["noout", "out_fp16", "out_bf16"])
@@ -114,13 +124,37 @@ def test_matches_torch(level, grad_dtype, out_dtype):
             out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
             tp = p0.clone().requires_grad_()
             opt = (torch.optim.AdamW if adamw else torch.optim.Adam)(
-                [tp], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"], weight_decay=wd)
+                [tp],
+                lr=HYPER["lr"],
+                betas=(HYPER["beta1"], HYPER["beta2"]),
+                eps=HYPER["eps"],
+                weight_decay=wd,
+            )
             for step in range(1, 6):
                 g = torch.randn(n, generator=gen).to(grad_dtype)
-                ca.adam_step(p, g, m, v, step=step, weight_decay=wd, adamw=adamw, bias_correction=bc,
-                             param_out=out, **HYPER)
-                _ref_step(rp, g.float(), rm, rv, step=step, weight_decay=wd, adamw=adamw, bias_correction=bc,
-                          **HYPER)
+                ca.adam_step(
+                    p,
+                    g,
+                    m,
+                    v,
+                    step=step,
+                    weight_decay=wd,
+                    adamw=adamw,
+                    bias_correction=bc,
+                    param_out=out,
+                    **HYPER,
+                )
+                _ref_step(
+                    rp,
+                    g.float(),
+                    rm,
+                    rv,
+                    step=step,
+                    weight_decay=wd,
+                    adamw=adamw,
+                    bias_correction=bc,
+                    **HYPER,
+                )
                 ctx = f"{level} n={n} adamw={adamw} wd={wd} bc={bc} step={step}"
                 assert torch.equal(p, rp) and torch.equal(m, rm) and torch.equal(v, rv), ctx
                 if out is not None:
@@ -146,13 +180,27 @@ def test_lerp_large_weight_and_grad_scale(level):
             p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
             rp, rm, rv = p0.clone(), torch.zeros(n), torch.zeros(n)
             tp = p0.clone().requires_grad_()
-            opt = torch.optim.AdamW([tp], lr=hyper["lr"], betas=(beta1, hyper["beta2"]), eps=hyper["eps"],
-                                    weight_decay=0.01)
+            opt = torch.optim.AdamW(
+                [tp],
+                lr=hyper["lr"],
+                betas=(beta1, hyper["beta2"]),
+                eps=hyper["eps"],
+                weight_decay=0.01,
+            )
             for step in range(1, 4):
                 g = (torch.randn(n, generator=gen) * 100).to(grad_dtype)
                 ca.adam_step(p, g, m, v, step=step, weight_decay=0.01, grad_scale=scale, **hyper)
-                _ref_step(rp, g.float() * scale, rm, rv, step=step, weight_decay=0.01, adamw=True,
-                          bias_correction=True, **hyper)
+                _ref_step(
+                    rp,
+                    g.float() * scale,
+                    rm,
+                    rv,
+                    step=step,
+                    weight_decay=0.01,
+                    adamw=True,
+                    bias_correction=True,
+                    **hyper,
+                )
                 assert torch.equal(p, rp) and torch.equal(m, rm) and torch.equal(v, rv)
                 tp.grad = g.float() * scale
                 opt.step()
@@ -161,7 +209,11 @@ def test_lerp_large_weight_and_grad_scale(level):
 
 # ---------------------------------------------------------- bf16 moments
 # (exp_avg dtype, exp_avg_sq dtype): each moment may be bf16 on its own
-MOMENTS = [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)]
+MOMENTS = [
+    (torch.bfloat16, torch.float32),
+    (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16),
+]
 MOMENT_IDS = ["m_bf16", "v_bf16", "mv_bf16"]
 
 
@@ -192,10 +244,29 @@ def test_bf16_moments_match_reference(level, grad_dtype, out_dtype, moments):
             out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
             for step in range(1, 5):
                 g = torch.randn(n, generator=gen).to(grad_dtype)
-                ca.adam_step(p, g, m, v, step=step, weight_decay=wd, adamw=adamw, bias_correction=bc,
-                             param_out=out, **HYPER)
-                _ref_step(rp, g.float(), rm, rv, step=step, weight_decay=wd, adamw=adamw, bias_correction=bc,
-                          **HYPER)
+                ca.adam_step(
+                    p,
+                    g,
+                    m,
+                    v,
+                    step=step,
+                    weight_decay=wd,
+                    adamw=adamw,
+                    bias_correction=bc,
+                    param_out=out,
+                    **HYPER,
+                )
+                _ref_step(
+                    rp,
+                    g.float(),
+                    rm,
+                    rv,
+                    step=step,
+                    weight_decay=wd,
+                    adamw=adamw,
+                    bias_correction=bc,
+                    **HYPER,
+                )
                 sm, sv = _round_moments(rm, rv, mt, vt)
                 ctx = f"{level} n={n} adamw={adamw} wd={wd} bc={bc} step={step}"
                 assert m.dtype == mt and v.dtype == vt, ctx
@@ -269,7 +340,9 @@ def _segments(n, runs):
 
 
 @pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam_l2"])
-@pytest.mark.parametrize("moments", [(torch.float32, torch.float32), MOMENTS[2]], ids=["mv_fp32", "mv_bf16"])
+@pytest.mark.parametrize(
+    "moments", [(torch.float32, torch.float32), MOMENTS[2]], ids=["mv_fp32", "mv_bf16"]
+)
 def test_decay_runs_match_per_run_calls(level, threads, moments, adamw):
     """One call with decay_runs == one call per run (weight_decay there, 0 in the
     gaps), bit for bit, on 1 and 2 threads and with a bf16 param_out."""
@@ -278,7 +351,10 @@ def test_decay_runs_match_per_run_calls(level, threads, moments, adamw):
     n = 3 * _C.TILE + 77  # both threads get work
     run_sets = [
         _random_runs(n, gen, 40),
-        [(0, n)], [], [(5, 5)], [(0, 1), (1, 2), (n - 1, n)],
+        [(0, n)],
+        [],
+        [(5, 5)],
+        [(0, 1), (1, 2), (n - 1, n)],
         [(k, k + 3) for k in range(0, n - 3, 7)],  # many runs shorter than a vector
         [(17, 12345), (12345, 20000), (24000, n - 1)],
     ]
@@ -287,14 +363,28 @@ def test_decay_runs_match_per_run_calls(level, threads, moments, adamw):
             ca.set_num_threads(t)
             p0 = torch.randn(n, generator=gen)
             g = torch.randn(n, generator=gen).bfloat16()
-            a = [p0.clone(), torch.zeros(n, dtype=mt), torch.zeros(n, dtype=vt), torch.empty(n, dtype=torch.bfloat16)]
+            a = [
+                p0.clone(),
+                torch.zeros(n, dtype=mt),
+                torch.zeros(n, dtype=vt),
+                torch.empty(n, dtype=torch.bfloat16),
+            ]
             b = [x.clone() for x in a]
             for step in (1, 2, 3):
                 kw = {"step": step, "adamw": adamw, **HYPER}
-                ca.adam_step(a[0], g, a[1], a[2], weight_decay=0.1, param_out=a[3], decay_runs=runs, **kw)
+                ca.adam_step(
+                    a[0], g, a[1], a[2], weight_decay=0.1, param_out=a[3], decay_runs=runs, **kw
+                )
                 for s, e, dec in _segments(n, runs):
-                    ca.adam_step(b[0][s:e], g[s:e], b[1][s:e], b[2][s:e], weight_decay=0.1 if dec else 0.0,
-                                 param_out=b[3][s:e], **kw)
+                    ca.adam_step(
+                        b[0][s:e],
+                        g[s:e],
+                        b[1][s:e],
+                        b[2][s:e],
+                        weight_decay=0.1 if dec else 0.0,
+                        param_out=b[3][s:e],
+                        **kw,
+                    )
             assert all(_bits_equal(x, y) for x, y in zip(a, b)), f"{level} t={t} runs={runs[:4]}"
 
 
@@ -303,7 +393,13 @@ def test_decay_runs_extremes():
     n, gen = 1000, torch.Generator().manual_seed(5)
     p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     results = []
-    for runs, wd in (([(0, n)], 0.1), (None, 0.1), ([], 0.1), (None, 0.0), (torch.tensor([[0, n]]), 0.1)):
+    for runs, wd in (
+        ([(0, n)], 0.1),
+        (None, 0.1),
+        ([], 0.1),
+        (None, 0.0),
+        (torch.tensor([[0, n]]), 0.1),
+    ):
         p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
         ca.adam_step(p, g, m, v, step=1, weight_decay=wd, decay_runs=runs, **HYPER)
         results.append(p)
@@ -314,8 +410,16 @@ def test_decay_runs_extremes():
 @pytest.mark.parametrize(
     "runs, exc, match",
     [
-        ([(4, 8), (0, 3)], ValueError, r"decay_runs\[1\] = \(0, 3\) is unsorted: it starts before decay_runs\[0\]"),
-        ([(0, 6), (4, 8)], ValueError, r"decay_runs\[1\] = \(4, 8\) overlaps decay_runs\[0\] = \(0, 6\)"),
+        (
+            [(4, 8), (0, 3)],
+            ValueError,
+            r"decay_runs\[1\] = \(0, 3\) is unsorted: it starts before decay_runs\[0\]",
+        ),
+        (
+            [(0, 6), (4, 8)],
+            ValueError,
+            r"decay_runs\[1\] = \(4, 8\) overlaps decay_runs\[0\] = \(0, 6\)",
+        ),
         ([(0, 13)], ValueError, r"decay_runs\[0\] = \(0, 13\) is out of range \[0, 12\]"),
         ([(-1, 3)], ValueError, "is out of range"),
         ([(5, 2)], ValueError, r"decay_runs\[0\] = \(5, 2\) has start > end"),
@@ -336,9 +440,30 @@ def test_bad_decay_runs_raise_and_touch_nothing(runs, exc, match):
 
 def test_raw_decay_runs_checked_in_cpp():
     t = torch.zeros(8)
-    args = (t.data_ptr(), t.data_ptr(), 0, t.data_ptr(), t.data_ptr(), 0, 0, 8, 1, 1e-3, 0.9, 0.999, 1e-8, 0.1,
-            True, True, 1.0)
-    for runs, match in (([(3, 9)], "out of range"), ([(2, 1)], "start > end"), ([(0, 4), (2, 6)], "overlaps")):
+    args = (
+        t.data_ptr(),
+        t.data_ptr(),
+        0,
+        t.data_ptr(),
+        t.data_ptr(),
+        0,
+        0,
+        8,
+        1,
+        1e-3,
+        0.9,
+        0.999,
+        1e-8,
+        0.1,
+        True,
+        True,
+        1.0,
+    )
+    for runs, match in (
+        ([(3, 9)], "out of range"),
+        ([(2, 1)], "start > end"),
+        ([(0, 4), (2, 6)], "overlaps"),
+    ):
         with pytest.raises(ValueError, match=match):
             _C.adam_step(*args, decay_runs=runs)
     with pytest.raises(ValueError, match="exp_avg_dtype must be 0"):
@@ -356,16 +481,30 @@ def test_bias_correction_divide_extremes(level):
     for beta2 in (0.999, 1 - 1e-12, 1 - 2**-52, 0.5, 0.0):
         for step in (1, 2, 7):
             hyper = dict(HYPER, beta2=beta2)
-            v0 = torch.pow(10.0, torch.rand(n, generator=gen, dtype=torch.float64) * 75 - 45).float()
+            v0 = torch.pow(
+                10.0, torch.rand(n, generator=gen, dtype=torch.float64) * 75 - 45
+            ).float()
             v0[::97] = 0.0
             v0[5::101] = float("inf")
             v0[7::103] = float("nan")
             p0, m0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
-            g = torch.randn(n, generator=gen) * torch.pow(10.0, torch.randint(-20, 3, (n,), generator=gen))
+            g = torch.randn(n, generator=gen) * torch.pow(
+                10.0, torch.randint(-20, 3, (n,), generator=gen)
+            )
             p, m, v = p0.clone(), m0.clone(), v0.clone()
             ca.adam_step(p, g, m, v, step=step, weight_decay=0.0, **hyper)
             rp, rm, rv = p0.clone(), m0.clone(), v0.clone()
-            _ref_step(rp, g, rm, rv, step=step, weight_decay=0.0, adamw=True, bias_correction=True, **hyper)
+            _ref_step(
+                rp,
+                g,
+                rm,
+                rv,
+                step=step,
+                weight_decay=0.0,
+                adamw=True,
+                bias_correction=True,
+                **hyper,
+            )
             for got, ref in ((p, rp), (m, rm), (v, rv)):
                 nan = torch.isnan(ref)
                 assert torch.equal(torch.isnan(got), nan), f"{level} beta2={beta2} step={step}"
@@ -380,26 +519,78 @@ def _roundtrip(values, out_dtype):
     """lr=0, wd=0, zero grad: the param is left unchanged, so param_out shows
     the kernel's fp32 -> fp16/bf16 conversion of arbitrary hand-built values."""
     values = values.repeat(3)  # 3x: lands in the vector body and in the tail
-    p, g, m, v = values.clone(), torch.zeros_like(values), torch.zeros_like(values), torch.zeros_like(values)
+    p, g, m, v = (
+        values.clone(),
+        torch.zeros_like(values),
+        torch.zeros_like(values),
+        torch.zeros_like(values),
+    )
     out = torch.empty(values.numel(), dtype=out_dtype)
-    ca.adam_step(p, g, m, v, step=1, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, param_out=out)
+    ca.adam_step(
+        p,
+        g,
+        m,
+        v,
+        step=1,
+        lr=0.0,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.0,
+        param_out=out,
+    )
     nan = torch.isnan(values)  # arithmetic quiets signalling NaNs; other bits stay put
-    assert torch.equal(p[~nan].view(torch.int32), values[~nan].view(torch.int32)) and torch.isnan(p[nan]).all()
+    assert (
+        torch.equal(p[~nan].view(torch.int32), values[~nan].view(torch.int32))
+        and torch.isnan(p[nan]).all()
+    )
     return values, out
 
 
 def test_bf16_rounding(level):
     one = 0x3F800000
-    bits = [one, one + 0x8000, one + 0x8001, one + 0x7FFF, one + 0x18000, one + 0x10000,  # ties / near ties
-            0xBF808000, 0xBF818000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F7FFF, 0x00000001, 0x80008000, 0x00018000,
-            0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FBFFFFF,
-            0x3EAAAAAB, 0x40490FDB]
+    bits = [
+        one,
+        one + 0x8000,
+        one + 0x8001,
+        one + 0x7FFF,
+        one + 0x18000,
+        one + 0x10000,  # ties / near ties
+        0xBF808000,
+        0xBF818000,
+        0x7F7FFFFF,
+        0xFF7FFFFF,
+        0x7F7F7FFF,
+        0x00000001,
+        0x80008000,
+        0x00018000,
+        0x00000000,
+        0x80000000,
+        0x7F800000,
+        0xFF800000,
+        0x7FC00000,
+        0xFFC00000,
+        0x7F800001,
+        0x7FBFFFFF,
+        0x3EAAAAAB,
+        0x40490FDB,
+    ]
     values, out = _roundtrip(_from_bits(bits), torch.bfloat16)
     nan = torch.isnan(values)
     assert torch.isnan(out[nan].float()).all(), "NaN must stay NaN"
     assert _bits_equal(out[~nan], values[~nan].to(torch.bfloat16))
-    expect = {0: 0x3F80, 1: 0x3F80, 2: 0x3F81, 3: 0x3F80, 4: 0x3F82, 5: 0x3F81, 6: 0xBF80, 7: 0xBF82,
-              8: 0x7F80, 9: 0xFF80}  # ties go to the even mantissa; max float rounds up to inf
+    expect = {
+        0: 0x3F80,
+        1: 0x3F80,
+        2: 0x3F81,
+        3: 0x3F80,
+        4: 0x3F82,
+        5: 0x3F81,
+        6: 0xBF80,
+        7: 0xBF82,
+        8: 0x7F80,
+        9: 0xFF80,
+    }  # ties go to the even mantissa; max float rounds up to inf
     got = out.view(torch.int16).to(torch.int32) & 0xFFFF
     for i, b in expect.items():
         assert got[i].item() == b, f"value {hex(bits[i])}: got {hex(got[i].item())}, want {hex(b)}"
@@ -409,9 +600,31 @@ def test_bf16_rounding(level):
 
 
 def test_fp16_rounding(level):
-    bits = [0x3F801000, 0x3F803000, 0x3F801001, 0x477FE000, 0x477FEFFF, 0x477FF000, 0x47800000,  # ties, overflow
-            0x38800000, 0x387FC000, 0x33800000, 0x33000000, 0x33000001, 0x33C00000, 0x34400000, 0x387FF000,
-            0x00000001, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC12345, 0xC7800000, 0x3DCCCCCD]
+    bits = [
+        0x3F801000,
+        0x3F803000,
+        0x3F801001,
+        0x477FE000,
+        0x477FEFFF,
+        0x477FF000,
+        0x47800000,  # ties, overflow
+        0x38800000,
+        0x387FC000,
+        0x33800000,
+        0x33000000,
+        0x33000001,
+        0x33C00000,
+        0x34400000,
+        0x387FF000,
+        0x00000001,
+        0x80000000,
+        0x7F800000,
+        0xFF800000,
+        0x7FC00000,
+        0xFFC12345,
+        0xC7800000,
+        0x3DCCCCCD,
+    ]
     values, out = _roundtrip(_from_bits(bits), torch.float16)
     nan = torch.isnan(values)
     assert torch.isnan(out[nan].float()).all()
@@ -449,7 +662,12 @@ def test_threads_bitwise_identical(level, threads):
     for t in (1, 2):
         ca.set_num_threads(t)
         assert ca.get_num_threads() == t
-        p, m, v, out = p0.clone(), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)
+        p, m, v, out = (
+            p0.clone(),
+            torch.zeros(n),
+            torch.zeros(n),
+            torch.empty(n, dtype=torch.bfloat16),
+        )
         for step in (1, 2):
             ca.adam_step(p, g, m, v, step=step, weight_decay=0.1, param_out=out, **HYPER)
         results.append((p, m, v, out))
@@ -478,14 +696,18 @@ def test_threads_ignore_omp_num_threads():
         "before = ca.get_num_threads()\n"
         "ca.set_num_threads(2)\n"
         "n = 4 * C.TILE\n"
-        "p, g, m, v = torch.zeros(n), torch.ones(n), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n)\n"
-        "ca.adam_step(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,\n"
+        "p, g = torch.zeros(n), torch.ones(n)\n"
+        "m, v = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n)\n"
+        "ca.adam_step(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,\n"
+        "             weight_decay=0.1,\n"
         "             decay_runs=[(0, 10)])\n"
         "print(before, ca.get_num_threads(), ca.last_num_threads())\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
     env.update(OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
     assert out.stdout.split() == ["1", "2", "2"]
 
 
@@ -539,8 +761,12 @@ def test_optimizer_closure_and_bad_params():
 
 # ------------------------------------------------------------- bad inputs
 def _bufs(n=12, grad_n=None, grad_dtype=torch.float32):
-    return dict(param=torch.zeros(n), grad=torch.zeros(n if grad_n is None else grad_n, dtype=grad_dtype),
-                exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n))
+    return dict(
+        param=torch.zeros(n),
+        grad=torch.zeros(n if grad_n is None else grad_n, dtype=grad_dtype),
+        exp_avg=torch.zeros(n),
+        exp_avg_sq=torch.zeros(n),
+    )
 
 
 def _call(bufs, **kw):
@@ -553,40 +779,130 @@ def _call(bufs, **kw):
     "make, kw, exc, match",
     [
         (lambda: _bufs(grad_n=10), {}, ValueError, "grad has 10 elements, param has 12"),
-        (lambda: dict(_bufs(), exp_avg=torch.zeros(13)), {}, ValueError, "exp_avg has 13 elements, param has 12"),
-        (lambda: _bufs(grad_dtype=torch.float64), {}, TypeError, "grad must be float32/float16/bfloat16, got float64"),
-        (lambda: dict(_bufs(), param=torch.zeros(12, dtype=torch.float16)), {}, TypeError, "param must be float32"),
-        (lambda: dict(_bufs(), exp_avg_sq=torch.zeros(12, dtype=torch.float16)), {}, TypeError,
-         "exp_avg_sq must be float32/bfloat16, got float16"),
-        (lambda: dict(_bufs(), exp_avg=torch.zeros(24)[::2]), {}, ValueError, "exp_avg must be contiguous"),
-        (lambda: dict(_bufs(), exp_avg=torch.zeros(12, dtype=torch.float16)), {}, TypeError,
-         "exp_avg must be float32/bfloat16, got float16"),
-        (lambda: dict(_bufs(), exp_avg_sq=torch.zeros(12, dtype=torch.float64)), {}, TypeError,
-         "exp_avg_sq must be float32/bfloat16, got float64"),
-        (lambda: dict(_bufs(), exp_avg=torch.zeros(12, dtype=torch.int16)), {}, TypeError, "exp_avg must be"),
-        (lambda: dict(_bufs(), param=torch.zeros(12, dtype=torch.bfloat16),
-                      exp_avg=torch.zeros(12, dtype=torch.bfloat16)), {}, TypeError, "param must be float32"),
-        (lambda: dict(_bufs(), exp_avg=torch.zeros(13, dtype=torch.bfloat16)), {}, ValueError,
-         "exp_avg has 13 elements, param has 12"),
-        (lambda: dict(_bufs(), exp_avg_sq=torch.zeros(11, dtype=torch.bfloat16)), {}, ValueError,
-         "exp_avg_sq has 11 elements, param has 12"),
-        (lambda: dict(_bufs(), exp_avg_sq=torch.zeros(24, dtype=torch.bfloat16)[::2]), {}, ValueError,
-         "exp_avg_sq must be contiguous"),
-        (lambda: dict(_bufs(), exp_avg=torch.zeros(12, dtype=torch.bfloat16, device="meta")), {}, ValueError,
-         "exp_avg must be a CPU tensor"),
-        (lambda: dict(_bufs(), grad=torch.zeros(4, 3).t()), {}, ValueError, "grad must be contiguous"),
-        (lambda: dict(_bufs(), grad=torch.zeros(12, device="meta")), {}, ValueError, "grad must be a CPU tensor"),
-        (lambda: dict(_bufs(), param=torch.zeros(12, device="meta")), {}, ValueError, "param must be a CPU tensor"),
+        (
+            lambda: dict(_bufs(), exp_avg=torch.zeros(13)),
+            {},
+            ValueError,
+            "exp_avg has 13 elements, param has 12",
+        ),
+        (
+            lambda: _bufs(grad_dtype=torch.float64),
+            {},
+            TypeError,
+            "grad must be float32/float16/bfloat16, got float64",
+        ),
+        (
+            lambda: dict(_bufs(), param=torch.zeros(12, dtype=torch.float16)),
+            {},
+            TypeError,
+            "param must be float32",
+        ),
+        (
+            lambda: dict(_bufs(), exp_avg_sq=torch.zeros(12, dtype=torch.float16)),
+            {},
+            TypeError,
+            "exp_avg_sq must be float32/bfloat16, got float16",
+        ),
+        (
+            lambda: dict(_bufs(), exp_avg=torch.zeros(24)[::2]),
+            {},
+            ValueError,
+            "exp_avg must be contiguous",
+        ),
+        (
+            lambda: dict(_bufs(), exp_avg=torch.zeros(12, dtype=torch.float16)),
+            {},
+            TypeError,
+            "exp_avg must be float32/bfloat16, got float16",
+        ),
+        (
+            lambda: dict(_bufs(), exp_avg_sq=torch.zeros(12, dtype=torch.float64)),
+            {},
+            TypeError,
+            "exp_avg_sq must be float32/bfloat16, got float64",
+        ),
+        (
+            lambda: dict(_bufs(), exp_avg=torch.zeros(12, dtype=torch.int16)),
+            {},
+            TypeError,
+            "exp_avg must be",
+        ),
+        (
+            lambda: dict(
+                _bufs(),
+                param=torch.zeros(12, dtype=torch.bfloat16),
+                exp_avg=torch.zeros(12, dtype=torch.bfloat16),
+            ),
+            {},
+            TypeError,
+            "param must be float32",
+        ),
+        (
+            lambda: dict(_bufs(), exp_avg=torch.zeros(13, dtype=torch.bfloat16)),
+            {},
+            ValueError,
+            "exp_avg has 13 elements, param has 12",
+        ),
+        (
+            lambda: dict(_bufs(), exp_avg_sq=torch.zeros(11, dtype=torch.bfloat16)),
+            {},
+            ValueError,
+            "exp_avg_sq has 11 elements, param has 12",
+        ),
+        (
+            lambda: dict(_bufs(), exp_avg_sq=torch.zeros(24, dtype=torch.bfloat16)[::2]),
+            {},
+            ValueError,
+            "exp_avg_sq must be contiguous",
+        ),
+        (
+            lambda: dict(_bufs(), exp_avg=torch.zeros(12, dtype=torch.bfloat16, device="meta")),
+            {},
+            ValueError,
+            "exp_avg must be a CPU tensor",
+        ),
+        (
+            lambda: dict(_bufs(), grad=torch.zeros(4, 3).t()),
+            {},
+            ValueError,
+            "grad must be contiguous",
+        ),
+        (
+            lambda: dict(_bufs(), grad=torch.zeros(12, device="meta")),
+            {},
+            ValueError,
+            "grad must be a CPU tensor",
+        ),
+        (
+            lambda: dict(_bufs(), param=torch.zeros(12, device="meta")),
+            {},
+            ValueError,
+            "param must be a CPU tensor",
+        ),
         (lambda: dict(_bufs(), grad=torch.zeros(12).to_sparse()), {}, ValueError, "dense"),
         (lambda: dict(_bufs(), grad=[0.0] * 12), {}, TypeError, "grad must be a torch.Tensor"),
         (_bufs, dict(step=0), ValueError, "step must be >= 1, got 0"),
         (_bufs, dict(step=-3), ValueError, "step must be >= 1"),
         (_bufs, dict(step=1.5), ValueError, "step must be an integer"),
         (_bufs, dict(step=None), TypeError, "step must be an integer"),
-        (_bufs, dict(param_out=torch.zeros(12)), TypeError, "param_out must be float16/bfloat16, got float32"),
-        (_bufs, dict(param_out=torch.zeros(11, dtype=torch.bfloat16)), ValueError,
-         "param_out has 11 elements, param has 12"),
-        (_bufs, dict(param_out=torch.zeros(24, dtype=torch.float16)[::2]), ValueError, "param_out must be contiguous"),
+        (
+            _bufs,
+            dict(param_out=torch.zeros(12)),
+            TypeError,
+            "param_out must be float16/bfloat16, got float32",
+        ),
+        (
+            _bufs,
+            dict(param_out=torch.zeros(11, dtype=torch.bfloat16)),
+            ValueError,
+            "param_out has 11 elements, param has 12",
+        ),
+        (
+            _bufs,
+            dict(param_out=torch.zeros(24, dtype=torch.float16)[::2]),
+            ValueError,
+            "param_out must be contiguous",
+        ),
         (_bufs, dict(lr=-1.0), ValueError, "lr must be >= 0"),
         (_bufs, dict(beta1=1.0), ValueError, "beta1 must be in"),
         (_bufs, dict(beta2=-0.1), ValueError, "beta2 must be in"),
@@ -597,8 +913,11 @@ def _call(bufs, **kw):
 )
 def test_bad_inputs_raise_and_touch_nothing(make, kw, exc, match):
     bufs = make()
-    before = {k: v.clone() for k, v in bufs.items() if isinstance(v, torch.Tensor) and v.device.type == "cpu"
-              and v.layout == torch.strided}
+    before = {
+        k: v.clone()
+        for k, v in bufs.items()
+        if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.layout == torch.strided
+    }
     with pytest.raises(exc, match=match):
         _call(bufs, **kw)
     for k, v in before.items():
@@ -608,14 +927,24 @@ def test_bad_inputs_raise_and_touch_nothing(make, kw, exc, match):
 def test_aliasing_rejected():
     b = _bufs()
     with pytest.raises(ValueError, match="param and exp_avg overlap"):
-        ca.adam_step(b["param"], b["grad"], b["param"], b["exp_avg_sq"], step=1, weight_decay=0.0, **HYPER)
+        ca.adam_step(
+            b["param"], b["grad"], b["param"], b["exp_avg_sq"], step=1, weight_decay=0.0, **HYPER
+        )
     big = torch.zeros(30)
     with pytest.raises(ValueError, match="exp_avg and exp_avg_sq overlap"):
         ca.adam_step(b["param"], b["grad"], big[:12], big[6:18], step=1, weight_decay=0.0, **HYPER)
     pout = b["param"].view(torch.bfloat16)  # 24 bf16 views of the same bytes
     with pytest.raises(ValueError, match="param and param_out overlap"):
-        ca.adam_step(b["param"], b["grad"], b["exp_avg"], b["exp_avg_sq"], param_out=pout[:12], step=1,
-                     weight_decay=0.0, **HYPER)
+        ca.adam_step(
+            b["param"],
+            b["grad"],
+            b["exp_avg"],
+            b["exp_avg_sq"],
+            param_out=pout[:12],
+            step=1,
+            weight_decay=0.0,
+            **HYPER,
+        )
 
 
 def test_bf16_moment_aliasing_rejected_and_touch_nothing():
@@ -627,29 +956,95 @@ def test_bf16_moment_aliasing_rejected_and_touch_nothing():
         (b["param"].view(torch.bfloat16)[6:18], b["exp_avg_sq"], None, "param and exp_avg overlap"),
         (b["exp_avg"], b["grad"].view(torch.bfloat16)[:12], None, "grad and exp_avg_sq overlap"),
         (pm[:12], pm[11:23], None, "exp_avg and exp_avg_sq overlap"),
-        (pm[:12], out.view(torch.int16).view(torch.bfloat16), out, "exp_avg_sq and param_out overlap"),
+        (
+            pm[:12],
+            out.view(torch.int16).view(torch.bfloat16),
+            out,
+            "exp_avg_sq and param_out overlap",
+        ),
     ]
     for m, v, o, match in cases:
         tensors = (b["param"], b["grad"], b["exp_avg"], b["exp_avg_sq"], pm, out)
         snap = [t.clone() for t in tensors]
         with pytest.raises(ValueError, match=match):
-            ca.adam_step(b["param"], b["grad"], m, v, param_out=o, step=1, weight_decay=0.1, **HYPER)
+            ca.adam_step(
+                b["param"], b["grad"], m, v, param_out=o, step=1, weight_decay=0.1, **HYPER
+            )
         assert all(torch.equal(x, y) for x, y in zip(snap, tensors)), match
 
 
 def test_empty_is_noop_and_raw_codes_checked():
-    ca.adam_step(torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0), step=1, weight_decay=0.0,
-                 param_out=torch.zeros(0, dtype=torch.bfloat16), **HYPER)
+    ca.adam_step(
+        torch.zeros(0),
+        torch.zeros(0),
+        torch.zeros(0),
+        torch.zeros(0),
+        step=1,
+        weight_decay=0.0,
+        param_out=torch.zeros(0, dtype=torch.bfloat16),
+        **HYPER,
+    )
     t = torch.zeros(4)
     with pytest.raises(ValueError, match="grad_dtype"):
-        _C.adam_step(t.data_ptr(), t.data_ptr(), 7, t.data_ptr(), t.data_ptr(), 0, 0, 4, 1, 1e-3, 0.9, 0.999,
-                     1e-8, 0.0, True, True, 1.0)
+        _C.adam_step(
+            t.data_ptr(),
+            t.data_ptr(),
+            7,
+            t.data_ptr(),
+            t.data_ptr(),
+            0,
+            0,
+            4,
+            1,
+            1e-3,
+            0.9,
+            0.999,
+            1e-8,
+            0.0,
+            True,
+            True,
+            1.0,
+        )
     with pytest.raises(ValueError, match="out_dtype"):
-        _C.adam_step(t.data_ptr(), t.data_ptr(), 0, t.data_ptr(), t.data_ptr(), t.data_ptr(), 0, 4, 1, 1e-3, 0.9,
-                     0.999, 1e-8, 0.0, True, True, 1.0)
+        _C.adam_step(
+            t.data_ptr(),
+            t.data_ptr(),
+            0,
+            t.data_ptr(),
+            t.data_ptr(),
+            t.data_ptr(),
+            0,
+            4,
+            1,
+            1e-3,
+            0.9,
+            0.999,
+            1e-8,
+            0.0,
+            True,
+            True,
+            1.0,
+        )
     with pytest.raises(ValueError, match="step must be >= 1"):
-        _C.adam_step(t.data_ptr(), t.data_ptr(), 0, t.data_ptr(), t.data_ptr(), 0, 0, 4, 0, 1e-3, 0.9, 0.999,
-                     1e-8, 0.0, True, True, 1.0)
+        _C.adam_step(
+            t.data_ptr(),
+            t.data_ptr(),
+            0,
+            t.data_ptr(),
+            t.data_ptr(),
+            0,
+            0,
+            4,
+            0,
+            1e-3,
+            0.9,
+            0.999,
+            1e-8,
+            0.0,
+            True,
+            True,
+            1.0,
+        )
 
 
 # ----------------------------------------------------------- controls
@@ -674,7 +1069,9 @@ def test_simd_level_controls():
 def test_env_var_forces_level_at_import():
     code = "from mp_offload import _cpu_adam as c; print(c.simd_level())"
     env = dict(os.environ, MP_OFFLOAD_CPU_ADAM_SIMD="scalar")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == "scalar"
     env["MP_OFFLOAD_CPU_ADAM_SIMD"] = "bogus"
     bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)

@@ -47,7 +47,7 @@ def test_user_jsonl_corpus_tp2_dp2(tmp_path):
                     f"{prefix}_text_document", "--tokenizer-model", f"{tok}.model",
                     "--train-iters", "12", "--eval-interval", "6", "--eval-iters", "2",
                     "--split", "90,8,2", "--data-cache-dir", str(tmp_path / "cache"),
-                    "--log-json", str(log))
+                    "--log-json", str(log), "--save", str(tmp_path / "ckpt"))
     assert res.returncode == 0, res.stderr[-3000:]
     recs = [json.loads(line) for line in open(log)]
     train = [r["loss"] for r in recs if "loss" in r]
@@ -55,6 +55,31 @@ def test_user_jsonl_corpus_tp2_dp2(tmp_path):
     assert len(train) == 12 and train[-1] < train[0]
     assert len(valid) >= 3 and valid[-1] < valid[0]
     assert any("test_loss" in r for r in recs)
+    _hf_export_round_trips_text(tmp_path, f"{tok}.model")
+
+
+def _hf_export_round_trips_text(tmp_path, sp_model):
+    """AutoTokenizer + AutoModelForCausalLM on the export: the project's ids, its logits."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from mp_offload.checkpoint import resolve_checkpoint
+    from mp_offload.checkpoint.convert import main as convert
+    from mp_offload.data.tokenizer import build_tokenizer
+    from mp_offload.generation import load_model
+    hf = str(tmp_path / "hf")
+    assert convert(["--load", str(tmp_path / "ckpt"), "--hf-out", hf]) == 0
+    ours = build_tokenizer("SentencePieceTokenizer", sp_model)
+    theirs = transformers.AutoTokenizer.from_pretrained(hf)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32)
+    for text in ("document 7: alpha beta  gamma", "zeta\n\teta  theta délta 42"):
+        ids = ours.tokenize(text)
+        assert theirs(text)["input_ids"] == ids, text
+        tokens = torch.tensor([ids])
+        with torch.no_grad():
+            got = model(tokens).logits
+            want = load_model(resolve_checkpoint(str(tmp_path / "ckpt")))(tokens)
+        torch.testing.assert_close(got, want[..., :got.shape[-1]], atol=2e-5, rtol=1e-5)
 
 
 def test_torchrun_restart_resumes_from_latest_checkpoint(tmp_path):

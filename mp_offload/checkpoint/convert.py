@@ -18,6 +18,7 @@ package, the exported weights; without the package they are streamed to the file
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -68,6 +69,22 @@ def _eod_guess(ckpt: str) -> int | None:
         return None
 
 
+def _export_tokenizer(ckpt: str, out_dir: str) -> None:
+    """The run's tokenizer beside the weights, so AutoTokenizer loads the export too."""
+    from ..data.hf_tokenizer import export_tokenizer  # deferred: needs tokenizers
+    full = FullTensors(ckpt)
+    data = full.common().get("args", {}).get("data", {})
+    try:
+        files = export_tokenizer(data, out_dir,
+                                 model_max_length=full.config.max_position_embeddings)
+    except (ValueError, OSError, ImportError) as e:
+        print(f"convert_checkpoint.py: warning: tokenizer not exported ({e}); "
+              f"AutoTokenizer will not load {out_dir}", file=sys.stderr)
+        return
+    if files:
+        print(f"exported the run's tokenizer -> {', '.join(os.path.basename(f) for f in files)}")
+
+
 def main(argv=None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
@@ -98,6 +115,7 @@ def main(argv=None) -> int:
             eod = a.eod_id if a.eod_id is not None else _eod_guess(ckpt)
             export_hf(ckpt, a.hf_out, DTYPES[a.hf_dtype], eod=eod)
             print(f"exported {ckpt} -> {a.hf_out} (GPT2LMHeadModel)")
+            _export_tokenizer(ckpt, a.hf_out)
         return 0
     except (CheckpointError, ConversionError, OSError) as e:
         print(f"convert_checkpoint.py: error: {e}", file=sys.stderr)

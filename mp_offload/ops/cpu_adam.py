@@ -121,7 +121,9 @@ def _check_tensor(fn: str, name: str, t, dtypes, numel: int | None) -> None:
         names = "/".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{fn}: {name} must be {names}, got {str(t.dtype).replace('torch.', '')}")
     if not t.is_contiguous():
-        raise ValueError(f"{fn}: {name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+        raise ValueError(
+            f"{fn}: {name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})"
+        )
     if numel is not None and t.numel() != numel:
         raise ValueError(f"{fn}: {name} has {t.numel()} elements, param has {numel}")
 
@@ -157,11 +159,19 @@ def _as_step(fn: str, step) -> int:
 
 
 def _check_hyper(fn: str, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0) -> None:
-    for name, x in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps),
-                    ("weight_decay", weight_decay), ("grad_scale", grad_scale)):
+    for name, x in (
+        ("lr", lr),
+        ("beta1", beta1),
+        ("beta2", beta2),
+        ("eps", eps),
+        ("weight_decay", weight_decay),
+        ("grad_scale", grad_scale),
+    ):
         t = type(x)  # float/int first: the ABC check below costs ~10x more per call
-        if not ((t is float or t is int or (t is not bool and isinstance(x, numbers.Real)))
-                and math.isfinite(x)):
+        if not (
+            (t is float or t is int or (t is not bool and isinstance(x, numbers.Real)))
+            and math.isfinite(x)
+        ):
             raise ValueError(f"{fn}: {name} must be a finite real number, got {x!r}")
     if lr < 0:
         raise ValueError(f"{fn}: lr must be >= 0, got {lr}")
@@ -184,8 +194,16 @@ def _check_buffers(fn, param, grad, exp_avg, exp_avg_sq, param_out) -> int:
     if param_out is not None:
         _check_tensor(fn, "param_out", param_out, _OUT_DTYPES, n)
     if n:
-        _check_no_overlap(fn, {"param": param, "grad": grad, "exp_avg": exp_avg,
-                               "exp_avg_sq": exp_avg_sq, "param_out": param_out})
+        _check_no_overlap(
+            fn,
+            {
+                "param": param,
+                "grad": grad,
+                "exp_avg": exp_avg,
+                "exp_avg_sq": exp_avg_sq,
+                "param_out": param_out,
+            },
+        )
     return n
 
 
@@ -196,7 +214,9 @@ def _check_runs(fn: str, runs, n: int) -> list:
     if isinstance(runs, torch.Tensor):
         runs = runs.tolist()
     if isinstance(runs, (str, bytes)) or not isinstance(runs, Iterable):
-        raise TypeError(f"{fn}: decay_runs must be a sequence of (start, end) pairs, got {type(runs).__name__}")
+        raise TypeError(
+            f"{fn}: decay_runs must be a sequence of (start, end) pairs, got {type(runs).__name__}"
+        )
     runs = list(runs)
     out = []
     prev_end = 0
@@ -204,7 +224,9 @@ def _check_runs(fn: str, runs, n: int) -> list:
         try:
             s, e = r
         except (TypeError, ValueError):
-            raise TypeError(f"{fn}: decay_runs[{k}] must be a (start, end) pair, got {r!r}") from None
+            raise TypeError(
+                f"{fn}: decay_runs[{k}] must be a (start, end) pair, got {r!r}"
+            ) from None
         if type(s) is not int or type(e) is not int:
             if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in (s, e)):
                 raise TypeError(f"{fn}: decay_runs[{k}] must hold two integers, got {r!r}")
@@ -274,13 +296,26 @@ def adam_step(
     if n == 0:
         return
     _C.adam_step(
-        param.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype],
-        exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+        param.data_ptr(),
+        grad.data_ptr(),
+        _DTYPE_CODES[grad.dtype],
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
         0 if param_out is None else param_out.data_ptr(),
         0 if param_out is None else _DTYPE_CODES[param_out.dtype],
-        n, step, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-        bool(adamw), bool(bias_correction), float(grad_scale),
-        _DTYPE_CODES[exp_avg.dtype], _DTYPE_CODES[exp_avg_sq.dtype], runs,
+        n,
+        step,
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        bool(adamw),
+        bool(bias_correction),
+        float(grad_scale),
+        _DTYPE_CODES[exp_avg.dtype],
+        _DTYPE_CODES[exp_avg_sq.dtype],
+        runs,
     )
 
 
@@ -302,11 +337,16 @@ def stream_probe(
     if n == 0:
         return 0.0
     return _C.stream_probe(
-        param.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype],
-        exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+        param.data_ptr(),
+        grad.data_ptr(),
+        _DTYPE_CODES[grad.dtype],
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
         0 if param_out is None else param_out.data_ptr(),
         0 if param_out is None else _DTYPE_CODES[param_out.dtype],
-        n, _DTYPE_CODES[exp_avg.dtype], _DTYPE_CODES[exp_avg_sq.dtype],
+        n,
+        _DTYPE_CODES[exp_avg.dtype],
+        _DTYPE_CODES[exp_avg_sq.dtype],
     )
 
 
@@ -338,10 +378,18 @@ class CPUAdam(torch.optim.Optimizer):
         _check_hyper("CPUAdam", lr, betas[0], betas[1], eps, weight_decay)
         for name, dt in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
             if dt not in _MOMENT_DTYPES:
-                raise TypeError(f"CPUAdam: {name} must be torch.float32 or torch.bfloat16, got {dt}")
+                raise TypeError(
+                    f"CPUAdam: {name} must be torch.float32 or torch.bfloat16, got {dt}"
+                )
         self._moment_dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype}
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
-                    "adamw": adamw, "bias_correction": bias_correction}
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "adamw": adamw,
+            "bias_correction": bias_correction,
+        }
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
@@ -364,16 +412,26 @@ class CPUAdam(torch.optim.Optimizer):
                 if len(state) == 0:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     for key, dt in self._moment_dtypes.items():
-                        state[key] = torch.zeros_like(p, dtype=dt, memory_format=torch.contiguous_format)
+                        state[key] = torch.zeros_like(
+                            p, dtype=dt, memory_format=torch.contiguous_format
+                        )
                 for key, dt in self._moment_dtypes.items():  # e.g. after load_state_dict
                     if state[key].dtype != dt or not state[key].is_contiguous():
                         state[key] = state[key].to(dt).contiguous()
                 state["step"] += 1
                 adam_step(
-                    p, p.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"],
-                    step=int(state["step"].item()), lr=group["lr"], beta1=beta1, beta2=beta2,
-                    eps=group["eps"], weight_decay=group["weight_decay"],
-                    adamw=group.get("adamw", True), bias_correction=group.get("bias_correction", True),
+                    p,
+                    p.grad.contiguous(),
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    step=int(state["step"].item()),
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    adamw=group.get("adamw", True),
+                    bias_correction=group.get("bias_correction", True),
                 )
         return loss
 
