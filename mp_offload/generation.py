@@ -25,6 +25,7 @@ from .checkpoint import (
     load_weights_resharded,
     resolve_checkpoint,
 )
+from .checkpoint.format import tokenizer_args
 from .distributed import first_error
 from .help_format import DefaultsHelpFormatter
 from .model.gpt import GPTModel
@@ -186,7 +187,9 @@ def main(argv=None) -> dict:
         try:  # load everywhere, then agree on failure: one bad rank must not hang the rest
             ckpt = resolve_checkpoint(a.load, a.iteration)
             full = FullTensors(ckpt)
-            tok, stops = tokenizer_for(full.common().get("args", {}), full.config.vocab_size,
+            saved = dict(full.common().get("args", {}),
+                         data=tokenizer_args(ckpt, full.common()))
+            tok, stops = tokenizer_for(saved, full.config.vocab_size,
                                        a.tokenizer_type, a.tokenizer_model)
             if tok.vocab_size > full.config.vocab_size:
                 raise CheckpointError(f"the tokenizer has {tok.vocab_size} ids, the model "

@@ -68,8 +68,14 @@ def _hf_export_round_trips_text(tmp_path, sp_model):
     from mp_offload.data.tokenizer import build_tokenizer
     from mp_offload.generation import load_model
     hf = str(tmp_path / "hf")
-    assert convert(["--load", str(tmp_path / "ckpt"), "--hf-out", hf]) == 0
     ours = build_tokenizer("SentencePieceTokenizer", sp_model)
+    # The checkpoint keeps its own copy of the tokenizer: move the original away.
+    os.rename(sp_model, sp_model + ".moved")
+    assert convert(["--load", str(tmp_path / "ckpt"), "--hf-out", hf]) == 0
+    from mp_offload.generation import main as generate
+    out = generate(["--load", str(tmp_path / "ckpt"), "--prompt", "alpha beta",
+                    "--max-new-tokens", "4", "--greedy"])
+    assert out["prompt_ids"] == ours.tokenize("alpha beta")
     theirs = transformers.AutoTokenizer.from_pretrained(hf)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32)
     for text in ("document 7: alpha beta  gamma", "zeta\n\teta  theta délta 42"):

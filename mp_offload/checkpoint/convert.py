@@ -24,6 +24,7 @@ import sys
 import torch
 
 from ..optimizer.base import DEFAULT_BUCKET_SIZE
+from . import format as fmt
 from .errors import CheckpointError, ConversionError
 from .hf_gpt2 import export_hf, import_hf
 from .offline import FullTensors, merge_checkpoint, resolve_checkpoint
@@ -63,7 +64,8 @@ def _eod_guess(ckpt: str) -> int | None:
     from ..generation import tokenizer_for  # deferred: pulls in the tokenizers
     full = FullTensors(ckpt)
     try:
-        tok, stops = tokenizer_for(full.common().get("args", {}), full.config.vocab_size)
+        saved = dict(full.common().get("args", {}), data=fmt.tokenizer_args(ckpt, full.common()))
+        tok, stops = tokenizer_for(saved, full.config.vocab_size)
         return tok.eod if stops else None
     except Exception:  # noqa: BLE001 - no tokenizer file here: leave the ids unset
         return None
@@ -73,7 +75,7 @@ def _export_tokenizer(ckpt: str, out_dir: str) -> None:
     """The run's tokenizer beside the weights, so AutoTokenizer loads the export too."""
     from ..data.hf_tokenizer import export_tokenizer  # deferred: needs tokenizers
     full = FullTensors(ckpt)
-    data = full.common().get("args", {}).get("data", {})
+    data = fmt.tokenizer_args(ckpt, full.common())
     try:
         files = export_tokenizer(data, out_dir,
                                  model_max_length=full.config.max_position_embeddings)

@@ -45,6 +45,8 @@ LOCK = ".lock"
 MANIFEST = "manifest.json"
 MANIFEST_SHA = "manifest.sha256"
 COMMON = "common.pt"
+TOKENIZER_DIR = "tokenizer"  # copies of the run's tokenizer files
+TOKENIZER_FIELDS = ("tokenizer_model", "vocab_file", "merge_file")  # DataConfig paths
 TMP_PREFIX = ".tmp_iter_"
 _ITER_NAME = re.compile(r"iter_(\d{7,})")
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -112,6 +114,48 @@ def find_checkpoint(path: str, iteration: int | None = None) -> str | None:
         if iteration is None:
             return None
     return iter_dir(path, iteration)
+
+
+# ------------------------------------------------------------------- tokenizer
+def tokenizer_files(data_args: dict) -> dict[str, str]:
+    """DataConfig field -> the file it names, for the run's tokenizer files that exist (a
+    HuggingFaceTokenizer directory stands for its tokenizer.json)."""
+    out = {}
+    for field in TOKENIZER_FIELDS:
+        path = data_args.get(field)
+        if path and os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        if path and os.path.isfile(path):
+            out[field] = path
+    return out
+
+
+def copy_tokenizer(data_args: dict, tmp: str) -> tuple[dict, dict]:
+    """Copy the tokenizer files into the save; returns (manifest entries, field -> path
+    relative to the iteration directory). Generation and export use the copies when the
+    original files have moved, so a checkpoint works from any directory."""
+    entries, stored = {}, {}
+    for field, src in tokenizer_files(data_args).items():
+        rel = os.path.join(TOKENIZER_DIR, f"{field}-{os.path.basename(src)}")
+        dst = os.path.join(tmp, rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with open(src, "rb") as fi, open(dst, "wb") as fo:
+            shutil.copyfileobj(fi, fo)
+            fo.flush()
+            os.fsync(fo.fileno())
+        entries[rel] = dict(bytes=os.path.getsize(dst), sha256=sha256_file(dst))
+        stored[field] = rel
+    return entries, stored
+
+
+def tokenizer_args(ckpt: str, common: dict) -> dict:
+    """The run's data args, with each tokenizer path that no longer exists replaced by the
+    checkpoint's own copy."""
+    data = dict(common.get("args", {}).get("data", {}))
+    for field, rel in common.get("tokenizer_files", {}).items():
+        if not (data.get(field) and os.path.exists(data[field])):
+            data[field] = os.path.join(ckpt, rel)
+    return data
 
 
 # ------------------------------------------------------------------------ writing

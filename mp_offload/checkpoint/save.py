@@ -50,8 +50,11 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model, opt
     final = fmt.iter_dir(root, iteration)
     if dist.get_rank() == 0:
         all_files = {k: v for f in gathered for k, v in f.items()}
+        run_args = {k: dataclasses.asdict(v) for k, v in vars(args).items()}
+        tok_entries, tok_stored = fmt.copy_tokenizer(run_args.get("data", {}), tmp)
+        all_files.update(tok_entries)
         common = {"iteration": iteration, "consumed_samples": consumed_samples,
-                  "args": {k: dataclasses.asdict(v) for k, v in vars(args).items()}}
+                  "args": run_args, "tokenizer_files": tok_stored}
         all_files[fmt.COMMON] = fmt.write_file(common, os.path.join(tmp, fmt.COMMON))
         manifest = fmt.make_manifest(
             iteration=iteration, tp=tp, dp=dp, optimizer=optimizer.checkpoint_kind,
