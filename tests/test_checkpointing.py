@@ -509,7 +509,8 @@ def test_resume_from_an_iteration_directory(tmp_path):
     ck = str(tmp_path / "ck")
     first, again = str(tmp_path / "first.jsonl"), str(tmp_path / "again.jsonl")
     run(1, 1, "--save", ck, "--save-interval", "4", "--log-json", first)
-    assert sorted(os.listdir(ck)) == ["iter_0000004", "iter_0000008",
+    # (config.yaml: the run's resolved configuration, written at start)
+    assert sorted(os.listdir(ck)) == ["config.yaml", "iter_0000004", "iter_0000008",
                                       "latest_checkpointed_iteration.txt"]
     run(1, 1, "--load", os.path.join(ck, "iter_0000004"), "--save", ck,
         "--override-existing-checkpoints", "--log-json", again)
