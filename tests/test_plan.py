@@ -398,11 +398,12 @@ def test_no_flags_answers_for_the_launch_scripts_defaults(capsys, monkeypatch):
     # more does not (host-bound at ~19 bytes per parameter).
     base = dataclasses.replace(paper_base(seq=2048), recompute_activations=True)
     hw = Hardware(80, 256, 8, host_headroom_gb=25.6)
-    run = Run(base, micro_batch=4)
+    run = Run(base, micro_batch=4, micro_batches=4)  # 16 sequences per step: 4 micro-batches
     found = max_model(run, hw)
     assert found.limit == "host" and found.plan.host_node_peak <= 230.4 * 2**30
     more = dataclasses.replace(found.cfg, num_layers=found.cfg.num_layers + 1)
-    assert plan_job(Run(more, micro_batch=4), hw).host_node_peak > 230.4 * 2**30
+    assert plan_job(Run(more, micro_batch=4, micro_batches=4), hw).host_node_peak > \
+        230.4 * 2**30
     assert 11.5e9 < found.params < 12.5e9
     c = found.cfg
     assert f"max model (gpt3), offload: {found.params / 1e9:.2f}B = --num-layers " \

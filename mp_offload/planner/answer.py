@@ -42,8 +42,11 @@ def compare_max_models(run: Run, hw: Hardware, family: str, machine: Machine,
                        batch_per_gpu: int) -> dict[str, ModeAnswer]:
     """The largest GPT of ``family`` in each mode (``run``'s own first), with its speed."""
     out = {}
+    # The launch command accumulates batch_per_gpu / micro_batch micro-batches per step:
+    # plan their memory (with offload, an fp32 gradient sum on the host).
+    k = max(1, batch_per_gpu // run.micro_batch)
     for mode in dict.fromkeys([run.mode, *MODES]):
-        r = replace(run, mode=mode, dpu=run.dpu and mode == "offload")
+        r = replace(run, mode=mode, dpu=run.dpu and mode == "offload", micro_batches=k)
         found = max_model(r, hw, family)
         out[mode] = ModeAnswer(mode, found, speed(found.cfg, r, machine, batch_per_gpu)
                                if found.cfg else None)
