@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 from mp_offload import parallel_state as ps  # noqa: E402
 from mp_offload.model.gpt import GPTConfig, GPTModel  # noqa: E402
-from mp_offload.ops import cpu_adam  # noqa: E402
+from mp_offload.ops import cpu_adam, host_ops  # noqa: E402
 from mp_offload.optimizer import reducer as reducer_mod  # noqa: E402
 from mp_offload.optimizer.zero import ZeroOptimizer  # noqa: E402
 
@@ -84,6 +84,7 @@ def one_step(opt, params, consts, k: int) -> None:
 def main() -> None:
     torch.set_num_threads(ARGS.threads)
     cpu_adam.set_num_threads(ARGS.threads)
+    host_ops.set_num_threads(ARGS.threads)
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
