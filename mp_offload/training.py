@@ -166,11 +166,9 @@ def _save(args: Args, iteration: int, consumed: int, model, optimizer) -> None:
 
 
 def _record(args: Args, iteration: int, consumed: int, lr: float, out: StepOutput,
-            optimizer: Optimizer, elapsed: float) -> dict:
+            optimizer: Optimizer, elapsed: float, flops_tok: int) -> dict:
     """The log record of one iteration (Megatron's fields plus throughput and traffic)."""
     t = args.train
-    flops_tok = flops_per_token(args.model, args.model.recompute_activations,
-                                args.parallel.tensor_model_parallel_size)
     tokens_per_sec = t.global_batch_size * args.model.seq_length / elapsed
     rec = dict(iteration=iteration, consumed_samples=consumed, loss=out.loss, lr=lr,
                grad_norm=out.result.grad_norm, loss_scale=out.result.loss_scale,
@@ -202,6 +200,8 @@ def train(args: Args, model, optimizer: Optimizer, train_iter, valid_iter, devic
             sampler(model, optimizer, device, 0, logger)
     model.train()
     logger.start_loop(iteration, t.train_iters)
+    flops_tok = flops_per_token(args.model, args.model.recompute_activations,
+                                args.parallel.tensor_model_parallel_size)
     while iteration < end:
         t0 = time.perf_counter()
         lr = sched.get_lr(consumed_samples)
@@ -215,7 +215,7 @@ def train(args: Args, model, optimizer: Optimizer, train_iter, valid_iter, devic
             raise TrainingError(f"loss is {out.loss} at iteration {iteration}; stopping "
                                 f"(lower --lr, check the data, or use --fp16/--bf16 carefully)")
         last = _record(args, iteration, consumed_samples, lr, out, optimizer,
-                       time.perf_counter() - t0)
+                       time.perf_counter() - t0, flops_tok)
         logger.iteration(last, print_line=iteration % args.log.log_interval == 0)
         if t.eval_interval and iteration % t.eval_interval == 0 and iteration < t.train_iters:
             logger.evaluation(iteration, "valid",
