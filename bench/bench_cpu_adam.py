@@ -1,8 +1,9 @@
 """Benchmark the fused CPU Adam (mp_offload.ops.cpu_adam) against torch and DeepSpeed.
 
 All rows run side by side in one process on the same sizes, round-robin (one step of
-every row per repeat, the starting row rotating from repeat to repeat), so a noisy
-neighbour or a position in the round hurts all rows alike. Each row is warmed up once
+every row per repeat; rows of the same traffic -- ours, its peers, that traffic's
+ceiling patterns -- back to back; the starting row rotating from repeat to repeat), so
+a noisy neighbour or a position in the round hurts all rows alike. Each row is warmed up once
 (allocating lazy optimizer state), then timed per step; the table shows the median
 (and the minimum, for noisy machines).
 
@@ -15,13 +16,15 @@ best median of several access patterns that move exactly those bytes with trivia
 work (bench/bench_host_ceiling.py: contiguous per-thread ranges, round-robin or
 dynamic tiles, with and without non-temporal stores, one array at a time, torch's own
 kernels), each timed round-robin with the rows; the table names the winning pattern.
-"of ceil." = ceiling time for the row's traffic / row time. ``stream_probe`` (our
+"of ceil." = ceiling time for the row's traffic / row time and "vs fused" = torch
+fused time / row time are paired: the median over repeats of the ratio within each
+repeat (rows compared with each other run back to back). ``stream_probe`` (our
 kernel's loads/stores with trivial math) is shown for reference only: it shares our
 access pattern, so it says how well our pattern streams, not what the machine can do.
 
 Buffers come from torch's allocator with transparent huge pages
 (THP_MEM_ALLOC_ENABLE=1; --no-thp to turn off): with 4 KiB pages, TLB misses make
-whichever buffers were allocated first up to ~10% slower on some hosts (VMs), an
+whichever buffers were allocated first 10-15% slower on some hosts (VMs), an
 artefact of allocation order rather than of the optimizer.
 
   python bench/bench_cpu_adam.py [--sizes 10e6,100e6] [--repeats 7] [--threads N] [--json out.json]
@@ -214,17 +217,33 @@ def bench_size(n, ds_cls, ds_note, lib):
         )
     )
 
-    for _, _, _, fn, _ in rows:  # warm-up: lazy state, page faults, JIT
+    # Execution order: rows that are compared with each other run next to each other
+    # (same traffic class: ours, its peers, that class's ceiling patterns), so paired
+    # ratios compare steps taken moments apart; foreach (slow) runs last.
+    by_traffic = {
+        tr: [r for r in rows if r[4] == tr and r[0] != "torch_foreach"] for tr in hc.TRAFFIC
+    }
+    for tr, _pattern, key in ceil_rows:
+        by_traffic[tr].append(next(r for r in rows if r[0] == key))
+    order = [r for tr in hc.TRAFFIC for r in by_traffic[tr]] + [
+        r for r in rows if r[0] == "torch_foreach"
+    ]
+    assert len(order) == len(rows)
+
+    for _, _, _, fn, _ in order:  # warm-up: lazy state, page faults, JIT
         fn()
-    times = {key: [] for key, *_ in rows}
+    times = {key: [] for key, *_ in order}
     for r in range(ARGS.repeats):
-        k = r % len(rows)
-        for key, _, _, fn, _ in rows[k:] + rows[:k]:  # rotate the starting row
+        k = r % len(order)
+        for key, _, _, fn, _ in order[k:] + order[:k]:  # rotate the starting row
             t0 = time.perf_counter()
             fn()
             times[key].append(time.perf_counter() - t0)
 
-    med = {key: statistics.median(t) for key, t in times.items()}
+    def paired(num, den):
+        """Median over repeats of times[num] / times[den]: a ratio of steps taken side by side."""
+        return statistics.median(a / b for a, b in zip(times[num], times[den]))
+
     ceiling = {}
     for traffic, (nbytes, _) in hc.TRAFFIC.items():
         pats = {pattern: times[key] for tr, pattern, key in ceil_rows if tr == traffic}
@@ -232,15 +251,17 @@ def bench_size(n, ds_cls, ds_note, lib):
         ceiling[traffic] = {
             "bytes_per_elem": nbytes,
             "best": best,
+            "key": f"ceil_{traffic}_{best}",
             "ms_median": t * 1e3,
             "patterns_ms": {k: statistics.median(v) * 1e3 for k, v in pats.items()},
         }
     results = []
 
-    def row(key, label, nbytes, t_all, traffic):
+    def row(key, label, nbytes, traffic, out_key=None):
+        t_all = times[key]
         t = statistics.median(t_all)
         return {
-            "key": key,
+            "key": out_key or key,
             "label": label,
             "n": n,
             "bytes_per_elem": nbytes,
@@ -249,26 +270,71 @@ def bench_size(n, ds_cls, ds_note, lib):
             "times_ms": [round(x * 1e3, 2) for x in t_all],
             "params_per_s": n / t,
             "gbps": nbytes * n / t / 1e9,
-            "frac_ceiling": ceiling[traffic]["ms_median"] / 1e3 / t if traffic else 1.0,
-            "vs_torch_fused": med["torch_fused"] / t,
+            "frac_ceiling": paired(ceiling[traffic]["key"], key),
+            "vs_torch_fused": paired("torch_fused", key),
         }
 
     for key, label, nbytes, _, traffic in rows:
         if key.startswith("ceil_") or key == "stream_probe":
             continue
-        results.append(row(key, label, nbytes, times[key], traffic))
+        results.append(row(key, label, nbytes, traffic))
         if key == "torch_foreach" and ds is None:
             results.append(
                 {"key": "deepspeed", "label": "(10) DeepSpeedCPUAdam", "n": n, "skipped": ds_note}
             )
     for traffic, c in ceiling.items():
-        key = f"ceil_{traffic}_{c['best']}"
-        label = f"(11) ceiling {c['bytes_per_elem']} B: {c['best']}"
-        r = row(f"ceiling_{traffic}", label, c["bytes_per_elem"], times[key], traffic)
+        r = row(
+            c["key"],
+            f"(11) ceiling {c['bytes_per_elem']} B: {c['best']}",
+            c["bytes_per_elem"],
+            traffic,
+            out_key=f"ceiling_{traffic}",
+        )
         r["pattern"] = c["best"]
         results.append(r)
-    results.append(row("stream_probe", rows[-1][1], 28, times["stream_probe"], "fp32"))
-    return results, ceiling
+    results.append(row("stream_probe", rows[-1][1], 28, "fp32"))
+
+    checks = [
+        ("ours fp32 >= torch fused (speed ratio)", paired("torch_fused", "ours_fp32"), 1.0),
+        (
+            "ours + bf16 copy >= 1.15x torch fused + copy",
+            paired("torch_fused_copy", "ours_fp32_bf16out"),
+            1.15,
+        ),
+        (
+            "bf16 grads within 10% of fp32 time (1.1 * t_fp32 / t_bf16)",
+            1.10 * paired("ours_fp32", "ours_bf16g"),
+            1.0,
+        ),
+        (
+            "decay_runs within 3% of one decay (1.03 * t_fp32 / t_runs)",
+            1.03 * paired("ours_fp32", "ours_decay_runs"),
+            1.0,
+        ),
+        (
+            "ours fp32 within 10% of ceiling (t_ceiling / t_ours)",
+            paired(ceiling["fp32"]["key"], "ours_fp32"),
+            0.90,
+        ),
+        (
+            "ours + bf16 copy within 10% of ceiling",
+            paired(ceiling["fp32+bf16out"]["key"], "ours_fp32_bf16out"),
+            0.90,
+        ),
+    ]
+    if ds is not None:
+        checks.insert(
+            1, ("ours fp32 >= DeepSpeed (speed ratio)", paired("deepspeed", "ours_fp32"), 1.0)
+        )
+    checks = [
+        {"name": name, "value": val, "target": tgt, "ok": val >= tgt} for name, val, tgt in checks
+    ]
+    return results, ceiling, checks
+
+
+def _ms(x, width):
+    """Milliseconds with 1 decimal, 3 below 1 ms (tiny smoke-test sizes)."""
+    return f"{x:{width}.{1 if x >= 1 else 3}f}"
 
 
 def print_table(n, results, ceiling):
@@ -287,7 +353,7 @@ def print_table(n, results, ceiling):
             print(f"{r['label']:46s} {r['skipped']}")
             continue
         print(
-            f"{r['label']:46s} {r['ms_median']:9.1f} {r['ms_min']:8.1f} "
+            f"{r['label']:46s} {_ms(r['ms_median'], 9)} {_ms(r['ms_min'], 8)} "
             f"{r['params_per_s'] / 1e6:10.0f} "
             f"{r['gbps']:10.1f} {r['frac_ceiling']:8.0%} {r['vs_torch_fused']:8.2f}x"
         )
@@ -296,46 +362,9 @@ def print_table(n, results, ceiling):
     print(f"  {'traffic':16s}" + "".join(f"{k:>15s}" for k in names))
     for traffic, c in ceiling.items():
         cells = "".join(
-            f"{c['patterns_ms'][k]:14.1f}{'*' if k == c['best'] else ' '}" for k in names
+            f"{_ms(c['patterns_ms'][k], 14)}{'*' if k == c['best'] else ' '}" for k in names
         )
         print(f"  {traffic + ' ' + str(c['bytes_per_elem']) + ' B':16s}{cells}")
-
-
-def checks(results):
-    t = {r["key"]: r["ms_median"] for r in results if "skipped" not in r}
-    out = [
-        ("ours fp32 >= torch fused (speed ratio)", t["torch_fused"] / t["ours_fp32"], 1.0),
-        (
-            "ours + bf16 copy >= 1.15x torch fused + copy",
-            t["torch_fused_copy"] / t["ours_fp32_bf16out"],
-            1.15,
-        ),
-        (
-            "bf16 grads within 10% of fp32 time (1.1 * t_fp32 / t_bf16)",
-            t["ours_fp32"] * 1.10 / t["ours_bf16g"],
-            1.0,
-        ),
-        (
-            "decay_runs within 3% of one decay (1.03 * t_fp32 / t_runs)",
-            t["ours_fp32"] * 1.03 / t["ours_decay_runs"],
-            1.0,
-        ),
-        (
-            "ours fp32 within 10% of ceiling (t_ceiling / t_ours)",
-            t["ceiling_fp32"] / t["ours_fp32"],
-            0.90,
-        ),
-        (
-            "ours + bf16 copy within 10% of ceiling",
-            t["ceiling_fp32+bf16out"] / t["ours_fp32_bf16out"],
-            0.90,
-        ),
-    ]
-    if "deepspeed" in t:
-        out.insert(
-            1, ("ours fp32 >= DeepSpeed (speed ratio)", t["deepspeed"] / t["ours_fp32"], 1.0)
-        )
-    return [{"name": name, "value": val, "target": tgt, "ok": val >= tgt} for name, val, tgt in out]
 
 
 def main():
@@ -364,10 +393,9 @@ def main():
         "sizes": {},
     }
     for n in sizes:
-        results, ceiling = bench_size(n, ds_cls, ds_note, lib)
+        results, ceiling, chk = bench_size(n, ds_cls, ds_note, lib)
         print_table(n, results, ceiling)
-        chk = checks(results)
-        print("targets (medians):")
+        print("targets (paired: median over repeats of the per-repeat ratio):")
         for c in chk:
             print(
                 f"  [{'PASS' if c['ok'] else 'MISS'}] {c['name']}: {c['value']:.2f} "
