@@ -12,7 +12,7 @@ rank's reduced chunk is delivered to where the optimizer wants it (``GradTargets
 - no offload: copied or added into the fp32 gradient slice on the device.
 The squared gradient norm is computed where the final gradient first exists, so the host
 never makes a separate pass for it: from each reduced chunk on the device (final chunks),
-or on the host right after the last micro-batch's add. Two bucket buffers (double
+or on the host in the pass that adds the last micro-batch. Two bucket buffers (double
 buffering): one bucket's reduce-scatter overlaps the backward that fills the next.
 
 With ``accumulate_on_device`` the micro-batches' gradients are summed in one device buffer
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..ops.host_ops import accumulate_, sum_squares
+from ..ops.host_ops import accumulate_
 from ..parallel_state import ParallelGroup
 from .host_accumulator import HostAccumulator
 from .layout import FlatLayout
@@ -271,9 +271,11 @@ class GradientReducer:
 
     def _host_accumulate(self, grad, stage, first: bool, final: bool, ranges):
         def work():
-            accumulate_(grad, stage, overwrite=first)  # C++: torch's fp32 += bf16 is slow
-            if final:  # the gradient is complete: its norm while the chunk is warm
-                self._norm_parts.append(sum_squares(grad, ranges))
+            # C++ (torch's fp32 += bf16 is slow); the last micro-batch completes the
+            # gradient, so its pass also sums the squares for the norm: no second read.
+            norm = accumulate_(grad, stage, overwrite=first, norm_ranges=ranges if final else None)
+            if final:
+                self._norm_parts.append(norm)
         return work
 
     def finish(self) -> None:
