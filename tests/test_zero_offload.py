@@ -267,9 +267,44 @@ def test_device_keeps_only_low_precision_params_and_fixed_buckets():
     n = opt.layout.host_numel
     assert {k: rep["host"][k] for k in ("master", "exp_avg", "exp_avg_sq")} == \
         {k: 4 * n for k in ("master", "exp_avg", "exp_avg_sq")}
-    # one micro-batch: Adam reads the bf16 gradients as they came down, no fp32 copy
-    assert rep["host"]["grads"] == 0 and rep["host"]["staging"] == 2 * n + 2 * n
+    # one micro-batch: Adam reads the bf16 gradients as they came down, no fp32 copy; on
+    # this CPU "device" it writes the new params into the flat buffer (no 2 * n staging)
+    assert rep["host"]["grads"] == 0 and rep["host"]["staging"] == 2 * n
     opt.step(1e-3)
+
+
+def _bf16_steps(staging: bool, dpu=None):
+    """Three bf16 offload steps on one rank; ``staging``: Adam writes into a separate host
+    buffer that the publish copies into the params (what CUDA does)."""
+    torch.manual_seed(0)
+    single = ps.ParallelGroup.single()
+    model = GPTModel(GPTConfig(**CFG), tp_group=single)
+    opt = ZeroOptimizer(model, **HP, dp=single, tp=single, device="cpu", dtype=torch.bfloat16,
+                        cpu_offload=True, bucket_size=2000, dpu_warmup_steps=dpu)
+    if staging:
+        opt.param_staging = torch.empty_like(opt.flat)
+    losses = []
+    for step in range(3):
+        x, y = _batch(step)
+        opt.zero_grad()
+        loss = model(x, y).mean()
+        opt.backward(loss)
+        opt.step(1e-3)
+        losses.append(float(loss.detach()))
+    opt.flush()
+    return opt, losses
+
+
+def test_cpu_device_adam_writes_the_params_in_place():
+    """CPU device, one DP rank, no DPU: the Adam's bf16 output is the model's flat buffer
+    (no publish copy), with the bits of the staging + copy path."""
+    opt, losses = _bf16_steps(staging=False)
+    assert opt.param_staging is opt.flat
+    ref, ref_losses = _bf16_steps(staging=True)
+    assert losses == ref_losses
+    assert torch.equal(opt.flat, ref.flat) and torch.equal(opt.master, ref.master)
+    dpu, _ = _bf16_steps(staging=False, dpu=1)  # forward t+1 runs beside Adam t
+    assert dpu.param_staging.data_ptr() != dpu.flat.data_ptr()
 
 
 def test_bf16_moments_track_fp32_moments():

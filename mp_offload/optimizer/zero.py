@@ -100,7 +100,14 @@ class ZeroOptimizer:
         # nothing leaves the device: the publish copies (and rounds) the fp32 master
         # straight into the flat buffer.
         low = dtype != torch.float32
-        self.param_staging = host_empty(n, dtype, pin) if low and cpu_offload else None
+        # On a CPU "device" with one DP rank the slice is the flat buffer element for
+        # element: Adam writes the new params into the model's own storage, and the publish
+        # then copies each view onto itself, which torch skips (no memcpy). Not with DPU:
+        # forward t+1 must not see step t's update while it is being written.
+        in_flat = low and cpu_offload and self.device.type == "cpu" and self.dp == 1 \
+            and dpu_warmup_steps is None and n == self.flat.numel()
+        self.param_staging = self.flat if in_flat else \
+            host_empty(n, dtype, pin) if low and cpu_offload else None
         self._adam = self._pick_adam()
         # One kernel call per step over the whole slice; weight decay on these ranges only.
         self._decay_ranges = [(lo, hi) for lo, hi, decay in self.layout.decay_runs() if decay]
@@ -279,7 +286,8 @@ class ZeroOptimizer:
             return 0 if t is None else t.numel() * t.element_size()
         state = dict(master=nbytes(self.master), exp_avg=nbytes(self.exp_avg),
                      exp_avg_sq=nbytes(self.exp_avg_sq), grads=sum(nbytes(g) for g in self.grads))
-        staging = nbytes(self.param_staging) + sum(nbytes(g) for g in self.grad_staging)
+        own = self.param_staging is not self.flat  # else the params' own storage
+        staging = nbytes(self.param_staging) * own + sum(nbytes(g) for g in self.grad_staging)
         device = dict(params=nbytes(self.flat), grad_buckets=self.reducer.buffer_bytes())
         if self.reducer.acc_buffer is not None:
             device["grad_accumulation"] = nbytes(self.reducer.acc_buffer)

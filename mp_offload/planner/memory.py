@@ -17,8 +17,10 @@ Exact (they are the optimizer's own buffers, sized by FlatLayout):
                        offload when one chunk per step is the whole gradient (k = 1 or
                        device accumulation): Adam reads the staging
   host staging         offload only, pinned at its exact size: e * host_numel for the new
-                       low-precision params (not in fp32) + r * host_numel for gradients
-                       coming down (twice with DPU when Adam reads them directly)
+                       low-precision params (not in fp32; none on a CPU "device" with one
+                       DP rank and no DPU, where Adam writes the params in place) +
+                       r * host_numel for gradients coming down (twice with DPU when Adam
+                       reads them directly)
   (r: bytes of the reduce dtype, e unless --accumulate-allreduce-grads-in-fp32)
 Estimates: device activations (see activations.py), device workspace (a fixed
 reserve for the CUDA context, cuBLAS/NCCL workspaces and allocator slack, plus the
@@ -78,7 +80,7 @@ class Run:
     micro_batch: int = 1
     bucket_size: int = DEFAULT_BUCKET_SIZE
     dpu: bool = False
-    cuda: bool = True  # the staging is pinned (same bytes either way)
+    cuda: bool = True  # the staging is pinned; False: the device is the host (tests)
     micro_batches: int = 1  # backward passes per step (gradient accumulation)
     accumulate_on_device: bool = False
     reduce_bytes: int | None = None  # default: elem_bytes
@@ -166,7 +168,9 @@ def plan_rank(run: Run, shapes: RankShapes, hw: Hardware) -> tuple[dict, dict, s
         if acc:
             device["grad_accumulation"] = r * shapes.flat_numel
         # Offload only: low-precision params up, gradients down, pinned at exact size.
-        staging = (e * n if e < 4 else 0) + r * n * (copies if direct else 1) \
+        # (A CPU "device" with one DP rank and no DPU: Adam writes the params in place.)
+        up = e < 4 and (run.cuda or run.dp > 1 or run.dpu)
+        staging = (e * n if up else 0) + r * n * (copies if direct else 1) \
             if offload else 0
         host = dict(staging=staging)
         (host if offload else device).update(state)
