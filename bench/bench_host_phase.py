@@ -2,15 +2,22 @@
 
 With offload, what the host does per step is the step's cost on a modern GPU. This times,
 on the project's own optimizer (bf16, offload, one rank), everything the host does per
-step — the fp32 accumulation of micro-batches 2..k (and the norm right after the last),
-the optimizer step (norm all-reduce, CPU Adam over the whole slice, publish) — and the
-C++ ``adam_step`` alone on the same number of elements and dtypes, interleaved round by
-round, and prints medians and the ratio. Targets: <= 1.15 at k = 1, <= 1.30 at k = 4.
+step — the fp32 accumulation of each micro-batch's chunks when k > 1 (the first overwrites,
+the last also sums the squares for the norm in the same pass), the optimizer step (norm
+all-reduce, CPU Adam over the whole slice, publish) — and the C++ ``adam_step`` alone on
+the same number of elements and dtypes, interleaved round by round, and prints medians and
+the ratio. Targets: <= 1.15 at k = 1, <= 1.30 at k = 4. A row "4d" is k = 4 with
+``--accumulate-grads-on-device``: the micro-batches are summed on the device and Adam reads
+the one copy that comes down, as at k = 1.
 
-What a GPU would do (the reduced chunk's sum of squares, its copy into the staging) runs
-inside backward's hooks on the CPU here; it is not timed as host work.
+What a GPU would do (the reduced chunk's sum of squares, its copy into the staging, the
+device-side accumulation) runs inside backward's hooks on the CPU here; it is not timed as
+host work. On this CPU "device" Adam writes the new bf16 params straight into the model's
+flat buffer, so the publish copies nothing; on CUDA it is an asynchronous DMA from pinned
+memory, which costs the host no time either.
 
   python bench/bench_host_phase.py [--layers 3] [--hidden 1024] [--repeats 7] [--threads N]
+                                   [--micro-batches 1,4,4d]
 """
 import argparse
 import os
@@ -23,10 +30,15 @@ def _args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--micro-batches", default="1,4", help="comma-separated k values")
+    ap.add_argument("--micro-batches", default="1,4,4d",
+                    help="comma-separated k values; a 'd' suffix accumulates on the device")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    return ap.parse_args()
+    args = ap.parse_args()
+    for row in args.micro_batches.split(","):
+        if not row.rstrip("d").isdigit() or int(row.rstrip("d")) < 1:
+            ap.error(f"--micro-batches: {row!r} is not k >= 1 with an optional 'd' suffix")
+    return args
 
 
 ARGS = _args()
@@ -57,7 +69,7 @@ class Timer:
         return timed
 
 
-def build(k: int):
+def build(k: int, on_device: bool):
     single = ps.ParallelGroup.single()
     cfg = GPTConfig(num_layers=ARGS.layers, hidden_size=ARGS.hidden,
                     num_attention_heads=max(1, ARGS.hidden // 64), seq_length=64,
@@ -65,7 +77,7 @@ def build(k: int):
     torch.manual_seed(0)
     model = GPTModel(cfg, tp_group=single)
     opt = ZeroOptimizer(model, **HP, dp=single, tp=single, device="cpu", dtype=torch.bfloat16,
-                        cpu_offload=True, micro_batches=k)
+                        cpu_offload=True, micro_batches=k, accumulate_on_device=on_device)
     params = list(model.parameters())
     consts = [torch.randn(p.shape).mul_(1e-3).to(torch.bfloat16) for p in params]
     return opt, params, consts
@@ -95,17 +107,18 @@ def main() -> None:
           f"torch {torch.__version__}; load avg {os.getloadavg()[0]:.2f}")
     print(f"{'k':>2} {'elements':>11} {'host phase ms':>13} {'adam alone ms':>13} {'ratio':>6} "
           f"{'(accumulate ms':>14} {'step ms)':>8}")
-    for k in [int(x) for x in ARGS.micro_batches.split(",")]:
+    for row in ARGS.micro_batches.split(","):
+        k, on_device = int(row.rstrip("d")), row.endswith("d")
         host_acc, step_t = Timer(), Timer()
         orig_acc = reducer_mod.GradientReducer._host_accumulate
 
         def timed_acc(self, *a, _orig=orig_acc, _timer=host_acc):
             return _timer.wrap(_orig(self, *a))
         reducer_mod.GradientReducer._host_accumulate = timed_acc
-        opt, params, consts = build(k)
+        opt, params, consts = build(k, on_device)
         opt.step = step_t.wrap(opt.step)
         n = opt.layout.host_numel
-        grad_dtype = torch.bfloat16 if k == 1 else torch.float32
+        grad_dtype = torch.bfloat16 if opt.reducer.direct else torch.float32
         p, m, v = (torch.rand(n) for _ in range(3))
         g = torch.randn(n).to(grad_dtype)
         out = torch.empty(n, dtype=torch.bfloat16)
@@ -123,7 +136,7 @@ def main() -> None:
             alone.append((time.perf_counter() - t0) * 1e3)
         reducer_mod.GradientReducer._host_accumulate = orig_acc
         med = statistics.median
-        print(f"{k:2d} {n:11,d} {med(host):13.1f} {med(alone):13.1f} "
+        print(f"{row:>2} {n:11,d} {med(host):13.1f} {med(alone):13.1f} "
               f"{med(host) / med(alone):6.2f} {med(acc_ms):14.1f} {med(step_ms):8.1f}")
 
 
