@@ -38,11 +38,12 @@ namespace {
 
 enum : int { kCopy = 0, kAdd = 1, kRead = 2 };  // what a pass does to dst
 
-// Pieces are the unit of threading (taken on demand, as in the CPU Adam: a preempted
-// thread does not hold the others up) and of the norm's summation order.
+// Pieces are the unit of the norm's summation order; threads take runs of them on demand
+// (as in the CPU Adam: a preempted thread does not hold the others up).
 constexpr std::size_t kPiece = std::size_t{1} << 15;
 constexpr int kLanes = 32;  // = 4 AVX-512 or 8 AVX2 double accumulators
 constexpr std::size_t kMinPerThread = std::size_t{1} << 15;  // less: the fork costs more
+constexpr std::size_t kRunMax = std::size_t{1} << 20;  // elements a thread takes at once
 // From this size on an overwrite streams its stores: the destination is far larger than
 // the caches, so reading its old lines first would be wasted traffic.
 constexpr std::size_t kStreamMin = std::size_t{1} << 20;
@@ -241,17 +242,24 @@ std::vector<Piece> make_pieces(std::size_t n, const Ranges& ranges, bool gaps, l
 }
 
 // One parallel region over the pieces; returns the sum of squares in the fixed order.
+// Threads take runs of consecutive pieces (about 8 per thread, at most kRunMax elements):
+// long sequential streams for the prefetchers, as in the CPU Adam.
 double run(const Kernels& k, const Args& a, const std::vector<Piece>& pieces, long long parts,
            std::size_t n, bool stream) {
   std::vector<double> part(static_cast<std::size_t>(parts), 0.0);
   const std::size_t want = std::max<std::size_t>(1, std::min<std::size_t>(g_threads, n / kMinPerThread));
+  const std::size_t per_run = std::clamp<std::size_t>(n / (want * 8 * kPiece), 1, kRunMax / kPiece);
   const long long count = static_cast<long long>(pieces.size());
+  const long long runs = (count + static_cast<long long>(per_run) - 1) / static_cast<long long>(per_run);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(static_cast<int>(want)) if (want > 1)
-  for (long long q = 0; q < count; ++q) {
-    const Piece& p = pieces[q];
-    const bool nt = stream && reinterpret_cast<std::uintptr_t>(a.dst + p.b) % kStreamAlign == 0;
-    const double s = k.fns[p.part >= 0][nt](a, p.b, p.e);
-    if (p.part >= 0) part[p.part] = s;
+  for (long long r = 0; r < runs; ++r) {
+    const long long end = std::min(count, (r + 1) * static_cast<long long>(per_run));
+    for (long long q = r * static_cast<long long>(per_run); q < end; ++q) {
+      const Piece& p = pieces[q];
+      const bool nt = stream && reinterpret_cast<std::uintptr_t>(a.dst + p.b) % kStreamAlign == 0;
+      const double s = k.fns[p.part >= 0][nt](a, p.b, p.e);
+      if (p.part >= 0) part[p.part] = s;
+    }
   }
   double total = 0.0;
   for (const double s : part) total += s;
