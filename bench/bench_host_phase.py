@@ -18,7 +18,11 @@ flat buffer, so the publish copies nothing; on CUDA it is an asynchronous DMA fr
 memory, which costs the host no time either.
 
   python bench/bench_host_phase.py [--layers 3] [--hidden 1024] [--repeats 7] [--threads N]
-                                   [--micro-batches 1,4,4d]
+                                   [--micro-batches 1,4,4d] [--ceiling]
+
+--ceiling adds the bound: GB/s of our accumulate and of the Adam against the best access
+pattern of bench/bench_host_ceiling.py for the same traffic (the accumulate's two streams
+reach less bandwidth per byte than Adam's five on some machines).
 """
 import argparse
 import os
@@ -35,6 +39,8 @@ def _args():
                     help="comma-separated k values; a 'd' suffix accumulates on the device")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also: our accumulate and Adam against bench_host_ceiling's best pattern")
     args = ap.parse_args()
     for row in args.micro_batches.split(","):
         if not row.rstrip("d").isdigit() or int(row.rstrip("d")) < 1:
@@ -94,6 +100,78 @@ def one_step(opt, params, consts, k: int) -> None:
     opt.step(HP["lr"])
 
 
+def bench_row(row: str) -> int:
+    """One table row ("4" or "4d"); returns the slice's element count."""
+    k, on_device = int(row.rstrip("d")), row.endswith("d")
+    host_acc, step_t = Timer(), Timer()
+    orig_acc = reducer_mod.GradientReducer._host_accumulate
+
+    def timed_acc(self, *a, _orig=orig_acc, _timer=host_acc):
+        return _timer.wrap(_orig(self, *a))
+    reducer_mod.GradientReducer._host_accumulate = timed_acc
+    opt, params, consts = build(k, on_device)
+    opt.step = step_t.wrap(opt.step)
+    n = opt.layout.host_numel
+    grad_dtype = torch.bfloat16 if opt.reducer.direct else torch.float32
+    p, m, v = (torch.rand(n) for _ in range(3))
+    g = torch.randn(n).to(grad_dtype)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    host, alone, acc_ms, step_ms = [], [], [], []
+    one_step(opt, params, consts, k)  # warm-up: buffers, pages
+    for step in range(1, ARGS.repeats + 1):
+        host_acc.total = step_t.total = 0.0
+        one_step(opt, params, consts, k)
+        host.append((host_acc.total + step_t.total) * 1e3)
+        acc_ms.append(host_acc.total * 1e3)
+        step_ms.append(step_t.total * 1e3)
+        t0 = time.perf_counter()
+        cpu_adam.adam_step(p, g, m, v, step=step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
+                           weight_decay=0.01, param_out=out)
+        alone.append((time.perf_counter() - t0) * 1e3)
+    reducer_mod.GradientReducer._host_accumulate = orig_acc
+    med = statistics.median
+    paired = med([h / a for h, a in zip(host, alone)])  # same round: robust to drift
+    print(f"{row:>2} {n:11,d} {med(host):13.1f} {med(alone):13.1f} "
+          f"{med(host) / med(alone):6.2f} {paired:6.2f} {med(acc_ms):14.1f} "
+          f"{med(step_ms):8.1f}")
+    return n
+
+
+def ceiling(n: int) -> None:
+    """GB/s of our accumulate (bf16 add) and Adam (fp32 grad, bf16 copy) against the best
+    access pattern of bench_host_ceiling.py for the same traffic, round-robin."""
+    import bench_host_ceiling as hc  # beside this file
+
+    lib, why = hc.build_library()
+    if lib is None:
+        print(f"ceiling: {why}")
+        return
+    # the accumulate's traffic: read 2 B, read and write 4 B per element (this process only)
+    hc.TRAFFIC.setdefault("accumulate", (10, [("param", "float32", hc.READ_WRITE),
+                                              ("grad", "bfloat16", hc.READ)]))
+    dst, src = torch.randn(n), torch.randn(n).to(torch.bfloat16)
+    p, m, v, g = (torch.rand(n) for _ in range(4))
+    out = torch.empty(n, dtype=torch.bfloat16)
+    ours = {"accumulate": lambda: host_ops.accumulate_(dst, src, overwrite=False),
+            "fp32+bf16out": lambda: cpu_adam.adam_step(
+                p, g, m, v, step=1, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
+                weight_decay=0.01, param_out=out)}
+    print(f"{'traffic':>13} {'B/elem':>6} {'ours GB/s':>9} {'ceiling GB/s':>12}  pattern")
+    for traffic, fn in ours.items():
+        nbytes = hc.TRAFFIC[traffic][0] * n
+        pats = [("ours", fn)] + hc.HostCeiling(lib, torch, n, ARGS.threads, traffic).patterns()
+        times = {name: [] for name, _ in pats}
+        for _ in range(ARGS.repeats):
+            for name, f in pats:
+                t0 = time.perf_counter()
+                f()
+                times[name].append(time.perf_counter() - t0)
+        best, secs = hc.best_of({k: v for k, v in times.items() if k != "ours"})
+        print(f"{traffic:>13} {hc.TRAFFIC[traffic][0]:6d} "
+              f"{nbytes / statistics.median(times['ours']) / 1e9:9.1f} "
+              f"{nbytes / secs / 1e9:12.1f}  {best}")
+
+
 def main() -> None:
     torch.set_num_threads(ARGS.threads)
     cpu_adam.set_num_threads(ARGS.threads)
@@ -104,43 +182,19 @@ def main() -> None:
             cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
     except (OSError, StopIteration):
         pass
+    # (host_ops.simd_level is new: the script also runs on older trees, for before/after)
+    ops = host_ops.simd_level() if hasattr(host_ops, "simd_level") else "?"
     print(f"CPU: {cpu}; {ARGS.threads} thread(s); CPU Adam {cpu_adam.simd_level()}; "
-          f"torch {torch.__version__}; load avg {os.getloadavg()[0]:.2f}")
+          f"host ops {ops}; torch {torch.__version__}; "
+          f"load avg {os.getloadavg()[0]:.2f}")
     print(f"{'k':>2} {'elements':>11} {'host phase ms':>13} {'adam alone ms':>13} {'ratio':>6} "
           f"{'paired':>6} {'(accumulate ms':>14} {'step ms)':>8}")
+    n = 0
     for row in ARGS.micro_batches.split(","):
-        k, on_device = int(row.rstrip("d")), row.endswith("d")
-        host_acc, step_t = Timer(), Timer()
-        orig_acc = reducer_mod.GradientReducer._host_accumulate
-
-        def timed_acc(self, *a, _orig=orig_acc, _timer=host_acc):
-            return _timer.wrap(_orig(self, *a))
-        reducer_mod.GradientReducer._host_accumulate = timed_acc
-        opt, params, consts = build(k, on_device)
-        opt.step = step_t.wrap(opt.step)
-        n = opt.layout.host_numel
-        grad_dtype = torch.bfloat16 if opt.reducer.direct else torch.float32
-        p, m, v = (torch.rand(n) for _ in range(3))
-        g = torch.randn(n).to(grad_dtype)
-        out = torch.empty(n, dtype=torch.bfloat16)
-        host, alone, acc_ms, step_ms = [], [], [], []
-        one_step(opt, params, consts, k)  # warm-up: buffers, pages
-        for step in range(1, ARGS.repeats + 1):
-            host_acc.total = step_t.total = 0.0
-            one_step(opt, params, consts, k)
-            host.append((host_acc.total + step_t.total) * 1e3)
-            acc_ms.append(host_acc.total * 1e3)
-            step_ms.append(step_t.total * 1e3)
-            t0 = time.perf_counter()
-            cpu_adam.adam_step(p, g, m, v, step=step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
-                               weight_decay=0.01, param_out=out)
-            alone.append((time.perf_counter() - t0) * 1e3)
-        reducer_mod.GradientReducer._host_accumulate = orig_acc
-        med = statistics.median
-        paired = med([h / a for h, a in zip(host, alone)])  # same round: robust to drift
-        print(f"{row:>2} {n:11,d} {med(host):13.1f} {med(alone):13.1f} "
-              f"{med(host) / med(alone):6.2f} {paired:6.2f} {med(acc_ms):14.1f} "
-              f"{med(step_ms):8.1f}")
+        n = bench_row(row)
+    if ARGS.ceiling:
+        ceiling(n)
+    print(f"load avg at the end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
