@@ -473,8 +473,8 @@ def test_raw_decay_runs_checked_in_cpp():
 
 
 def test_bias_correction_divide_extremes(level):
-    """sqrt(v) / sqrt(bc2) is computed without a divide on the SIMD paths (csrc
-    DIV_BC2): exp_avg_sq over ~75 binades (subnormal to 1e30), zeros, +inf and NaN,
+    """sqrt(v) / sqrt(bc2) is computed without a divide on the SIMD paths (csrc/
+    adam_kernels.h, DIV_BC2): exp_avg_sq over ~75 binades (subnormal to 1e30), zeros, +inf and NaN,
     with the smallest bias corrections a double beta2 < 1 allows."""
     gen = torch.Generator().manual_seed(17)
     n = 4099
