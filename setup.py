@@ -1,6 +1,8 @@
 """Build mp_offload and its C++ extensions (pybind11, no torch headers): the CPU Adam and
 the host-side gradient accumulation."""
 
+from glob import glob
+
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
@@ -14,6 +16,10 @@ ext_modules = [
     Pybind11Extension(
         f"mp_offload._{name}",
         [f"csrc/{name}.cpp"],
+        include_dirs=["csrc"],
+        # The shared headers (simd.h, adam_kernels.h): setuptools rebuilds a module when
+        # one of them changes and ships them in the sdist.
+        depends=sorted(glob("csrc/*.h")),
         extra_compile_args=compile_args,
         extra_link_args=["-fopenmp"],
     )

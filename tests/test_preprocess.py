@@ -102,7 +102,8 @@ def test_plain_text_is_one_document_per_file(tmp_path):
 
 
 def test_sentencepiece_path(tmp_path):
-    from mp_offload.data.tokenizer import build_tokenizer, train_sentencepiece
+    from mp_offload.data.tokenizer import build_tokenizer
+    from mp_offload.data.tokenizer_training import train_sentencepiece
 
     text = "import os\nprint(os.getcwd())\n" * 30
     model = train_sentencepiece([text], str(tmp_path / "sp"), vocab_size=300)
@@ -151,11 +152,8 @@ def hf_files(tmp_path_factory):
     """A byte-level BPE (tokenizer.json + vocab.json/merges.txt) and a SentencePiece
     model with its tokenizer.json conversion, all trained here."""
     pytest.importorskip("tokenizers")
-    from mp_offload.data.tokenizer import (
-        sentencepiece_to_tokenizer_json,
-        train_bpe_bytelevel,
-        train_sentencepiece,
-    )
+    from mp_offload.data.sentencepiece_convert import sentencepiece_to_tokenizer_json
+    from mp_offload.data.tokenizer_training import train_bpe_bytelevel, train_sentencepiece
 
     d = tmp_path_factory.mktemp("hf")
     docs = [CODE.replace("x", f"x{i}") for i in range(60)]
