@@ -284,3 +284,68 @@ def test_plan_cli_prints_the_fraction_it_would_use(capsys):
     rec = json.loads(capsys.readouterr().out)
     assert rec["offload_fraction"] == f and rec["fits"]
     assert rec["device"]["master"] > 0 and rec["host"]["master"] > 0
+
+
+# ------------------------------------------------------------------ checkpoints
+CKPT_RUN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--vocab-size", "100", "--make-vocab-size-divisible-by", "8",
+            "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-3",
+            "--lr-warmup-iters", "2", "--train-iters", "8", "--eval-interval", "3",
+            "--eval-iters", "1", "--log-interval", "100", "--cpu-offload",
+            "--reduce-bucket-size", "3000"]
+
+
+def _pretrain_worker(rank, world, argv):
+    from mp_offload.training import pretrain
+    pretrain(argv)
+
+
+def _run(world, tp, fraction, *extra):
+    run_distributed(_pretrain_worker, world,
+                    [*CKPT_RUN, "--tensor-model-parallel-size", str(tp),
+                     "--optimizer-offload-fraction", fraction, *extra])
+
+
+def _records(path):
+    """The numbers of each record that must continue: losses, grad norms, lr."""
+    import json
+    keep = ("iteration", "loss", "grad_norm", "lr", "valid_loss", "test_loss")
+    with open(path) as f:
+        return [{k: v for k, v in json.loads(line).items() if k in keep} for line in f]
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_one_fraction_loads_at_another(tmp_path, capfd):
+    """Saved at F=0.5 (TP=2 x DP=2): resumed at F=0.5 bitwise like the unbroken run, at
+    F=1 and F=0 within 1e-5 (another Adam updates the device share), resharded to TP=1 x
+    DP=2 within 1e-4 (reduction order, as for any reshard). The files are today's."""
+    import os
+
+    from mp_offload.checkpoint import FullTensors, read_latest
+    from mp_offload.checkpoint.format import iter_dir, model_file, optim_file
+    unbroken, ck = str(tmp_path / "unbroken.jsonl"), str(tmp_path / "ckpt")
+    _run(4, 2, "0.5", "--log-json", unbroken)
+    report = [ln for ln in capfd.readouterr().out.splitlines() if "offload fraction" in ln]
+    actual = float(report[0].split("offload fraction ")[1].split()[0])
+    assert 0 < actual < 1, report[0]  # the slice really is split
+    _run(4, 2, "0.5", "--save", ck, "--exit-interval", "4")
+    assert read_latest(ck) == 4
+    shard = torch.load(os.path.join(iter_dir(ck, 4), optim_file(1, 1)), weights_only=True)
+    assert set(shard) == {"master", "exp_avg", "exp_avg_sq", "step", "scaler", "layout", "rng"}
+    assert shard["master"].shape == (shard["layout"]["host_numel"],)  # unsplit, on the CPU
+    # fp32: the offline reader's merged master is the saved weights (device share included)
+    full = FullTensors(iter_dir(ck, 4))
+    w0 = torch.load(os.path.join(iter_dir(ck, 4), model_file(0)), weights_only=True)
+    assert torch.equal(full.get("ln_f.weight"), w0["ln_f.weight"])
+    want = [r for r in _records(unbroken) if r["iteration"] > 4]
+    for fraction, world, tp, tol in (("0.5", 4, 2, 0.0), ("1", 4, 2, 1e-5), ("0", 4, 2, 1e-5),
+                                     ("0.5", 2, 1, 1e-4)):
+        log = str(tmp_path / f"resumed_{fraction}_{tp}.jsonl")
+        _run(world, tp, fraction, "--load", ck, "--log-json", log)
+        got = _records(log)
+        assert [sorted(r) for r in got] == [sorted(r) for r in want]
+        assert [r["iteration"] for r in got if "loss" in r] == [5, 6, 7, 8]
+        for r, w in zip(got, want):
+            for key in r:
+                assert abs(r[key] - w[key]) <= tol * abs(w[key]), (fraction, tp, key, r, w)
