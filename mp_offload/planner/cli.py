@@ -218,10 +218,12 @@ def _fraction_line(run: Run, hw: Hardware) -> tuple[Run, str]:
     if f == 1.0:
         why = "nothing more fits the device" if plan.fits_device else "it does not fit even so"
         return run, f"offload fraction: 1 (all of the optimizer state on the host: {why})"
+    zero2 = ", = ZeRO-2 without offload" if f == 0 else ""
     return replace(run, offload_fraction=f), (
-        f"offload fraction: --optimizer-offload-fraction {f:g} (the largest device share that "
-        f"fits {hw.device_memory_gb:g} GiB: the first {kept:,} of each rank's {s.host_numel:,} "
-        f"elements, {kept / s.host_numel:.1%} of its optimizer state, stay on the device; "
+        f"offload fraction: --optimizer-offload-fraction {f:g}{zero2} (the largest device "
+        f"share that fits {hw.device_memory_gb:g} GiB: the first {kept:,} of each rank's "
+        f"{s.host_numel:,} elements, {kept / s.host_numel:.1%} of its optimizer state, stay on "
+        f"the device; "
         f"device peak {plan.device_peak / GiB:.2f} GiB)")
 
 
