@@ -74,17 +74,7 @@ class ZeroOptimizer:
         self.step_calls = 0
         self.bytes_up = 0
         self.host = torch.device("cpu") if cpu_offload else self.device
-        # Partial offload: the first ``device_buckets`` buckets (``split`` elements of the
-        # slice) stay on the device; host buffers hold the rest, at host offset - split.
-        chunks = [b.chunk for b in self.layout.buckets]
-        self.offload_fraction = offload_fraction
-        self.device_buckets = split_buckets(chunks, offload_fraction) if cpu_offload else 0
-        self.actual_offload_fraction = actual_fraction(chunks, self.device_buckets) \
-            if cpu_offload else 0.0
-        self.split = sum(chunks[:self.device_buckets])
-        runs = self.layout.decay_runs()
-        self.share = DeviceShare(self.split, self.device, clip_runs(runs, 0, self.split),
-                                 exp_avg_dtype, exp_avg_sq_dtype) if self.split else None
+        self._split_off(offload_fraction, exp_avg_dtype, exp_avg_sq_dtype)
         pin = self.device.type == "cuda" and cpu_offload
         reduce_dtype = reduce_dtype or dtype
         self.reducer = GradientReducer(self.layout, dp, self.device, reduce_dtype,
@@ -121,14 +111,28 @@ class ZeroOptimizer:
         self.param_staging = host_empty(n, dtype, pin) if low and cpu_offload else None
         self._adam = self._pick_adam()
         # One kernel call per step over the whole slice; weight decay on these ranges only.
-        self._decay_ranges = [(lo, hi) for lo, hi, decay in
-                              clip_runs(runs, self.split, self.layout.host_numel) if decay]
+        runs = clip_runs(self.layout.decay_runs(), self.split, self.layout.host_numel)
+        self._decay_ranges = [(lo, hi) for lo, hi, decay in runs if decay]
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         self._uploaded = None  # CUDA event: the last host->device copy of the staging
         self._begin_step()
 
     # ---------------------------------------------------------------- set-up
+    def _split_off(self, fraction: float, exp_avg_dtype, exp_avg_sq_dtype) -> None:
+        """Partial offload: the first ``device_buckets`` buckets (``split`` elements of the
+        slice) stay on the device (``device_share.py``); host buffers hold the rest, at host
+        offset - split. Nothing to split off without offload or at F = 1."""
+        chunks = [b.chunk for b in self.layout.buckets]
+        self.offload_fraction = fraction
+        self.device_buckets = split_buckets(chunks, fraction) if self.cpu_offload else 0
+        self.actual_offload_fraction = actual_fraction(chunks, self.device_buckets) \
+            if self.cpu_offload else 0.0
+        self.split = sum(chunks[:self.device_buckets])
+        runs = clip_runs(self.layout.decay_runs(), 0, self.split)
+        self.share = DeviceShare(self.split, self.device, runs, exp_avg_dtype,
+                                 exp_avg_sq_dtype) if self.split else None
+
     def _place_model(self, model: torch.nn.Module) -> None:
         """fp32 CPU weights -> master slice, then params become views of one flat buffer."""
         for slot, p_off, h_off, length in self.layout.owned_pieces():
