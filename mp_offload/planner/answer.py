@@ -102,7 +102,7 @@ def larger_elsewhere(answers: dict[str, ModeAnswer], mode: str) -> str | None:
 
 def format_split_gain(st: StepTime, full: StepTime) -> str:
     """Partial offload against full offload: the optimizer phase and the step."""
-    return (f"  optimizer at --optimizer-offload-fraction {st.offload_fraction:.4g}: CPU Adam "
+    return (f"  optimizer at offload fraction {st.offload_fraction:.4f} (actual): CPU Adam "
             f"{st.adam_host:.3f} s over the host part beside device Adam {st.adam_device:.3f} s "
             f"over the device share -> {st.adam:.3f} s (all offloaded: CPU Adam "
             f"{full.adam:.3f} s); step {st.step_sync:.2f} s vs {full.step_sync:.2f} s "
