@@ -89,6 +89,12 @@ class OptimizerConfig:
                                           "per step (costs a full gradient on the device)")
     accumulate_allreduce_grads_in_fp32: bool = _f(False, "reduce (and stage) gradients in "
                                                   "fp32 in bf16/fp16 runs")
+    optimizer_offload_fraction: float | None = _f(
+        None, "with --cpu-offload: the fraction of each rank's optimizer state offloaded to "
+        "the CPU (Megatron-core's flag); the rest, the first buckets of its slice, stays on "
+        "the device and is updated there by torch's fused AdamW, beside the CPU Adam. Split "
+        "at the bucket boundary nearest 1-F; 0 = ZeRO-2 on the device (default 1: all on "
+        "the CPU)")
     exp_avg_dtype: str = _f("fp32", "dtype of Adam's first moment (bf16 halves it)",
                             choices=("fp32", "bf16"))
     exp_avg_sq_dtype: str = _f("fp32", "dtype of Adam's second moment (bf16 halves it)",
@@ -186,7 +192,8 @@ RANGES = {
     "clip_grad": "0..", "adam_beta1": "0..1)", "adam_beta2": "0..1)", "adam_eps": "0<..",
     "initial_loss_scale": "0<..", "min_loss_scale": "0<..", "loss_scale_window": "1..",
     "hysteresis": "1..", "reduce_bucket_size": "1..", "dpu_warmup_steps": "0..",
-    "log_interval": "1..", "save_interval": "1..", "keep_checkpoints": "1..",
+    "optimizer_offload_fraction": "0..1]", "log_interval": "1..", "save_interval": "1..",
+    "keep_checkpoints": "1..",
     "rotary_base": "1..", "rotary_percent": "0<..1]", "num_query_groups": "1..",
     "sample_tokens": "1..",
 }
@@ -487,6 +494,13 @@ def validate(args: Args, world_size: int) -> None:
         raise ConfigError("--cpu-offload/--dpu-warmup-steps need --optimizer adam")
     if o.dpu_warmup_steps is not None and not o.cpu_offload:
         raise ConfigError("--dpu-warmup-steps needs --cpu-offload")
+    if o.optimizer_offload_fraction is not None and not o.cpu_offload:
+        raise ConfigError(f"--optimizer-offload-fraction {o.optimizer_offload_fraction:g} needs "
+                          f"--cpu-offload (without it the whole optimizer state is on the "
+                          f"device)")
+    if o.dpu_warmup_steps is not None and o.optimizer_offload_fraction == 0:
+        raise ConfigError("--dpu-warmup-steps needs a host share: --optimizer-offload-fraction "
+                          "0 offloads nothing")
     if t.train_iters is None and t.train_samples is None and not t.dry_run:
         raise ConfigError("give --train-iters or --train-samples")
     if t.train_iters is not None and t.train_samples is not None:

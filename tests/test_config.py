@@ -26,6 +26,10 @@ def test_megatron_flag_names_map_to_dataclasses():
     (["--seq-length", "512", "--max-position-embeddings", "256"], 1, "--seq-length 512"),
     (["--data-path", "0.5", "a", "b"], 1, "--data-path takes one prefix"),
     (["--micro-batch-size", "3", "--global-batch-size", "8"], 2, "--global-batch-size 8"),
+    (["--optimizer-offload-fraction", "0.5"], 1,
+     "--optimizer-offload-fraction 0.5 needs --cpu-offload"),
+    (["--cpu-offload", "--dpu-warmup-steps", "2", "--optimizer-offload-fraction", "0"], 1,
+     "--dpu-warmup-steps needs a host share"),
 ])
 def test_bad_combinations_name_the_flag(argv, world, needle):
     args = parse_args(["--train-iters", "1", *argv])
@@ -49,11 +53,24 @@ def test_bad_combinations_name_the_flag(argv, world, needle):
     ("--adam-eps", "0", "--adam-eps must be > 0"),
     ("--distributed-timeout-minutes", "0", "--distributed-timeout-minutes must be > 0"),
     ("--cpu-threads-per-rank", "0", "--cpu-threads-per-rank must be >= 1"),
+    ("--optimizer-offload-fraction", "1.5", "--optimizer-offload-fraction must be >= 0 and "
+     "<= 1, got 1.5"),
+    ("--optimizer-offload-fraction", "-0.1", "--optimizer-offload-fraction must be >= 0 and "
+     "<= 1, got -0.1"),
 ])
 def test_numbers_outside_their_range_name_the_flag(flag, value, needle):
     args = parse_args(["--train-iters", "1", flag, value])
-    with pytest.raises(ConfigError, match=needle.replace("-", r"\-")):
+    with pytest.raises(ConfigError, match=needle.replace("-", r"\-").replace(".", r"\.")):
         validate(args, 1)
+
+
+def test_offload_fraction_accepted_in_range_with_cpu_offload():
+    for value in ("0", "0.25", "1"):
+        args = parse_args(["--train-iters", "1", "--cpu-offload",
+                           "--optimizer-offload-fraction", value])
+        validate(args, 1)
+        assert args.optim.optimizer_offload_fraction == float(value)
+    assert parse_args(["--cpu-offload"]).optim.optimizer_offload_fraction is None  # = 1
 
 
 def test_validate_changes_nothing_and_resolve_fills_derived_values():

@@ -28,6 +28,8 @@ def torchrun(nproc, *args, timeout=240):
     (["--tensor-model-parallel-size", "4", "--num-attention-heads", "6", "--hidden-size", "96"],
      "--num-attention-heads 6 is not divisible"),
     (["--global-batch-size", "6"], "--global-batch-size 6 is not a multiple"),
+    (["--cpu-offload", "--optimizer-offload-fraction", "1.5"],
+     "--optimizer-offload-fraction must be >= 0 and <= 1, got 1.5"),
 ])
 def test_invalid_config_fails_on_every_rank(extra, needle):
     # argparse keeps the last value, so ``extra`` overrides TINY
