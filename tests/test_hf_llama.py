@@ -224,3 +224,38 @@ def test_gpt2_export_ignores_training_choices_and_names_flags():
                                normalization="LayerNorm"), names)
     with pytest.raises(ConversionError, match="--position-embedding-type rope"):
         check_gpt2_compatible(dict(cfg, position_embedding_type="rope"), names)
+
+
+# ------------------------------------------------------------------ fine-tuning
+def _finetune_worker(rank, world, argv):
+    from mp_offload.training import pretrain
+    pretrain(argv)
+
+
+@pytest.mark.slow
+def test_finetune_from_an_import_with_the_printed_flags(hf_models, tmp_path):
+    """pretrain_gpt.py --finetune takes the import with the flags the converter prints
+    (the norm epsilon among them), the rope defaults spelled out (the import stores
+    them unset) and sequence parallelism: its first loss is the imported model's loss
+    on the first global batch."""
+    from mp_offload.checkpoint.hf_common import model_flags
+    from mp_offload.data.loader import MockGPTDataset
+    hf_dir, _ = hf_models["gqa"]
+    save = str(tmp_path / "ck")
+    ckpt = _import(hf_dir, save, 2)
+    log = str(tmp_path / "ft.jsonl")
+    argv = model_flags(FullTensors(ckpt).config) + [
+        "--rotary-base", "10000", "--rotary-percent", "1", "--vocab-size", str(VOCAB),
+        "--seq-length", "16", "--mock-data", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--train-iters", "1", "--lr", "1e-3", "--cpu-offload", "--load", save, "--finetune",
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--log-json", log,
+        "--eval-iters", "0"]
+    run_distributed(_finetune_worker, 2, argv)
+    ds = MockGPTDataset(8, 16, VOCAB, 1234)
+    batch = torch.stack([torch.from_numpy(ds[i]["text"]) for i in range(8)])
+    with torch.no_grad():
+        want = load_model(ckpt)(batch[:, :-1], batch[:, 1:]).mean().item()
+    with open(log) as f:
+        got = [r["loss"] for r in map(json.loads, f) if "loss" in r]
+    assert abs(got[0] - want) <= 1e-5 * want, (got, want)

@@ -61,9 +61,12 @@ def check_names(names, want: set, what: str) -> None:
 
 def model_flags(cfg) -> list[str]:
     """pretrain_gpt.py flags of ``cfg``'s shape and options (what a run that loads the
-    checkpoint must repeat; the checkpoint refuses a run whose flags differ)."""
+    checkpoint must repeat; the checkpoint refuses a run whose flags differ), and its
+    norm epsilon unless it is the default (not checked, but it changes the outputs)."""
     flags = []
-    for field in SHAPE_FIELDS + OPTION_FIELDS:
+    eps = cfg.layernorm_epsilon
+    extra = () if eps == type(cfg)().layernorm_epsilon else ("layernorm_epsilon",)
+    for field in SHAPE_FIELDS + OPTION_FIELDS + extra:
         value = getattr(cfg, field)
         if field == "vocab_size" or value is None or value is False:
             continue  # the vocabulary comes from the run's tokenizer
