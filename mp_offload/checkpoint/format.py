@@ -319,13 +319,16 @@ def check_model_shape(manifest: dict, ckpt: str, model_cfg) -> None:
 
     from ..model.gpt import GPTConfig  # deferred: reading a manifest needs no model
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    # Rope options left unset mean their defaults: a flag giving those is the same model.
+    unset = dict(zip(("rotary_base", "rotary_percent"), GPTConfig().rotary))
     saved = manifest["model_config"]
     for f in SHAPE_FIELDS + OPTION_FIELDS:
-        here = getattr(model_cfg, f, defaults.get(f))
-        if saved.get(f, defaults.get(f)) != here:
+        here, there = (unset.get(f) if v is None else v for v in (
+            getattr(model_cfg, f, defaults.get(f)), saved.get(f, defaults.get(f))))
+        if there != here:
             flag = "--" + f.replace("_", "-")
             raise CheckpointError(f"{os.path.join(ckpt, MANIFEST)}: {flag} is {here} here but "
-                                  f"{saved.get(f, defaults.get(f))} in the checkpoint")
+                                  f"{there} in the checkpoint")
 
 
 class CheckedReader:
