@@ -558,3 +558,23 @@ def test_resume_from_an_iteration_directory(tmp_path):
     assert sorted(got) == [5, 6, 7, 8]
     assert all(got[i] == want[i] for i in got), (got, want)
     assert read_latest(ck) == 8
+
+
+def test_model_shape_check_names_a_different_norm_epsilon():
+    """A norm epsilon other than the checkpoint's is a different model: refused, named."""
+    import dataclasses
+
+    from mp_offload.checkpoint.format import check_model_shape
+    from mp_offload.model.gpt import GPTConfig
+
+    saved = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128,
+                      max_position_embeddings=32, layernorm_epsilon=1e-6)
+    manifest = {"model_config": dataclasses.asdict(saved)}
+    check_model_shape(manifest, "ckpt", saved)  # the same model passes
+    here = dataclasses.replace(saved, layernorm_epsilon=1e-5)
+    with pytest.raises(CheckpointError, match="--layernorm-epsilon is 1e-05 here but 1e-06"):
+        check_model_shape(manifest, "ckpt", here)
+    # A checkpoint written before the field existed means the default (1e-5).
+    old = {"model_config": {k: v for k, v in manifest["model_config"].items()
+                            if k != "layernorm_epsilon"}}
+    check_model_shape(old, "ckpt", here)

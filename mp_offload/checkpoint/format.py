@@ -55,7 +55,8 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
 # before they existed has none of them, which means the GPT-2 default.
 OPTION_FIELDS = ("normalization", "swiglu", "position_embedding_type", "rotary_base",
                  "rotary_percent", "group_query_attention", "num_query_groups",
-                 "untie_embeddings_and_output_weights", "disable_bias_linear")
+                 "untie_embeddings_and_output_weights", "disable_bias_linear",
+                 "layernorm_epsilon")
 
 
 # ------------------------------------------------------------------------- names
