@@ -3,7 +3,8 @@
 ``init_distributed`` joins the torchrun world (NCCL on CUDA, gloo on CPU; a lone
 process also works). ``first_error`` is the one collective through which ranks share
 what went wrong, so that a failure on one rank is raised on every rank instead of
-leaving the others waiting in the next collective. ``fail`` prints one line and exits.
+leaving the others waiting in the next collective. ``fail`` prints the reason once for
+the whole job and exits.
 """
 from __future__ import annotations
 
@@ -15,24 +16,93 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+PROG = "pretrain_gpt.py"
+
 
 def env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
-CONFIG_ERROR_LINGER_S = 3.0
+# Before the process group exists, a rank that is not the reporting one waits this long
+# (for the launcher to stop it) before exiting quietly, so that it never ends the job
+# before the reporting rank has printed the reason.
+QUIET_RANK_WAIT_S = 30.0
+
+_STORE = None  # the rendezvous store: ranks claim the one report of a failure there
 
 
-def fail(msg: str, code: int = 2) -> None:
-    # One write(2) of the whole line: ranks share the launcher's stderr pipe, and print()'s
-    # separate writes of text and newline can interleave into one garbled line.
-    sys.stderr.flush()
-    os.write(2, f"pretrain_gpt.py: error: {msg}\n".encode())
-    if code == 2 and env_int("WORLD_SIZE", 1) > 1:
-        # torchrun stops all workers when the first one exits; linger briefly so sibling
-        # ranks still importing reach validation and print their own reason too.
-        time.sleep(CONFIG_ERROR_LINGER_S)
+def is_reporting_rank() -> bool:
+    """Global rank 0; before the process group exists, LOCAL_RANK 0 (else RANK 0), which
+    is the same process on one node and one line per node's log on several."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    for name in ("LOCAL_RANK", "RANK"):
+        if name in os.environ:
+            return env_int(name, 0) == 0
+    return True
+
+
+def say(msg: str) -> None:
+    """Write ``msg`` to stderr as one write(2) per line (ranks share the launcher's pipe,
+    and print()'s separate writes of text and newline can interleave)."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.write(2, "".join(f"{line}\n" for line in msg.splitlines()).encode())
+    except (OSError, ValueError):  # the launcher (and its pipe) may be gone
+        pass
+
+
+def _claim_report() -> bool:
+    """True for the first rank of the job to report a failure (the store decides);
+    True as well when there is no store to ask."""
+    if _STORE is None:
+        return True
+    try:
+        return _STORE.add("mp_offload/reported", 1) == 1
+    except Exception:  # noqa: BLE001 - the store may have died with its host rank
+        return True
+
+
+def claim_report() -> None:
+    """Mark the failure as reported (before a traceback), so the ranks that lose contact
+    with this one stay quiet instead of burying it."""
+    _claim_report()
+
+
+def _quiet_barrier() -> None:
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
+
+
+def fail(msg: str, code: int = 2, *, everywhere: bool = True) -> None:
+    """Exit with ``code`` (2: bad configuration or input, 1: run-time failure), ``msg``
+    printed once for the job as ``pretrain_gpt.py: error: ...`` (one line per line).
+
+    ``everywhere``: every rank reached this same message (flags, shared through
+    ``first_error``): the reporting rank prints it; the others exit quietly once it has
+    (after a barrier, or before the process group exists by waiting for the launcher to
+    stop them). Otherwise the message is this rank's own: it prints unless another rank
+    already reported the failure.
+    """
+    text = "\n".join(f"{PROG}: error: {line}" for line in msg.splitlines() or [""])
+    if everywhere:
+        if is_reporting_rank():
+            _claim_report()
+            say(text)
+        if dist.is_initialized():
+            _quiet_barrier()
+        elif not is_reporting_rank() and env_int("WORLD_SIZE", 1) > 1:
+            time.sleep(QUIET_RANK_WAIT_S)
+    elif _claim_report():
+        say(text)
     sys.exit(code)
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 class DeviceError(RuntimeError):

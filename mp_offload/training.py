@@ -23,7 +23,8 @@ import torch.distributed as dist
 from . import faults
 from . import parallel_state as ps
 from .checkpoint import CheckpointError, load_checkpoint, prepare_save, save_checkpoint
-from .config import Args, ConfigError, dump_config, parse_args, resolve
+from .config import Args, ConfigError, given_flags, parse_args, resolve
+from .config_file import dump_config
 from .data.build import batch_iterator, build_datasets
 from .distributed import (
     DeviceError,
@@ -252,7 +253,10 @@ def _maybe_load(args: Args, model, optimizer) -> tuple[int, int]:
 
 def _checked_args(argv) -> tuple[Args, int]:
     """Parse and validate the flags on every rank before any collective (fail() on error)."""
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except ConfigError as e:
+        fail(str(e))
     world = env_int("WORLD_SIZE", 1)
     if args.parallel.world_size is not None:  # a dry run plans for any size; a real run
         if not args.train.dry_run and args.parallel.world_size != world:  # must agree
@@ -260,7 +264,7 @@ def _checked_args(argv) -> tuple[Args, int]:
                  f"WORLD_SIZE {world} (--world-size is for --dry-run)")
         world = args.parallel.world_size
     try:
-        resolve(args, world)
+        resolve(args, world, given_flags(argv))
     except ConfigError as e:
         fail(str(e))
     return args, world
@@ -368,7 +372,7 @@ def pretrain(argv=None) -> dict:
     try:
         device = init_distributed(p.device, p.distributed_timeout_minutes)
     except DeviceError as e:
-        fail(str(e))
+        fail(str(e), everywhere=False)  # this rank's own (its LOCAL_RANK has no GPU)
     ps.initialize_model_parallel(p.tensor_model_parallel_size)
     log.info(apply_cpu_threads(threads_per_rank(p.cpu_threads_per_rank)))
     logger = Logger(args.log, is_main=dist.get_rank() == 0, run_config=flat_config(args))
@@ -382,8 +386,10 @@ def pretrain(argv=None) -> dict:
         if error:
             fail(error, code=1)
         return _run(args, device, logger)
-    except (TrainingError, CheckpointError) as e:
-        fail(str(e), code=1)
+    except TrainingError as e:
+        fail(str(e), code=1)  # every rank reached it (the loss is global)
+    except CheckpointError as e:
+        fail(str(e), code=1, everywhere=False)
     finally:
         if lock is not None:
             lock.release()
