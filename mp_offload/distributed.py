@@ -1,10 +1,10 @@
 """Process-group start-up and the rule every rank follows on errors.
 
 ``init_distributed`` joins the torchrun world (NCCL on CUDA, gloo on CPU; a lone
-process also works). ``first_error`` is the one collective through which ranks share
-what went wrong, so that a failure on one rank is raised on every rank instead of
-leaving the others waiting in the next collective. ``fail`` prints the reason once for
-the whole job and exits.
+process also works). ``first_error`` (and ``agreed`` on top of it) is the one
+collective through which ranks share what went wrong, so that a failure on one rank
+is raised on every rank instead of leaving the others waiting in the next collective.
+``fail`` prints the reason once for the whole job and exits.
 """
 from __future__ import annotations
 
@@ -29,6 +29,17 @@ def env_int(name: str, default: int) -> int:
 QUIET_RANK_WAIT_S = 30.0
 
 _STORE = None  # the rendezvous store: ranks claim the one report of a failure there
+_PHASE = "start-up"
+
+
+def set_phase(what: str) -> None:
+    """What the job is doing now (\"iteration 12\"): a failed collective names it."""
+    global _PHASE
+    _PHASE = what
+
+
+def current_phase() -> str:
+    return _PHASE
 
 
 def is_reporting_rank() -> bool:
@@ -163,6 +174,10 @@ def apply_cpu_threads(n: int) -> str:
     return f"host threads {n}; CPU Adam {simd_level()}"
 
 
+class StartupError(RuntimeError):
+    """A start-up failure that every rank now holds (shared by ``agreed``)."""
+
+
 def init_distributed(device: str | None = None, timeout_minutes: float = 10.0) -> torch.device:
     """Join the torchrun world (a single process also works): NCCL on CUDA, gloo on CPU.
 
@@ -202,3 +217,22 @@ def first_error(error: str | None) -> str | None:
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     return next((e for e in errors if e), None)
+
+
+def agreed(fn, *, active: bool = True):
+    """``fn()`` where ``active``, then a ``first_error`` (also the barrier between phases):
+    an error on any rank is raised as StartupError on every rank, named after the rank
+    that had it. Catches what bad input and full or unreadable disks raise."""
+    result, error = None, None
+    if active:
+        try:
+            result = fn()
+        except (StartupError, OSError, ValueError, RuntimeError) as e:
+            error = str(e) if isinstance(e, StartupError) else first_line(e)
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            if rank and not error.startswith("rank "):
+                error = f"rank {rank}: {error}"
+    error = first_error(error)
+    if error:
+        raise StartupError(error)
+    return result

@@ -23,8 +23,28 @@ def torchrun(nproc, *args, timeout=240):
                           cwd=ROOT)
 
 
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """A tiny NullTokenizer dataset (ids < 96)."""
+    import io
+
+    from mp_offload.data.preprocess import preprocess
+    d = tmp_path_factory.mktemp("data")
+    with open(d / "docs.jsonl", "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"text": " ".join(str((i * 7 + k) % 90) for k in range(40))}))
+            f.write("\n")
+    preprocess([str(d / "docs.jsonl")], str(d / "x"), "NullTokenizer", vocab_size=96,
+               log=io.StringIO())
+    return str(d / "x_text_document")
+
+
 @pytest.mark.parametrize("extra,line", [
     (["--hiden-size", "64"], "unrecognized argument --hiden-size: did you mean --hidden-size?"),
+    (["--data-path", "{data}", "--tokenizer-model", "{data}.model"],
+     "--tokenizer-model {data}.model: no such file"),
+    (["--tokenizer-type", "NullTokenizer", "--data-path", "{data}.bin"],
+     "--data-path {data}.bin: give the prefix {data} (without .bin)"),
     (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size 3 does not divide"
                                             "|--ffn-hidden-size 256 is not divisible"),
     (["--tensor-model-parallel-size", "4", "--num-attention-heads", "6", "--hidden-size", "96"],
@@ -33,12 +53,14 @@ def torchrun(nproc, *args, timeout=240):
     (["--cpu-offload", "--optimizer-offload-fraction", "1.5"],
      "--optimizer-offload-fraction must be >= 0 and <= 1, got 1.5"),
 ])
-def test_bad_input_is_one_line_first_and_once(extra, line):
+def test_bad_input_is_one_line_first_and_once(extra, line, dataset):
     """Under torchrun with 4 ranks a user mistake prints its reason as the first line, once
     (one line per problem, ``|`` above): no usage text, no traceback from any rank
     (torchrun's own summary follows)."""
-    want = ["pretrain_gpt.py: error: " + w for w in line.split("|")]
-    res = torchrun(4, *TINY, "--train-iters", "2", *extra, timeout=120)
+    extra = [a.replace("{data}", dataset) for a in extra]
+    want = ["pretrain_gpt.py: error: " + w.replace("{data}", dataset) for w in line.split("|")]
+    args = [a for a in TINY if a != "--mock-data"] if "--data-path" in extra else TINY
+    res = torchrun(4, *args, "--train-iters", "2", *extra, timeout=120)
     assert res.returncode != 0
     lines = res.stderr.splitlines()
     errors = [ln for ln in lines if ln.startswith("pretrain_gpt.py: error:")]
