@@ -1,14 +1,17 @@
 """Process-group start-up and the rule every rank follows on errors.
 
 ``init_distributed`` joins the torchrun world (NCCL on CUDA, gloo on CPU; a lone
-process also works). ``first_error`` (and ``agreed`` on top of it) is the one
-collective through which ranks share what went wrong, so that a failure on one rank
-is raised on every rank instead of leaving the others waiting in the next collective.
-``fail`` prints the reason once for the whole job and exits.
+process also works) through a rendezvous that says what it waits for and gives up
+after --distributed-timeout-minutes. ``first_error`` (and ``agreed`` on top of it) is
+the one collective through which ranks share what went wrong, so that a failure on
+one rank is raised on every rank instead of leaving the others waiting in the next
+collective. ``fail`` prints the reason once for the whole job and exits;
+``comm_failure`` turns a failed collective into a line naming what was waited for.
 """
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -29,6 +32,7 @@ def env_int(name: str, default: int) -> int:
 QUIET_RANK_WAIT_S = 30.0
 
 _STORE = None  # the rendezvous store: ranks claim the one report of a failure there
+_TIMEOUT_MINUTES = 10.0
 _PHASE = "start-up"
 
 
@@ -174,36 +178,119 @@ def apply_cpu_threads(n: int) -> str:
     return f"host threads {n}; CPU Adam {simd_level()}"
 
 
+class RendezvousError(RuntimeError):
+    """The ranks did not all meet (or the address cannot be used); the message says where."""
+
+
 class StartupError(RuntimeError):
     """A start-up failure that every rank now holds (shared by ``agreed``)."""
+
+
+def format_minutes(minutes: float) -> str:
+    return f"{minutes * 60:g} s" if minutes < 1 else f"{minutes:g} min"
+
+
+def _wait_line(rank: int, world: int, where: str, joined: int | None) -> str:
+    have = "" if joined is None else f" ({joined} of {world} joined)"
+    return (f"{PROG}: waiting for {world} ranks at {where}{have}; this is rank {rank} "
+            f"(MASTER_ADDR:MASTER_PORT, RANK, WORLD_SIZE from the launcher)")
+
+
+def _wait_for_master(addr: str, port: int, deadline: float, announce) -> None:
+    """Until rank 0 listens at addr:port (a plain connect, so torch's client never times
+    out with a C++ stack trace); RendezvousError at ``deadline``."""
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=1.0).close()
+            return
+        except OSError:
+            pass
+        announce(None)
+        if time.monotonic() > deadline:
+            raise RendezvousError("rank 0 never listened")
+        time.sleep(0.2)
+
+
+def _rendezvous(rank: int, world: int, timeout: timedelta):
+    """The store of this attempt once all ``world`` ranks have joined it.
+
+    Rank 0 hosts the store (unless torchrun's agent does); each rank adds itself to a
+    counter and waits for the others, printing once what it waits for after a few
+    seconds and raising RendezvousError when ``timeout`` passes.
+    """
+    addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    port_text = os.environ.setdefault("MASTER_PORT", "29500")
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise RendezvousError(f"MASTER_PORT {port_text!r} is not a port number")
+    port, where = int(port_text), f"{addr}:{port_text}"
+    # torchrun's agent hosts the store; keyed by attempt, since after --max-restarts it
+    # may still hold the dead attempt's addresses (seen with gloo: peers dial stale ports).
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    is_master = not agent and rank == 0
+    start = time.monotonic()
+    deadline = start + timeout.total_seconds()
+    announced = []
+
+    def announce(joined):
+        # After a few seconds, once: by the reporting rank, or by a rank left without rank 0
+        if announced or time.monotonic() - start < min(10.0, timeout.total_seconds() / 2):
+            return
+        if joined is None or is_reporting_rank():
+            announced.append(True)
+            say(_wait_line(rank, world, where, joined))
+
+    joined = 0
+    try:
+        if not is_master:
+            _wait_for_master(addr, port, deadline, announce)
+        left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
+        store = dist.PrefixStore(f"attempt_{attempt}", dist.TCPStore(
+            addr, port, world, is_master=is_master, timeout=left, wait_for_workers=False))
+        store.add("mp_offload/joined", 1)
+        while (joined := store.add("mp_offload/joined", 0)) < world:
+            announce(joined)
+            if time.monotonic() > deadline:
+                raise RendezvousError("not everyone joined")
+            time.sleep(0.1)
+        return store
+    except (RendezvousError, RuntimeError) as e:  # torch's DistError is a RuntimeError
+        if "address already in use" in str(e).lower():
+            raise RendezvousError(f"rank {rank} cannot listen at {where}: the port is in use "
+                                  f"(another job? set MASTER_PORT)") from None
+        if not isinstance(e, RendezvousError) and time.monotonic() < deadline:
+            raise RendezvousError(f"rank {rank}: the rendezvous at {where} failed: "
+                                  f"{first_line(e)}") from None
+        who = (f"{joined} of {world} joined" if is_master or joined
+               else "rank 0 never answered")
+        raise RendezvousError(
+            f"timed out after {format_minutes(timeout.total_seconds() / 60)} waiting for "
+            f"{world} ranks at {where} ({who}; this is rank {rank}): start all {world} "
+            f"processes with the same MASTER_ADDR and MASTER_PORT, or WORLD_SIZE=1 for one "
+            f"process (--distributed-timeout-minutes sets the wait)") from None
 
 
 def init_distributed(device: str | None = None, timeout_minutes: float = 10.0) -> torch.device:
     """Join the torchrun world (a single process also works): NCCL on CUDA, gloo on CPU.
 
-    ``timeout_minutes`` bounds every collective, so a stalled rank ends the job with an
-    error instead of hanging it for torch's default half hour.
+    ``timeout_minutes`` bounds the rendezvous and every collective, so a missing or
+    stalled rank ends the job with a line saying what was waited for instead of hanging
+    it. A lone process needs no address (an in-memory store, no port to collide on).
     """
+    global _STORE, _TIMEOUT_MINUTES
     dev = pick_device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     backend = "nccl" if dev.type == "cuda" else "gloo"
+    _TIMEOUT_MINUTES = timeout_minutes
     if not dist.is_initialized():
         rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
         timeout = timedelta(minutes=timeout_minutes)
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        if restart is None:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29500")
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-        else:
-            # After `torchrun --max-restarts` the agent's store may still hold the dead
-            # attempt's addresses (seen with gloo: peers dial stale ports); key by attempt.
-            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                  world, is_master=not agent and rank == 0, timeout=timeout)
-            dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{restart}", store),
-                                    rank=rank, world_size=world, timeout=timeout)
+        set_phase("the rendezvous")
+        store = dist.HashStore() if world == 1 else _rendezvous(rank, world, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timeout)
+        _STORE = store
     return dev
 
 
@@ -236,3 +323,30 @@ def agreed(fn, *, active: bool = True):
     if error:
         raise StartupError(error)
     return result
+
+
+_COMM_MARKERS = ("gloo", "connection reset by peer", "connection closed by peer",
+                 "pair closure", "nccl", "broken pipe", "timed out waiting")
+
+
+def comm_failure(e: BaseException) -> str | None:
+    """The one-line reason for a failed collective (``e``), naming the phase it was
+    waiting in; None when ``e`` is not a communication failure."""
+    text = str(e).lower()
+    if not (isinstance(e, dist.DistError) or any(m in text for m in _COMM_MARKERS)):
+        return None
+    if "timed out" in text or "timeout" in text:
+        return (f"timed out after {format_minutes(_TIMEOUT_MINUTES)} waiting for the other "
+                f"ranks during {_PHASE}: a rank stalled or stopped (see its message above, "
+                f"if any); --distributed-timeout-minutes sets the limit")
+    return (f"lost contact with another rank during {_PHASE}: it stopped without a message "
+            f"(killed, out of memory, or crashed?): {_cause(first_line(e))}")
+
+
+def _cause(text: str) -> str:
+    """gloo's message without its source location and advice: "[.../pair.cc:537] Read
+    error [10.0.0.2]:9111: Connection reset by peer. This is typically..." -> "Read
+    error [10.0.0.2]:9111: Connection reset by peer"."""
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". ", 1)[0]

@@ -168,9 +168,12 @@ class Logger:
         log.info(f" sample at iteration {iteration} (greedy):\n{body}")
 
     def close(self) -> None:
-        if self.json:
-            self.json.close()
-        if self.tb:
-            self.tb.close()
-        if self.wandb:
-            self.wandb.finish()
+        """Close every sink (again: a no-op)."""
+        json_file, tb, wb = self.json, self.tb, self.wandb
+        self.json = self.tb = self.wandb = None
+        if json_file:
+            json_file.close()
+        if tb:
+            tb.close()
+        if wb:
+            wb.finish()

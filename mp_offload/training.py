@@ -7,13 +7,15 @@ optimizer (which places the model on the device in the compute dtype) -> iterati
 final evaluation.
 
 Whatever stops a run ends as one line, printed once for the job (``distributed.fail``):
-exit code 2 for bad flags or input, 1 for run-time failures (divergence, a full disk).
+exit code 2 for bad flags or input, 1 for run-time failures (divergence, a lost or
+stalled rank, a full disk).
 
 ``train_step`` is one optimizer step over a global batch; the loop (``train``) and the
 end-to-end benchmark both call it, so what is measured is what trains.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -32,10 +34,12 @@ from .config_file import dump_config
 from .data.build import batch_iterator, build_datasets
 from .distributed import (
     DeviceError,
+    RendezvousError,
     StartupError,
     agreed,
     apply_cpu_threads,
     claim_report,
+    comm_failure,
     current_phase,
     env_int,
     fail,
@@ -390,6 +394,8 @@ def _start(args: Args):
         device = init_distributed(p.device, p.distributed_timeout_minutes)
     except DeviceError as e:
         fail(str(e), everywhere=False)  # this rank's own (its LOCAL_RANK has no GPU)
+    except RendezvousError as e:
+        fail(str(e), code=1, everywhere=False)
     ps.initialize_model_parallel(p.tensor_model_parallel_size)
     log.info(apply_cpu_threads(threads_per_rank(p.cpu_threads_per_rank)))
     for line in config_warnings(args):
@@ -405,6 +411,9 @@ def _stop(e: Exception) -> None:
         fail(str(e), code=1)  # every rank reached it (the loss is global)
     if isinstance(e, CheckpointError):
         fail(str(e), code=1, everywhere=False)
+    reason = comm_failure(e)
+    if reason:
+        fail(reason, code=1, everywhere=False)  # quiet when the rank that stopped said why
     if isinstance(e, OSError):  # a full disk, a file gone: this rank's own
         fail(f"{e} (during {current_phase()})", code=1, everywhere=False)
     claim_report()  # a bug: its traceback is the report; the other ranks stay quiet
@@ -429,7 +438,9 @@ def pretrain(argv=None) -> dict:
         error = first_error(write_run_config(args) if dist.get_rank() == 0 else None)
         if error:
             fail(error, code=1)
-        return _run(args, device, logger, tokenizer)
+        summary = _run(args, device, logger, tokenizer)
+        logger.close()  # the last records reach the disk here: a full one is an error
+        return summary
     except Exception as e:
         _stop(e)
         raise
@@ -437,7 +448,8 @@ def pretrain(argv=None) -> dict:
         if lock is not None:
             lock.release()
         if logger is not None:
-            logger.close()
+            with contextlib.suppress(OSError):  # already failing: the reason is out
+                logger.close()
         ps.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()

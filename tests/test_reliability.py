@@ -9,10 +9,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
-from dist_helpers import run_distributed
+from dist_helpers import free_port, run_distributed
 from helpers import tiny_model_flags
 
 from mp_offload.config import ConfigError, parse_args, resolve
@@ -123,6 +124,22 @@ def test_token_ids_beyond_the_vocabulary_are_refused(wide_ids, tmp_path):
                        "--train-iters", "2", "--data-cache-dir", str(tmp_path))
     assert_one_line(res, f"{wide_ids}.bin: token id 1000 is outside the vocabulary of 97 ids "
                          f"of --tokenizer-type NullTokenizer --vocab-size 96", code=2)
+
+
+# --------------------------------------------------------------------- 5. rendezvous
+@pytest.mark.slow
+def test_lone_rank_times_out_with_a_line():
+    """WORLD_SIZE=2 but one process: it says what it waits for, then gives up with a line
+    after --distributed-timeout-minutes instead of waiting forever."""
+    port = free_port()
+    t0 = time.time()
+    res = run_pretrain(*TINY, "--mock-data", "--train-iters", "2",
+                       "--distributed-timeout-minutes", "0.05", timeout=120,
+                       WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    line = assert_one_line(res, f"timed out after 3 s waiting for 2 ranks at 127.0.0.1:{port} "
+                                f"(1 of 2 joined; this is rank 0)", code=1)
+    assert f"pretrain_gpt.py: waiting for 2 ranks at 127.0.0.1:{port}" in res.stderr, line
+    assert time.time() - t0 < 100
 
 
 # ------------------------------------------------------- 7. a data error on one rank
