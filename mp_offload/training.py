@@ -8,7 +8,7 @@ final evaluation.
 
 Whatever stops a run ends as one line, printed once for the job (``distributed.fail``):
 exit code 2 for bad flags or input, 1 for run-time failures (divergence, a lost or
-stalled rank, a full disk).
+stalled rank, a full disk). Workers started by a launcher end with it (``lifeline``).
 
 ``train_step`` is one optimizer step over a global batch; the loop (``train``) and the
 end-to-end benchmark both call it, so what is measured is what trains.
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import faults
+from . import faults, lifeline
 from . import parallel_state as ps
 from .checkpoint import CheckpointError, load_checkpoint, prepare_save, save_checkpoint
 from .config import Args, ConfigError, config_warnings, given_flags, parse_args, resolve
@@ -384,6 +384,9 @@ def write_run_config(args: Args) -> str | None:
 def _start(args: Args):
     """Every check that needs no other rank, then the process groups: (device, tokenizer)."""
     from .preflight import check_inputs
+    stop = lifeline.exit_with_parent()
+    if stop:
+        fail(stop, code=1, everywhere=False)
     tokenizer = None
     try:
         tokenizer = check_inputs(args)

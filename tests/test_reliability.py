@@ -7,6 +7,7 @@ torchrun output in test_pretrain_cli.py, preprocessing in test_preprocess.py);
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -140,6 +141,58 @@ def test_lone_rank_times_out_with_a_line():
                                 f"(1 of 2 joined; this is rank 0)", code=1)
     assert f"pretrain_gpt.py: waiting for 2 ranks at 127.0.0.1:{port}" in res.stderr, line
     assert time.time() - t0 < 100
+
+
+# ------------------------------------------------------------ 6. the launcher dies
+LAUNCHER = """
+import subprocess, sys, time
+out = open(sys.argv[1], "w")
+worker = subprocess.Popen(sys.argv[2:], stdout=out, stderr=subprocess.STDOUT)
+print(worker.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie nobody reaps (it is not our child)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_worker_exits_when_its_launcher_is_killed(tmp_path):
+    """kill -9 of the launcher: the worker gets SIGTERM, finishes its step, saves, exits."""
+    from mp_offload.checkpoint import read_latest
+    log, ck = tmp_path / "log.jsonl", tmp_path / "ck"
+    cmd = [sys.executable, PRETRAIN, *TINY, "--mock-data", "--train-iters", "100000",
+           "--log-json", str(log), "--save", str(ck)]
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "out"), *cmd],
+                                env=_env(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1"), cwd=ROOT,
+                                stdout=subprocess.PIPE, text=True)
+    worker = int(launcher.stdout.readline())
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and (not log.exists() or len(log.read_text()) < 2000):
+            time.sleep(0.5)
+        assert log.exists(), (tmp_path / "out").read_text()[-2000:]
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.time() + 60
+        while time.time() < deadline and not _gone(worker):
+            time.sleep(0.2)
+        assert _gone(worker), "the worker went on training after its launcher died"
+    finally:
+        launcher.kill()
+        if not _gone(worker):
+            os.kill(worker, signal.SIGKILL)
+    out = (tmp_path / "out").read_text()
+    last = [json.loads(line)["iteration"] for line in open(log) if '"loss"' in line][-1]
+    assert "stop requested: exiting after iteration" in out, out[-2000:]
+    assert read_latest(str(ck)) == last, "the finished step must be saved"
 
 
 # ------------------------------------------------------- 7. a data error on one rank
