@@ -57,6 +57,8 @@ class TrainingConfig:
     bf16: bool = _f(False, "bf16 params and compute")
     eval_interval: int = _f(1000, "iterations between validation runs")
     eval_iters: int = _f(10, "batches per validation run")
+    max_consecutive_skipped_steps: int = _f(100, "fp16: stop (without saving) after this many "
+                                                 "consecutive steps skipped for overflow")
     exit_interval: int | None = _f(None, "stop after this iteration (for tests)")
     dry_run: bool = _f(False, "build the model on the meta device, print the plan, exit")
 
@@ -189,7 +191,7 @@ RANGES = {
     "tensor_model_parallel_size": "1..", "world_size": "1..", "cpu_threads_per_rank": "1..",
     "distributed_timeout_minutes": "0<..", "micro_batch_size": "1..",
     "global_batch_size": "1..", "train_iters": "0..", "train_samples": "0..",
-    "eval_interval": "1..", "eval_iters": "0..",
+    "eval_interval": "1..", "eval_iters": "0..", "max_consecutive_skipped_steps": "1..",
     "exit_interval": "1..", "lr": "0..", "min_lr": "0..", "lr_warmup_iters": "0..",
     "lr_decay_iters": "1..", "weight_decay": "0..",
     "clip_grad": "0..", "adam_beta1": "0..1)", "adam_beta2": "0..1)", "adam_eps": "0<..",

@@ -194,6 +194,18 @@ def _record(args: Args, iteration: int, consumed: int, lr: float, out: StepOutpu
     return rec
 
 
+def _check_skipped(in_a_row: int, limit: int, iteration: int, out: StepOutput) -> None:
+    """fp16: every rank skips the same steps (the overflow test is on the global norm), so
+    all of them stop here together, before the step's checkpoint could be saved."""
+    if in_a_row >= limit:
+        raise TrainingError(
+            f"{in_a_row} consecutive steps skipped for fp16 gradient overflow (iterations "
+            f"{iteration - in_a_row + 1}-{iteration}, loss {out.loss:.4g}, loss scale "
+            f"{out.result.loss_scale:g}): the run is diverging; stopping without saving (lower "
+            f"--lr, check the data, or use --bf16; --max-consecutive-skipped-steps sets the "
+            f"limit)")
+
+
 def train(args: Args, model, optimizer: Optimizer, train_iter, valid_iter, device,
           logger: Logger, start_iteration: int = 0, consumed_samples: int = 0,
           sampler: Sampler | None = None) -> dict:
@@ -218,6 +230,7 @@ def train(args: Args, model, optimizer: Optimizer, train_iter, valid_iter, devic
     logger.start_loop(iteration, t.train_iters)
     flops_tok = flops_per_token(args.model, args.model.recompute_activations,
                                 args.parallel.tensor_model_parallel_size)
+    skipped_in_a_row = 0
     while iteration < end:
         set_phase(f"iteration {iteration + 1}")
         t0 = time.perf_counter()
@@ -231,6 +244,8 @@ def train(args: Args, model, optimizer: Optimizer, train_iter, valid_iter, devic
         if not math.isfinite(out.loss) and not t.fp16:
             raise TrainingError(f"loss is {out.loss} at iteration {iteration}; stopping "
                                 f"(lower --lr, check the data, or use --fp16/--bf16 carefully)")
+        skipped_in_a_row = skipped_in_a_row + 1 if out.result.skipped else 0
+        _check_skipped(skipped_in_a_row, t.max_consecutive_skipped_steps, iteration, out)
         last = _record(args, iteration, consumed_samples, lr, out, optimizer,
                        time.perf_counter() - t0, flops_tok)
         logger.iteration(last, print_line=iteration % args.log.log_interval == 0)
@@ -411,7 +426,7 @@ def _stop(e: Exception) -> None:
     if isinstance(e, (ConfigError, StartupError)):
         fail(str(e))  # every rank holds it (agreed)
     if isinstance(e, TrainingError):
-        fail(str(e), code=1)  # every rank reached it (the loss is global)
+        fail(str(e), code=1)  # every rank reached it (the loss and the skips are global)
     if isinstance(e, CheckpointError):
         fail(str(e), code=1, everywhere=False)
     reason = comm_failure(e)

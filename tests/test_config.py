@@ -221,6 +221,7 @@ def test_flag_mistakes_are_one_line_without_usage(argv, needle, capsys):
     (["--tokenizer-type", "NullTokenizer"], "--tokenizer-type NullTokenizer needs --data-path"),
     (["--fp16", "--min-loss-scale", "8", "--initial-loss-scale", "4"],
      "--min-loss-scale 8 exceeds --initial-loss-scale 4"),
+    (["--max-consecutive-skipped-steps", "0"], "--max-consecutive-skipped-steps must be >= 1"),
 ])
 def test_nonsense_values_name_the_flag(argv, needle):
     base = ["--train-iters", "10"]

@@ -105,6 +105,19 @@ def test_input_files_are_checked_before_start(wide_ids, tmp_path):
         check_inputs(args)
 
 
+# ------------------------------------------------------------------ 3. fp16 divergence
+@pytest.mark.slow
+def test_fp16_divergence_stops_before_saving(tmp_path):
+    """Every step overflows (a loss scale fp16 cannot hold): the run stops with the reason
+    after --max-consecutive-skipped-steps and saves no checkpoint of the diverged run."""
+    res = run_pretrain(*TINY, "--mock-data", "--train-iters", "8", "--fp16",
+                       "--initial-loss-scale", "1e30", "--min-loss-scale", "1e30",
+                       "--max-consecutive-skipped-steps", "3", "--save", str(tmp_path / "ck"))
+    assert_one_line(res, "3 consecutive steps skipped for fp16 gradient overflow "
+                         "(iterations 1-3", code=1)
+    assert not os.path.exists(tmp_path / "ck" / "latest_checkpointed_iteration.txt")
+
+
 # ------------------------------------------------------ 4. ids beyond the vocabulary
 def test_token_range_is_cached_by_size_and_mtime(wide_ids, tmp_path):
     lo, hi = token_range(wide_ids, str(tmp_path))
