@@ -208,7 +208,7 @@ def test_worker_exits_when_its_launcher_is_killed(tmp_path):
     assert read_latest(str(ck)) == last, "the finished step must be saved"
 
 
-# ------------------------------------------------------- 7. a data error on one rank
+# ------------------------------------------------ 7. a data error on one rank, and tools
 def _data_error_worker(rank, world, prefix, out_dir):
     from mp_offload import parallel_state as ps
     from mp_offload.data import gpt_dataset
@@ -236,3 +236,17 @@ def test_a_data_error_on_one_rank_reaches_every_rank(wide_ids, tmp_path):
     run_distributed(_data_error_worker, 2, wide_ids, str(tmp_path))
     want = "rank 1: [Errno 28] No space left on device: '/cache/train_doc_idx.npy'"
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == [want, want]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--top-p", "0"], "--top-p must be > 0 and <= 1, got 0"),
+    (["--top-p", "1.5"], "--top-p must be > 0 and <= 1, got 1.5"),
+    (["--top-k", "-1"], "--top-k must be >= 0 (0: no limit), got -1"),
+    (["--temperature", "0"], "--temperature must be > 0, got 0"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 0, got -3"),
+])
+def test_generate_rejects_bad_sampling_flags(flags, needle, tmp_path):
+    from mp_offload.generation import main
+    with pytest.raises(SystemExit) as e:  # before any checkpoint is read
+        main(["--load", str(tmp_path / "none"), *flags])
+    assert str(e.value).startswith(f"generate: {needle}"), str(e.value)
