@@ -220,14 +220,18 @@ def _range_problem(name: str, value, spec: str) -> str | None:
     return f"--{name.replace('_', '-')} must be {want}, got {value}"
 
 
+# Defaults computed from another flag: out of range only because that one is, unless given.
+_DERIVED_FROM = {"ffn_hidden_size": "hidden_size", "max_position_embeddings": "seq_length"}
+
+
 def _range_problems(args) -> list[str]:
-    out = []
+    found = {}
     for group in vars(args).values():
         for f in dataclasses.fields(group):
             value = getattr(group, f.name)
             if f.name in RANGES and value is not None and not isinstance(value, bool):
-                out.append(_range_problem(f.name, value, RANGES[f.name]))
-    return [p for p in out if p]
+                found[f.name] = _range_problem(f.name, value, RANGES[f.name])
+    return [p for name, p in found.items() if p and not found.get(_DERIVED_FROM.get(name))]
 
 
 @dataclass

@@ -118,8 +118,11 @@ class Logger:
 
     def _record(self, rec: dict) -> None:
         if self.json:
-            self.json.write(json.dumps(rec) + "\n")
-            self.json.flush()
+            try:
+                self.json.write(json.dumps(rec) + "\n")
+                self.json.flush()
+            except OSError as e:  # a full disk: say which file
+                raise OSError(e.errno, f"--log-json {self.json.name}: {e.strerror}") from None
         numbers = {k: v for k, v in rec.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"}
         if self.tb:

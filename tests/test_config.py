@@ -250,3 +250,6 @@ def test_sensible_values_pass_and_every_problem_is_a_line():
     with pytest.raises(ConfigError) as e:
         validate(parse_args(bad), 1, given_flags(bad))
     assert len(str(e.value).splitlines()) == 3, str(e.value)
+    with pytest.raises(ConfigError) as e:  # not also --ffn-hidden-size, its default 4x
+        validate(parse_args(["--train-iters", "1", "--hidden-size", "-64"]), 1)
+    assert str(e.value) == "--hidden-size must be >= 1, got -64"
