@@ -11,6 +11,7 @@ collective. ``fail`` prints the reason once for the whole job and exits;
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -110,6 +111,8 @@ def fail(msg: str, code: int = 2, *, everywhere: bool = True) -> None:
         if dist.is_initialized():
             _quiet_barrier()
         elif not is_reporting_rank() and env_int("WORLD_SIZE", 1) > 1:
+            # the launcher's SIGTERM, once the reporting rank has exited, ends the wait
+            signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
             time.sleep(QUIET_RANK_WAIT_S)
     elif _claim_report():
         say(text)
