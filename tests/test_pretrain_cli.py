@@ -52,13 +52,19 @@ def dataset(tmp_path_factory):
     (["--global-batch-size", "6"], "--global-batch-size 6 is not a multiple"),
     (["--cpu-offload", "--optimizer-offload-fraction", "1.5"],
      "--optimizer-offload-fraction must be >= 0 and <= 1, got 1.5"),
+    (["--config", "{cfg}", "--hiden-size", "64"],
+     "unrecognized argument --hiden-size: did you mean --hidden-size?"),
+    (["--config", "{cfg}x"], "--config {cfg}x: No such file or directory"),
 ])
-def test_bad_input_is_one_line_first_and_once(extra, line, dataset):
+def test_bad_input_is_one_line_first_and_once(extra, line, dataset, tmp_path):
     """Under torchrun with 4 ranks a user mistake prints its reason as the first line, once
     (one line per problem, ``|`` above): no usage text, no traceback from any rank
     (torchrun's own summary follows)."""
-    extra = [a.replace("{data}", dataset) for a in extra]
-    want = ["pretrain_gpt.py: error: " + w.replace("{data}", dataset) for w in line.split("|")]
+    cfg = tmp_path / "run.yaml"  # --config: the flags' mistakes are caught next to it too
+    cfg.write_text("eval-iters: 1\nlr: 3e-3\n")
+    fill = lambda a: a.replace("{data}", dataset).replace("{cfg}", str(cfg))  # noqa: E731
+    extra = [fill(a) for a in extra]
+    want = ["pretrain_gpt.py: error: " + fill(w) for w in line.split("|")]
     args = [a for a in TINY if a != "--mock-data"] if "--data-path" in extra else TINY
     res = torchrun(4, *args, "--train-iters", "2", *extra, timeout=120)
     assert res.returncode != 0
