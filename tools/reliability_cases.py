@@ -39,7 +39,8 @@ def configuration_cases() -> list:
               ("--reduce-bucket-size", "0"), ("--cpu-threads-per-rank", "0"),
               ("--max-consecutive-skipped-steps", "0"), ("--layernorm-epsilon", "0"),
               ("--make-vocab-size-divisible-by", "0"), ("--vocab-size", "0"),
-              ("--init-method-std", "-0.02"), ("--dpu-warmup-steps", "-1")]
+              ("--init-method-std", "-0.02"), ("--dpu-warmup-steps", "-1"),
+              ("--optimizer-offload-fraction", "1.5")]
     cases = [
         c("misspelled flag", ["--hiden-size", "64"], "did you mean --hidden-size?"),
         c("Megatron-style flag name", ["--tensor-parallel-size", "2"],
@@ -67,6 +68,8 @@ def configuration_cases() -> list:
           "need --optimizer adam"),
         c("--dpu-warmup-steps without offload", ["--dpu-warmup-steps", "2"],
           "--dpu-warmup-steps needs --cpu-offload"),
+        c("--optimizer-offload-fraction without offload", ["--optimizer-offload-fraction",
+                                                           "0.5"], "needs --cpu-offload"),
         c("hidden not divisible by heads", ["--hidden-size", "30"], "--hidden-size 30 is not"),
         c("sequence beyond positions", ["--seq-length", "64", "--max-position-embeddings",
                                         "32"], "--seq-length 64 exceeds"),
