@@ -159,6 +159,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def sampling_problem(a) -> str | None:
+    """The first sampling flag out of range, as a line naming it (None: all fine)."""
+    if not 0 < a.top_p <= 1:
+        return f"--top-p must be > 0 and <= 1, got {a.top_p:g}"
+    if a.top_k < 0:
+        return f"--top-k must be >= 0 (0: no limit), got {a.top_k}"
+    if not a.temperature > 0:
+        return (f"--temperature must be > 0, got {a.temperature:g} (--greedy picks the most "
+                f"likely token)")
+    if a.max_new_tokens < 0:
+        return f"--max-new-tokens must be >= 0, got {a.max_new_tokens}"
+    if a.tensor_model_parallel_size < 1:
+        return f"--tensor-model-parallel-size must be >= 1, got {a.tensor_model_parallel_size}"
+    return None
+
+
 def _setup(tp: int):
     """Join torchrun's world when there is one; returns (device, created_group)."""
     from .distributed import DeviceError, pick_device
@@ -183,6 +199,9 @@ def _setup(tp: int):
 
 def main(argv=None) -> dict:
     a = build_parser().parse_args(argv)
+    problem = sampling_problem(a)
+    if problem:
+        raise SystemExit(f"generate: {problem}")
     if a.greedy and a.top_p < 1.0:
         raise SystemExit("generate: --greedy and --top-p exclude each other")
     device, created = _setup(a.tensor_model_parallel_size)

@@ -537,7 +537,8 @@ def test_bad_save_setup_stops_every_rank_before_training(tmp_path, case):
     errors = [line for line in res.stderr.splitlines()
               if line.startswith("pretrain_gpt.py: error:")]
     assert res.returncode != 0
-    assert len(errors) == 2 and errors[0] == errors[1], res.stderr[-3000:]
+    # printed once for the job, as its first line (distributed.fail)
+    assert len(errors) == 1 and res.stderr.startswith(errors[0]), res.stderr[-3000:]
     assert expect in errors[0] and str(tmp_path) in errors[0], errors[0]
     assert _snapshot(root) == before, "a checkpoint was touched"
     assert read_latest(root) == 6

@@ -69,6 +69,23 @@ def test_missing_input(tmp_path, capsys):
     assert err == f"error: input file not found: {missing}"
 
 
+def test_no_documents_is_an_error_naming_input_and_key(messy_jsonl, tmp_path, capsys):
+    """A wrong --json-keys skips every line: exit 1 naming the input and the key, instead
+    of an empty dataset that fails later, in training."""
+    out = str(tmp_path / "out")
+    assert main(_null_args(messy_jsonl, out, "--json-keys", "content")) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"error: no documents in {messy_jsonl} under --json-keys content: all 5 "
+                       f"lines were skipped (the first: {messy_jsonl}:1: missing key "
+                       f"'content'); nothing written"), err[-1]
+    assert not any(n.startswith("out") for n in os.listdir(tmp_path))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert main(_null_args(str(empty), out)) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: no documents in {empty} (the input is empty); nothing written")
+
+
 @pytest.mark.slow  # --workers 2: a spawned process pool
 def test_workers_identical(tmp_path):
     rng = np.random.RandomState(0)
