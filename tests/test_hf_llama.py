@@ -141,7 +141,8 @@ def test_generate_tp2_under_torchrun_equals_transformers_greedy(tmp_path):
     """tools/generate.py at TP=2 under torchrun, with a Hugging Face tokenizer.json given
     by flag (an import records none), continues a text prompt with transformers' greedy
     tokens."""
-    from mp_offload.data.tokenizer import build_tokenizer, train_bpe_bytelevel
+    from mp_offload.data.tokenizer import build_tokenizer
+    from mp_offload.data.tokenizer_training import train_bpe_bytelevel
     text = "def parse(text):\n    for line in text.splitlines():\n        yield line\n"
     train_bpe_bytelevel([text.replace("line", w) for w in ("row", "item", "ln")] * 20,
                         str(tmp_path / "tok"), vocab_size=300)
