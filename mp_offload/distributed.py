@@ -339,11 +339,38 @@ def comm_failure(e: BaseException) -> str | None:
     if not (isinstance(e, dist.DistError) or any(m in text for m in _COMM_MARKERS)):
         return None
     if "timed out" in text or "timeout" in text:
-        return (f"timed out after {format_minutes(_TIMEOUT_MINUTES)} waiting for the other "
-                f"ranks during {_PHASE}: a rank stalled or stopped (see its message above, "
-                f"if any); --distributed-timeout-minutes sets the limit")
+        stalled = ranks_not_waiting(min(10.0, _TIMEOUT_MINUTES * 30.0))
+        who = (f"rank{'s' if len(stalled) > 1 else ''} {', '.join(map(str, stalled))}, "
+               f"which did not reach it" if stalled else "the other ranks")
+        return (f"timed out after {format_minutes(_TIMEOUT_MINUTES)} during {_PHASE} "
+                f"waiting for {who}: a rank stalled or stopped (see its message above, if "
+                f"any); --distributed-timeout-minutes sets the limit")
     return (f"lost contact with another rank during {_PHASE}: it stopped without a message "
             f"(killed, out of memory, or crashed?): {_cause(first_line(e))}")
+
+
+_TIMED_OUT = "mp_offload/timed_out/"
+
+
+def ranks_not_waiting(grace_s: float) -> list[int]:
+    """After a collective timed out on this rank: the ranks that did not also time out
+    within ``grace_s`` (each waiting rank marks itself in the rendezvous store), i.e. the
+    ones the job waited for. gloo and NCCL do not name them. [] when the store cannot
+    tell (a lone process, or the store's host is gone)."""
+    if _STORE is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return []
+    world = dist.get_world_size()
+    keys = [f"{_TIMED_OUT}{r}" for r in range(world)]
+    try:
+        _STORE.set(keys[dist.get_rank()], _PHASE)
+        deadline = time.monotonic() + grace_s
+        while True:  # the waiting ranks time out within moments of each other
+            missing = [r for r in range(world) if not _STORE.check([keys[r]])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.2)
+    except Exception:  # the store lives in rank 0's launcher or process: it may be gone
+        return []
 
 
 def _cause(text: str) -> str:

@@ -156,6 +156,24 @@ def test_lone_rank_times_out_with_a_line():
     assert time.time() - t0 < 100
 
 
+def test_a_stalled_rank_is_named_by_the_ranks_that_waited_for_it():
+    """Rank 1 of 2 sleeps in iteration 3: rank 0's collective times out after
+    --distributed-timeout-minutes, and the one line names rank 1 (gloo does not)."""
+    t0 = time.time()
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", PRETRAIN, *TINY, "--mock-data", "--train-iters", "6",
+         "--distributed-timeout-minutes", "0.1"], capture_output=True, text=True, timeout=200,
+        env=_env(MP_OFFLOAD_FAULT_STALL="1:3:90"), cwd=ROOT)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith(ERROR)]
+    assert res.returncode != 0 and len(errors) == 1, (res.returncode, res.stderr[-3000:])
+    assert ("timed out after 6 s during iteration 3 waiting for rank 1, which did not reach "
+            "it") in errors[0], errors[0]
+    # torchrun's own failure report (with its traceback) may follow; none of ours
+    assert "mp_offload/" not in res.stderr and "pretrain_gpt.py\", line" not in res.stderr
+    assert time.time() - t0 < 80  # not the stalled rank's 90 s
+
+
 # ------------------------------------------------------------ 6. the launcher dies
 LAUNCHER = """
 import subprocess, sys, time
