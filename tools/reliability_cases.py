@@ -319,7 +319,8 @@ def runtime_cases() -> list:
           "the port is in use", code=1, runner=port_in_use),
         c("a rank stalls (torchrun 2)", torchrun(
             2, *TINY, "--train-iters", "10", "--distributed-timeout-minutes", "0.25"),
-          "timed out after 15 s during iteration 3 waiting for rank 1, which did not reach it", code=1,
+          "timed out after 15 s during iteration 3 waiting for rank 1, which did not reach it",
+          code=1,
           env={"MP_OFFLOAD_FAULT_STALL": "1:3:120"}, first=True),
         c("a rank is killed (torchrun 2)", torchrun(2, *TINY, "--train-iters", "10"),
           "lost contact with another rank during iteration 3", code=13,
