@@ -4,6 +4,8 @@ Field ``foo_bar`` becomes flag ``--foo-bar`` (Megatron's names); a bool that def
 to False is a switch; ``help`` and ``choices`` live in the field metadata. Checks
 that need several fields (and the world size) are in ``validate``, which runs on
 every rank before any collective, so a bad config fails everywhere, never hangs.
+Every problem is one line naming the flag (an unknown flag gets "did you mean");
+argparse never prints its usage text.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from .parallel_state import ParallelConfigError, validate_parallel_sizes
 
 
 class ConfigError(ValueError):
-    """A bad flag value; the message names the flag."""
+    """A bad flag value; the message names the flag (one line per problem)."""
 
 
 def _f(default, help: str, **extra):
@@ -55,6 +57,8 @@ class TrainingConfig:
     bf16: bool = _f(False, "bf16 params and compute")
     eval_interval: int = _f(1000, "iterations between validation runs")
     eval_iters: int = _f(10, "batches per validation run")
+    max_consecutive_skipped_steps: int = _f(100, "fp16: stop (without saving) after this many "
+                                                 "consecutive steps skipped for overflow")
     exit_interval: int | None = _f(None, "stop after this iteration (for tests)")
     dry_run: bool = _f(False, "build the model on the meta device, print the plan, exit")
 
@@ -89,6 +93,12 @@ class OptimizerConfig:
                                           "per step (costs a full gradient on the device)")
     accumulate_allreduce_grads_in_fp32: bool = _f(False, "reduce (and stage) gradients in "
                                                   "fp32 in bf16/fp16 runs")
+    optimizer_offload_fraction: float | None = _f(
+        None, "with --cpu-offload: the fraction of each rank's optimizer state offloaded to "
+        "the CPU (Megatron-core's flag); the rest, the first buckets of its slice, stays on "
+        "the device and is updated there by torch's fused AdamW, beside the CPU Adam. Split "
+        "at the bucket boundary nearest 1-F; 0 = ZeRO-2 on the device (default 1: all on "
+        "the CPU)")
     exp_avg_dtype: str = _f("fp32", "dtype of Adam's first moment (bf16 halves it)",
                             choices=("fp32", "bf16"))
     exp_avg_sq_dtype: str = _f("fp32", "dtype of Adam's second moment (bf16 halves it)",
@@ -181,18 +191,20 @@ RANGES = {
     "tensor_model_parallel_size": "1..", "world_size": "1..", "cpu_threads_per_rank": "1..",
     "distributed_timeout_minutes": "0<..", "micro_batch_size": "1..",
     "global_batch_size": "1..", "train_iters": "0..", "train_samples": "0..",
-    "eval_interval": "1..", "eval_iters": "0..", "exit_interval": "1..", "lr": "0..",
-    "min_lr": "0..", "lr_warmup_iters": "0..", "lr_decay_iters": "1..", "weight_decay": "0..",
+    "eval_interval": "1..", "eval_iters": "0..", "max_consecutive_skipped_steps": "1..",
+    "exit_interval": "1..", "lr": "0..", "min_lr": "0..", "lr_warmup_iters": "0..",
+    "lr_decay_iters": "1..", "weight_decay": "0..",
     "clip_grad": "0..", "adam_beta1": "0..1)", "adam_beta2": "0..1)", "adam_eps": "0<..",
     "initial_loss_scale": "0<..", "min_loss_scale": "0<..", "loss_scale_window": "1..",
     "hysteresis": "1..", "reduce_bucket_size": "1..", "dpu_warmup_steps": "0..",
-    "log_interval": "1..", "save_interval": "1..", "keep_checkpoints": "1..",
+    "optimizer_offload_fraction": "0..1]", "log_interval": "1..", "save_interval": "1..",
+    "keep_checkpoints": "1..",
     "rotary_base": "1..", "rotary_percent": "0<..1]", "num_query_groups": "1..",
     "sample_tokens": "1..",
 }
 
 
-def _check_range(name: str, value, spec: str) -> None:
+def _range_problem(name: str, value, spec: str) -> str | None:
     lo_part, _, hi_part = spec.partition("..")
     strict = lo_part.endswith("<")
     lo = float(lo_part.rstrip("<"))
@@ -200,20 +212,26 @@ def _check_range(name: str, value, spec: str) -> None:
     closed = hi_part.endswith("]")
     ok = (value > lo if strict else value >= lo) and (
         hi is None or (value <= hi if closed else value < hi))
-    if not ok:
-        want = f"> {lo:g}" if strict else f">= {lo:g}"
-        if hi is not None:
-            want += f" and {'<=' if closed else '<'} {hi:g}"
-        raise ConfigError(f"--{name.replace('_', '-')} must be {want}, got {value}")
+    if ok:
+        return None
+    want = f"> {lo:g}" if strict else f">= {lo:g}"
+    if hi is not None:
+        want += f" and {'<=' if closed else '<'} {hi:g}"
+    return f"--{name.replace('_', '-')} must be {want}, got {value}"
 
 
-def check_ranges(args) -> None:
-    """Every numeric flag inside its declared range (``RANGES``); None means "default"."""
+# Defaults computed from another flag: out of range only because that one is, unless given.
+_DERIVED_FROM = {"ffn_hidden_size": "hidden_size", "max_position_embeddings": "seq_length"}
+
+
+def _range_problems(args) -> list[str]:
+    found = {}
     for group in vars(args).values():
         for f in dataclasses.fields(group):
             value = getattr(group, f.name)
             if f.name in RANGES and value is not None and not isinstance(value, bool):
-                _check_range(f.name, value, RANGES[f.name])
+                found[f.name] = _range_problem(f.name, value, RANGES[f.name])
+    return [p for name, p in found.items() if p and not found.get(_DERIVED_FROM.get(name))]
 
 
 @dataclass
@@ -235,9 +253,49 @@ def _inner(tp):
     return tp
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError (one line, no usage text) instead of exiting, and
+    prints --help on one rank only."""
+
+    def error(self, message):
+        raise ConfigError(message)
+
+    def print_help(self, file=None):
+        from .distributed import is_reporting_rank
+        if is_reporting_rank():
+            super().print_help(file)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def unknown_flag_problems(extra: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """One line per unknown flag in argparse's leftovers (with the closest flag ``parser``
+    knows), or one for a value no flag takes."""
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    out, after_flag = [], False
+    for token in extra:
+        if token.startswith("-") and not _is_number(token):
+            name = token.split("=", 1)[0]
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f": did you mean {close[0]}?" if close else " (--help lists the flags)"
+            out.append(f"unrecognized argument {name}{hint}")
+            after_flag = True
+        elif not after_flag:
+            out.append(f"unexpected value {token!r}: no flag takes it (every flag but "
+                       f"--data-path takes one value)")
+            after_flag = True
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Pretrain a GPT with TP x ZeRO-Offload DP",
-                                     formatter_class=DefaultsHelpFormatter)
+    parser = _Parser(description="Pretrain a GPT with TP x ZeRO-Offload DP",
+                     formatter_class=DefaultsHelpFormatter)
     for group_name, cls in CONFIG_CLASSES.items():
         group = parser.add_argument_group(group_name)
         hints = typing.get_type_hints(cls)
@@ -262,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> Args:
+    """The flags (over a ``--config`` file's values) as dataclasses; ConfigError, one line
+    per problem, for unknown flags, values of the wrong type, choices not offered, or a
+    bad --config file."""
     ns = vars(parse_with_config(build_parser(), argv))
     parts = {name: {} for name in CONFIG_CLASSES}
     for key, value in ns.items():
@@ -272,42 +333,6 @@ def parse_args(argv=None) -> Args:
     return Args(**{name: CONFIG_CLASSES[name](**kw) for name, kw in parts.items()})
 
 
-def _validate_model(m: GPTConfig, tp: int) -> None:
-    """The model's shape against itself and the TP size (heads against TP: parallel_state)."""
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by "
-                          f"--num-attention-heads {m.num_attention_heads}")
-    if m.ffn_hidden_size % tp:
-        raise ConfigError(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by "
-                          f"--tensor-model-parallel-size {tp}")
-    if m.seq_length > m.max_position_embeddings:
-        raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
-                          f"{m.max_position_embeddings}")
-    if m.num_query_groups is not None and not m.group_query_attention:
-        raise ConfigError("--num-query-groups needs --group-query-attention")
-    if m.group_query_attention:
-        g = m.num_query_groups
-        if m.num_attention_heads % g:
-            raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible "
-                              f"by --num-query-groups {g}")
-        if g % tp:
-            raise ConfigError(f"--num-query-groups {g} is not divisible by "
-                              f"--tensor-model-parallel-size {tp}: key/value heads are split "
-                              f"across the TP ranks, never replicated")
-    if m.position_embedding_type == "rope":
-        head_dim = m.hidden_size // m.num_attention_heads
-        percent = m.rotary[1]
-        rotated = int(head_dim * percent)
-        if rotated < 2 or rotated % 2:
-            raise ConfigError(f"--rotary-percent {percent} rotates {rotated} of the "
-                              f"{head_dim} channels of a head: that must be an even number "
-                              f">= 2")
-    if m.sequence_parallel and m.seq_length % tp:
-        raise ConfigError(f"--seq-length {m.seq_length} is not divisible by "
-                          f"--tensor-model-parallel-size {tp} (--sequence-parallel splits "
-                          f"the sequence over the TP ranks)")
-
-# ------------------------------------------------------------ --config run.yaml
 def add_config_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="YAML", default=None,
                         help="read flag values from this YAML file; keys are flag names "
@@ -315,145 +340,203 @@ def add_config_flag(parser: argparse.ArgumentParser) -> None:
                         "given on the command line override it")
 
 
-def parse_with_config(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
-    """``parser.parse_args(argv)`` with a ``--config`` file's values as the defaults, so
-    the command line wins; a bad file is a usage error naming the key (exit 2)."""
-    pre = argparse.ArgumentParser(add_help=False)
+def _config_path(argv) -> str | None:
+    pre = _Parser(add_help=False)
     pre.add_argument("--config")
-    known, _ = pre.parse_known_args(argv)
-    if known.config is not None:
-        try:
-            parser.set_defaults(**load_config_file(known.config))
-        except ConfigError as e:
-            parser.error(str(e))
-    return parser.parse_args(argv)
+    return pre.parse_known_args(argv)[0].config
 
 
-def _fields_by_name() -> dict[str, tuple[str, dataclasses.Field, object]]:
-    """field name -> (group, field, its type without ``| None``), over every group."""
-    out = {}
-    for group, cls in CONFIG_CLASSES.items():
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            out[f.name] = (group, f, hints[f.name])
-    return out
+def parse_with_config(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """``parser``'s flags with a ``--config`` file's values as the defaults, so the command
+    line wins. A bad file (naming the key) or an unknown flag (with the closest known
+    one) is a ConfigError, never argparse's usage text."""
+    path = _config_path(argv)
+    if path is not None:
+        from .config_file import load_config_file  # deferred: it imports this module
+        parser.set_defaults(**load_config_file(path))
+    ns, extra = parser.parse_known_args(argv)
+    if extra:
+        raise ConfigError("\n".join(unknown_flag_problems(extra, parser)))
+    return ns
 
 
-def _coerce(where: str, value, tp, choices):
-    """A YAML value as the flag's type; ConfigError (naming ``where``) if it is not one."""
-    optional = _inner(tp) is not tp
-    tp = _inner(tp)
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{where} cannot be empty (null)")
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where} must be true or false, got {value!r}")
-        return value
-    if typing.get_origin(tp) is list:
-        items = value.split() if isinstance(value, str) else value
-        if not isinstance(items, list) or not items:
-            raise ConfigError(f"{where} must be a list (or words), got {value!r}")
-        return [str(v) for v in items]
-    if isinstance(value, (bool, list, dict)):
-        raise ConfigError(f"{where} must be a single {tp.__name__}, got {value!r}")
+def given_flags(argv=None) -> frozenset[str]:
+    """Field names of the flags ``argv`` gives explicitly, on the command line or in its
+    --config file (a default and the same value typed out differ here); for checks such
+    as --eval-interval with --eval-iters 0."""
+    parser = build_parser()
+    for action in parser._actions:  # (set_defaults would put SUPPRESS in the namespace)
+        action.default = argparse.SUPPRESS
+    ns, _ = parser.parse_known_args(argv)
+    given = {key.split(".", 1)[1] for key in vars(ns) if key != "config"}
+    path = _config_path(argv)
+    if path is not None:
+        from .config_file import load_config_file
+        given.update(key.split(".", 1)[1] for key in load_config_file(path))
+    return frozenset(given)
+
+
+def _model_problems(m: GPTConfig, tp: int):
+    """The model's shape against itself and the TP size (heads against TP: parallel_state)."""
+    if m.hidden_size % m.num_attention_heads:
+        yield (f"--hidden-size {m.hidden_size} is not divisible by "
+               f"--num-attention-heads {m.num_attention_heads}")
+    if m.ffn_hidden_size % tp:
+        yield (f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by "
+               f"--tensor-model-parallel-size {tp}")
+    if m.seq_length > m.max_position_embeddings:
+        yield (f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
+               f"{m.max_position_embeddings}")
+    if m.num_query_groups is not None and not m.group_query_attention:
+        yield "--num-query-groups needs --group-query-attention"
+    if m.group_query_attention:
+        g = m.num_query_groups
+        if m.num_attention_heads % g:
+            yield (f"--num-attention-heads {m.num_attention_heads} is not divisible "
+                   f"by --num-query-groups {g}")
+        if g % tp:
+            yield (f"--num-query-groups {g} is not divisible by "
+                   f"--tensor-model-parallel-size {tp}: key/value heads are split "
+                   f"across the TP ranks, never replicated")
+    if m.position_embedding_type == "rope":
+        head_dim = m.hidden_size // m.num_attention_heads
+        percent = m.rotary[1]
+        rotated = int(head_dim * percent)
+        if rotated < 2 or rotated % 2:
+            yield (f"--rotary-percent {percent} rotates {rotated} of the "
+                   f"{head_dim} channels of a head: that must be an even number >= 2")
+    if m.sequence_parallel and m.seq_length % tp:
+        yield (f"--seq-length {m.seq_length} is not divisible by "
+               f"--tensor-model-parallel-size {tp} (--sequence-parallel splits "
+               f"the sequence over the TP ranks)")
+
+
+def _data_path_problems(d: DataConfig):
+    from .data.gpt_dataset import parse_data_path, parse_split
+    if d.data_path is not None and len(d.data_path) > 1:
+        if len(d.data_path) % 2:
+            yield ("--data-path takes one prefix or weight/prefix pairs, got "
+                   f"{len(d.data_path)} values")
+        else:
+            try:
+                parse_data_path(d.data_path)
+            except ValueError as e:
+                yield (f"--data-path {' '.join(d.data_path)}: {e} (give one prefix, or weight "
+                       f"prefix pairs: --data-path 0.7 a_text_document 0.3 b_text_document)")
     try:
-        # YAML reads 3e-4 as a string, so numbers are converted as argparse would.
-        out = tp(value) if tp is not int or not isinstance(value, float) else value
-        if tp is int and not isinstance(out, int):
-            raise ValueError
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where} must be {'an' if tp is int else 'a'} {tp.__name__}, got "
-                          f"{value!r}") from None
-    if choices and out not in choices:
-        raise ConfigError(f"{where} must be one of {', '.join(choices)}, got {out!r}")
-    return out
+        parse_split(d.split)
+    except ValueError as e:
+        yield (f"--split {d.split}: {e} (give up to 3 proportions train,valid,test, "
+               f"e.g. 969,30,1)")
 
 
-def load_config_file(path: str) -> dict[str, object]:
-    """The ``--config`` file as parser defaults: {"group.field": value}. ConfigError names
-    the file and the key: unknown keys, wrong types, a file that is not a YAML mapping."""
-    try:
-        import yaml
-    except ImportError:
-        raise ConfigError("--config needs PyYAML (pip install pyyaml)") from None
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"--config {path}: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        first = (str(e).strip().splitlines() or ["parse error"])[0]
-        raise ConfigError(f"--config {path}: not valid YAML ({first})") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of flag names to values, got "
-                          f"a {type(data).__name__}")
-    fields = _fields_by_name()
-    out = {}
-    for key, value in data.items():
-        name = str(key).lstrip("-").replace("-", "_")
-        if name not in fields:
-            near = difflib.get_close_matches(name, fields, n=1)
-            hint = f"; did you mean {near[0].replace('_', '-')!r}?" if near else ""
-            raise ConfigError(f"--config {path}: unknown key {key!r} (not a flag of "
-                              f"pretrain_gpt.py{hint})")
-        group, f, tp = fields[name]
-        out[f"{group}.{name}"] = _coerce(f"--config {path}: key {key!r}", value, tp,
-                                         f.metadata.get("choices"))
-    return out
-
-
-def dump_config(args: Args) -> str:
-    """Every field of ``args`` as YAML that ``--config`` reads back: the run's resolved
-    configuration (its --config file, then its flags, then derived values)."""
-    import yaml
-    lines = ["# The configuration of this run (its --config file and flags, resolved).",
-             "# Rerun it: pretrain_gpt.py --config <this file> [flags that override it]"]
-    for group, cls in CONFIG_CLASSES.items():
-        values = {f.name: getattr(getattr(args, group), f.name) for f in dataclasses.fields(cls)}
-        if group == "train" and values.get("train_samples") is not None:
-            values["train_iters"] = None  # derived from train_samples; both would clash
-        if group == "model":  # left to follow --hidden-size / --seq-length when they are
-            if values["ffn_hidden_size"] == 4 * values["hidden_size"]:  # overridden
-                values["ffn_hidden_size"] = None
-            if values["max_position_embeddings"] == values["seq_length"]:
-                values["max_position_embeddings"] = None
-        lines.append(f"# {group}")
-        lines.append(yaml.safe_dump(values, sort_keys=False, default_flow_style=False,
-                                    allow_unicode=True).rstrip())
-    return "\n".join(lines) + "\n"
-
-
-def _validate_data(d: DataConfig) -> None:
-    if d.data_path is not None and len(d.data_path) > 1 and len(d.data_path) % 2:
-        raise ConfigError("--data-path takes one prefix or weight/prefix pairs, got "
-                          f"{len(d.data_path)} values")
+def _tokenizer_problems(d: DataConfig):
     if (d.vocab_file is None) != (d.merge_file is None):
         given, missing = ("--vocab-file", "--merge-file") if d.merge_file is None else \
             ("--merge-file", "--vocab-file")
-        raise ConfigError(f"{given} needs {missing} too (GPT2BPETokenizer takes both)")
+        yield f"{given} needs {missing} too (GPT2BPETokenizer takes both)"
     if d.vocab_file is not None and d.tokenizer_type != "GPT2BPETokenizer":
-        raise ConfigError(f"--vocab-file/--merge-file are for --tokenizer-type GPT2BPETokenizer, "
-                          f"not {d.tokenizer_type}")
+        yield (f"--vocab-file/--merge-file are for --tokenizer-type GPT2BPETokenizer, "
+               f"not {d.tokenizer_type}")
     if d.mock_data:
         return
     if d.tokenizer_type == "GPT2BPETokenizer" and d.vocab_file is None:
-        raise ConfigError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+        yield "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"
     if d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer_model is None:
-        raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model "
-                          "(a tokenizer.json or a directory holding one)")
-    if d.tokenizer_type in ("HuggingFaceTokenizer", "GPT2BPETokenizer") and d.data_path is None:
-        raise ConfigError(f"--tokenizer-type {d.tokenizer_type} needs --data-path (the default "
-                          "corpus is tokenized with its own SentencePiece model)")
+        yield ("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model "
+               "(a tokenizer.json or a directory holding one)")
+    if d.tokenizer_type != "SentencePieceTokenizer" and d.data_path is None:
+        yield (f"--tokenizer-type {d.tokenizer_type} needs --data-path (the default "
+               "corpus is tokenized with its own SentencePiece model)")
+    if d.tokenizer_type == "SentencePieceTokenizer":
+        if d.data_path is not None and d.tokenizer_model is None:
+            yield ("--data-path needs --tokenizer-model: the SentencePiece .model the data "
+                   "was made with (tools/preprocess_data.py --tokenizer-model)")
+        if d.data_path is None and d.tokenizer_model is not None:
+            yield (f"--tokenizer-model {d.tokenizer_model} without --data-path: the default "
+                   "corpus brings its own tokenizer; give the --data-path made with this one")
 
 
-def resolve(args: Args, world_size: int) -> Args:
+def _data_problems(d: DataConfig, t: TrainingConfig, given: frozenset):
+    if d.mock_data and d.data_path is not None:
+        yield "--mock-data and --data-path exclude each other (mock data reads no files)"
+    yield from _data_path_problems(d)
+    yield from _tokenizer_problems(d)
+    if d.mock_data:
+        return
+    from .data.gpt_dataset import parse_split
+    try:
+        train, valid, _ = parse_split(d.split)
+    except ValueError:
+        return  # said above
+    if train == 0 and (t.train_iters or t.train_samples):
+        yield f"--split {d.split}: the train part is 0, so there is nothing to train on"
+    if valid == 0 and "eval_interval" in given and t.eval_iters:
+        yield (f"--eval-interval {t.eval_interval} with --split {d.split}: the valid part is 0, "
+               "so there is nothing to evaluate")
+
+
+def _parallel_problems(args: Args, world_size: int):
+    m, tp = args.model, args.parallel.tensor_model_parallel_size
+    try:
+        validate_parallel_sizes(world_size, tp, num_attention_heads=m.num_attention_heads,
+                                hidden_size=m.hidden_size)
+    except ParallelConfigError as e:
+        yield str(e)
+    yield from _model_problems(m, tp)
+
+
+def _training_problems(args: Args, world_size: int, given: frozenset):
+    t, o = args.train, args.optim
+    dp = world_size // args.parallel.tensor_model_parallel_size
+    gbs = t.micro_batch_size * dp if t.global_batch_size is None else t.global_batch_size
+    if gbs % (t.micro_batch_size * dp):
+        yield (f"--global-batch-size {gbs} is not a multiple of "
+               f"--micro-batch-size {t.micro_batch_size} x data-parallel size {dp}")
+    if t.fp16 and t.bf16:
+        yield "--fp16 and --bf16 are mutually exclusive"
+    if o.optimizer == "torch-adamw" and t.fp16:
+        yield "--fp16 needs loss scaling: use --optimizer adam"
+    if o.optimizer == "torch-adamw" and (o.cpu_offload or o.dpu_warmup_steps is not None):
+        yield "--cpu-offload/--dpu-warmup-steps need --optimizer adam"
+    if o.dpu_warmup_steps is not None and not o.cpu_offload:
+        yield "--dpu-warmup-steps needs --cpu-offload"
+    if o.optimizer_offload_fraction is not None and not o.cpu_offload:
+        yield (f"--optimizer-offload-fraction {o.optimizer_offload_fraction:g} needs "
+               f"--cpu-offload (without it the whole optimizer state is on the device)")
+    if o.dpu_warmup_steps is not None and o.optimizer_offload_fraction == 0:
+        yield ("--dpu-warmup-steps needs a host share: --optimizer-offload-fraction 0 "
+               "offloads nothing")
+    if o.min_loss_scale > o.initial_loss_scale:
+        yield (f"--min-loss-scale {o.min_loss_scale:g} exceeds --initial-loss-scale "
+               f"{o.initial_loss_scale:g}")
+    if t.train_iters is None and t.train_samples is None and not t.dry_run:
+        yield "give --train-iters or --train-samples"
+    if t.train_iters is not None and t.train_samples is not None:
+        yield "--train-iters and --train-samples are mutually exclusive"
+    if t.train_samples is not None and t.train_samples // gbs < 1:
+        yield (f"--train-samples {t.train_samples} is less than one global batch "
+               f"({gbs} samples)")
+    yield from _schedule_problems(args, gbs, given)
+
+
+def _schedule_problems(args: Args, gbs: int, given: frozenset):
+    t, o = args.train, args.optim
+    if o.min_lr > o.lr:
+        yield f"--min-lr {o.min_lr:g} exceeds --lr {o.lr:g}"
+    if o.lr_decay_iters is not None and o.lr_warmup_iters > o.lr_decay_iters:
+        yield (f"--lr-warmup-iters {o.lr_warmup_iters} exceeds --lr-decay-iters "
+               f"{o.lr_decay_iters}: the decay would end before the warmup does")
+    if t.eval_iters == 0 and "eval_interval" in given:
+        yield (f"--eval-interval {t.eval_interval} with --eval-iters 0 evaluates nothing: "
+               "give --eval-iters >= 1, or leave out --eval-interval")
+
+
+def resolve(args: Args, world_size: int, given: frozenset = frozenset()) -> Args:
     """Check the flags, then fill in the values derived from others (the default global
-    batch, iterations from --train-samples); raises ConfigError naming the flag."""
-    validate(args, world_size)
+    batch, iterations from --train-samples); raises ConfigError naming the flag.
+    ``given``: the flags typed out (``given_flags``), for checks that need to know."""
+    validate(args, world_size, given)
     t = args.train
     dp = world_size // args.parallel.tensor_model_parallel_size
     if t.global_batch_size is None:
@@ -463,36 +546,34 @@ def resolve(args: Args, world_size: int) -> Args:
     return args
 
 
-def validate(args: Args, world_size: int) -> None:
-    """Ranges and cross-field checks, changing nothing; raises ConfigError naming the flag."""
-    check_ranges(args)
-    m, t, o = args.model, args.train, args.optim
-    tp = args.parallel.tensor_model_parallel_size
-    try:
-        validate_parallel_sizes(world_size, tp, num_attention_heads=m.num_attention_heads,
-                                hidden_size=m.hidden_size)
-    except ParallelConfigError as e:
-        raise ConfigError(str(e)) from None
-    _validate_model(m, tp)
-    dp = world_size // tp
-    gbs = t.micro_batch_size * dp if t.global_batch_size is None else t.global_batch_size
-    if gbs % (t.micro_batch_size * dp):
-        raise ConfigError(f"--global-batch-size {gbs} is not a multiple of "
-                          f"--micro-batch-size {t.micro_batch_size} x data-parallel size {dp}")
-    if t.fp16 and t.bf16:
-        raise ConfigError("--fp16 and --bf16 are mutually exclusive")
-    if o.optimizer == "torch-adamw" and t.fp16:
-        raise ConfigError("--fp16 needs loss scaling: use --optimizer adam")
-    if o.optimizer == "torch-adamw" and (o.cpu_offload or o.dpu_warmup_steps is not None):
-        raise ConfigError("--cpu-offload/--dpu-warmup-steps need --optimizer adam")
-    if o.dpu_warmup_steps is not None and not o.cpu_offload:
-        raise ConfigError("--dpu-warmup-steps needs --cpu-offload")
-    if t.train_iters is None and t.train_samples is None and not t.dry_run:
-        raise ConfigError("give --train-iters or --train-samples")
-    if t.train_iters is not None and t.train_samples is not None:
-        raise ConfigError("--train-iters and --train-samples are mutually exclusive")
-    if t.train_samples is not None and t.train_samples // gbs < 1:
-        raise ConfigError(f"--train-samples {t.train_samples} is less than one global batch "
-                          f"({gbs} samples)")
-    _validate_data(args.data)
+def config_warnings(args: Args) -> list[str]:
+    """Legal but probably unintended settings, worth a line in the log (after ``resolve``).
 
+    A run shorter than its warmup is allowed (a smoke test, the first part of a longer
+    run), but its learning rate never reaches --lr."""
+    t, o = args.train, args.optim
+    if t.train_iters and o.lr_warmup_iters > t.train_iters and o.lr_decay_style != "constant":
+        return [f"warning: --lr-warmup-iters {o.lr_warmup_iters} is longer than the run "
+                f"(--train-iters {t.train_iters}): the learning rate never reaches --lr "
+                f"{o.lr:g}"]
+    return []
+
+
+def config_problems(args: Args, world_size: int, given: frozenset = frozenset()) -> list[str]:
+    """Every problem of the flags, one line each, changing nothing. In stages: ranges,
+    then the parallel layout, then the rest (a later stage assumes the earlier passed)."""
+    found = _range_problems(args)
+    if not found:
+        found = list(_parallel_problems(args, world_size))
+    if not found:
+        found = [*_training_problems(args, world_size, given),
+                 *_data_problems(args.data, args.train, given)]
+    return found
+
+
+def validate(args: Args, world_size: int, given: frozenset = frozenset()) -> None:
+    """Ranges and cross-field checks, changing nothing; raises ConfigError naming the flag
+    (one line per problem)."""
+    found = config_problems(args, world_size, given)
+    if found:
+        raise ConfigError("\n".join(found))

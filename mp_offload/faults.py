@@ -5,10 +5,13 @@ Both hooks read an environment variable and do nothing without it:
                                                     once (the marker file remembers it)
   MP_OFFLOAD_CKPT_FAULT=<point>[:<iteration>]       kill the saving process at a named
                                                     point of a checkpoint save
+  MP_OFFLOAD_FAULT_STALL=<rank>:<iteration>:<secs>  stall that global rank (RANK) after
+                                                    that iteration, as a hung rank would
 """
 from __future__ import annotations
 
 import os
+import time
 
 
 def after_iteration(iteration: int) -> None:
@@ -18,6 +21,11 @@ def after_iteration(iteration: int) -> None:
         if iteration == int(at) and not os.path.exists(marker):
             open(marker, "w").close()
             os._exit(13)
+    stall = os.environ.get("MP_OFFLOAD_FAULT_STALL")
+    if stall:
+        rank, at, seconds = stall.split(":")
+        if iteration == int(at) and os.environ.get("RANK", "0") == rank:
+            time.sleep(float(seconds))
 
 
 def checkpoint_point(point: str, iteration: int) -> None:

@@ -26,6 +26,7 @@ from .checkpoint import (
     resolve_checkpoint,
 )
 from .checkpoint.format import tokenizer_args
+from .data.tokenizer import TOKENIZER_TYPES
 from .distributed import first_error
 from .help_format import DefaultsHelpFormatter
 from .model.gpt import GPTModel
@@ -136,9 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", required=True, help="checkpoint root (or an iter_* directory)")
     p.add_argument("--iteration", type=int, help="default: the latest checkpoint")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "NullTokenizer"),
-                   help="default: the one saved with the run")
-    p.add_argument("--tokenizer-model", help="SentencePiece model (default: the run's)")
+    p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES,
+                   help="default: the one saved with the run (an imported Hugging Face "
+                        "model has none: HuggingFaceTokenizer with its directory)")
+    p.add_argument("--tokenizer-model", help="SentencePiece model, or tokenizer.json or a "
+                   "directory holding one (default: the run's)")
+    p.add_argument("--vocab-file", help="GPT2BPETokenizer vocab.json (default: the run's)")
+    p.add_argument("--merge-file", help="GPT2BPETokenizer merges.txt (default: the run's)")
     p.add_argument("--prompt", default="", help="text to continue (empty: start at EOD)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     mode = p.add_mutually_exclusive_group()
@@ -152,6 +157,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--output-json", help="also write prompt/generated ids and text here")
     return p
+
+
+def sampling_problem(a) -> str | None:
+    """The first sampling flag out of range, as a line naming it (None: all fine)."""
+    if not 0 < a.top_p <= 1:
+        return f"--top-p must be > 0 and <= 1, got {a.top_p:g}"
+    if a.top_k < 0:
+        return f"--top-k must be >= 0 (0: no limit), got {a.top_k}"
+    if not a.temperature > 0:
+        return (f"--temperature must be > 0, got {a.temperature:g} (--greedy picks the most "
+                f"likely token)")
+    if a.max_new_tokens < 0:
+        return f"--max-new-tokens must be >= 0, got {a.max_new_tokens}"
+    if a.tensor_model_parallel_size < 1:
+        return f"--tensor-model-parallel-size must be >= 1, got {a.tensor_model_parallel_size}"
+    return None
 
 
 def _setup(tp: int):
@@ -178,6 +199,9 @@ def _setup(tp: int):
 
 def main(argv=None) -> dict:
     a = build_parser().parse_args(argv)
+    problem = sampling_problem(a)
+    if problem:
+        raise SystemExit(f"generate: {problem}")
     if a.greedy and a.top_p < 1.0:
         raise SystemExit("generate: --greedy and --top-p exclude each other")
     device, created = _setup(a.tensor_model_parallel_size)
@@ -189,8 +213,8 @@ def main(argv=None) -> dict:
             full = FullTensors(ckpt)
             saved = dict(full.common().get("args", {}),
                          data=tokenizer_args(ckpt, full.common()))
-            tok, stops = tokenizer_for(saved, full.config.vocab_size,
-                                       a.tokenizer_type, a.tokenizer_model)
+            tok, stops = tokenizer_for(saved, full.config.vocab_size, a.tokenizer_type,
+                                       a.tokenizer_model, a.vocab_file, a.merge_file)
             if tok.vocab_size > full.config.vocab_size:
                 raise CheckpointError(f"the tokenizer has {tok.vocab_size} ids, the model "
                                       f"only {full.config.vocab_size}")

@@ -118,8 +118,11 @@ class Logger:
 
     def _record(self, rec: dict) -> None:
         if self.json:
-            self.json.write(json.dumps(rec) + "\n")
-            self.json.flush()
+            try:
+                self.json.write(json.dumps(rec) + "\n")
+                self.json.flush()
+            except OSError as e:  # a full disk: say which file
+                raise OSError(e.errno, f"--log-json {self.json.name}: {e.strerror}") from None
         numbers = {k: v for k, v in rec.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"}
         if self.tb:
@@ -168,9 +171,12 @@ class Logger:
         log.info(f" sample at iteration {iteration} (greedy):\n{body}")
 
     def close(self) -> None:
-        if self.json:
-            self.json.close()
-        if self.tb:
-            self.tb.close()
-        if self.wandb:
-            self.wandb.finish()
+        """Close every sink (again: a no-op)."""
+        json_file, tb, wb = self.json, self.tb, self.wandb
+        self.json = self.tb = self.wandb = None
+        if json_file:
+            json_file.close()
+        if tb:
+            tb.close()
+        if wb:
+            wb.finish()

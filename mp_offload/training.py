@@ -1,15 +1,21 @@
 """The pretraining loop; ``pretrain_gpt.py`` is a thin entry point over ``pretrain``.
 
-Order of one run: parse + validate flags (every rank, before any collective) ->
-process groups -> data (which fixes the vocabulary) -> model (fp32 on the CPU, the
-same full weights for every TP size) -> optimizer (which places the model on the
-device in the compute dtype) -> iterations -> final evaluation.
+Order of one run: parse + validate flags, then check the input files and load the
+tokenizer (every rank, before any collective) -> process groups -> data (which fixes
+the vocabulary) -> model (fp32 on the CPU, the same full weights for every TP size) ->
+optimizer (which places the model on the device in the compute dtype) -> iterations ->
+final evaluation.
+
+Whatever stops a run ends as one line, printed once for the job (``distributed.fail``):
+exit code 2 for bad flags or input, 1 for run-time failures (divergence, a lost or
+stalled rank, a full disk). Workers started by a launcher end with it (``lifeline``).
 
 ``train_step`` is one optimizer step over a global batch; the loop (``train``) and the
 end-to-end benchmark both call it, so what is measured is what trains.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -20,18 +26,26 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import faults
+from . import faults, lifeline
 from . import parallel_state as ps
 from .checkpoint import CheckpointError, load_checkpoint, prepare_save, save_checkpoint
-from .config import Args, ConfigError, dump_config, parse_args, resolve
+from .config import Args, ConfigError, config_warnings, given_flags, parse_args, resolve
+from .config_file import dump_config
 from .data.build import batch_iterator, build_datasets
 from .distributed import (
     DeviceError,
+    RendezvousError,
+    StartupError,
+    agreed,
     apply_cpu_threads,
+    claim_report,
+    comm_failure,
+    current_phase,
     env_int,
     fail,
     first_error,
     init_distributed,
+    set_phase,
     threads_per_rank,
 )
 from .logger import Logger, hms, log
@@ -159,6 +173,7 @@ class _StopFlag:
 
 
 def _save(args: Args, iteration: int, consumed: int, model, optimizer) -> None:
+    set_phase(f"the checkpoint save at iteration {iteration}")
     t0 = time.perf_counter()
     path = save_checkpoint(args.ckpt.save, iteration, consumed, model, optimizer, args,
                            keep=args.ckpt.keep_checkpoints)
@@ -179,6 +194,18 @@ def _record(args: Args, iteration: int, consumed: int, lr: float, out: StepOutpu
     return rec
 
 
+def _check_skipped(in_a_row: int, limit: int, iteration: int, out: StepOutput) -> None:
+    """fp16: every rank skips the same steps (the overflow test is on the global norm), so
+    all of them stop here together, before the step's checkpoint could be saved."""
+    if in_a_row >= limit:
+        raise TrainingError(
+            f"{in_a_row} consecutive steps skipped for fp16 gradient overflow (iterations "
+            f"{iteration - in_a_row + 1}-{iteration}, loss {out.loss:.4g}, loss scale "
+            f"{out.result.loss_scale:g}): the run is diverging; stopping without saving (lower "
+            f"--lr, check the data, or use --bf16; --max-consecutive-skipped-steps sets the "
+            f"limit)")
+
+
 def train(args: Args, model, optimizer: Optimizer, train_iter, valid_iter, device,
           logger: Logger, start_iteration: int = 0, consumed_samples: int = 0,
           sampler: Sampler | None = None) -> dict:
@@ -195,6 +222,7 @@ def train(args: Args, model, optimizer: Optimizer, train_iter, valid_iter, devic
     end = t.train_iters if t.exit_interval is None else min(t.train_iters, t.exit_interval)
     if t.eval_interval and iteration == 0 and valid_iter is not None:
         # A baseline, so the log shows how far validation loss has come.
+        set_phase("the evaluation at iteration 0")
         logger.evaluation(0, "valid", evaluate(model, optimizer, valid_iter, device, t.eval_iters))
         if sampler:
             sampler(model, optimizer, device, 0, logger)
@@ -202,7 +230,9 @@ def train(args: Args, model, optimizer: Optimizer, train_iter, valid_iter, devic
     logger.start_loop(iteration, t.train_iters)
     flops_tok = flops_per_token(args.model, args.model.recompute_activations,
                                 args.parallel.tensor_model_parallel_size)
+    skipped_in_a_row = 0
     while iteration < end:
+        set_phase(f"iteration {iteration + 1}")
         t0 = time.perf_counter()
         lr = sched.get_lr(consumed_samples)
         try:
@@ -214,10 +244,13 @@ def train(args: Args, model, optimizer: Optimizer, train_iter, valid_iter, devic
         if not math.isfinite(out.loss) and not t.fp16:
             raise TrainingError(f"loss is {out.loss} at iteration {iteration}; stopping "
                                 f"(lower --lr, check the data, or use --fp16/--bf16 carefully)")
+        skipped_in_a_row = skipped_in_a_row + 1 if out.result.skipped else 0
+        _check_skipped(skipped_in_a_row, t.max_consecutive_skipped_steps, iteration, out)
         last = _record(args, iteration, consumed_samples, lr, out, optimizer,
                        time.perf_counter() - t0, flops_tok)
         logger.iteration(last, print_line=iteration % args.log.log_interval == 0)
         if t.eval_interval and iteration % t.eval_interval == 0 and iteration < t.train_iters:
+            set_phase(f"the evaluation at iteration {iteration}")
             logger.evaluation(iteration, "valid",
                               evaluate(model, optimizer, valid_iter, device, t.eval_iters))
             if sampler:
@@ -252,7 +285,10 @@ def _maybe_load(args: Args, model, optimizer) -> tuple[int, int]:
 
 def _checked_args(argv) -> tuple[Args, int]:
     """Parse and validate the flags on every rank before any collective (fail() on error)."""
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except ConfigError as e:
+        fail(str(e))
     world = env_int("WORLD_SIZE", 1)
     if args.parallel.world_size is not None:  # a dry run plans for any size; a real run
         if not args.train.dry_run and args.parallel.world_size != world:  # must agree
@@ -260,7 +296,7 @@ def _checked_args(argv) -> tuple[Args, int]:
                  f"WORLD_SIZE {world} (--world-size is for --dry-run)")
         world = args.parallel.world_size
     try:
-        resolve(args, world)
+        resolve(args, world, given_flags(argv))
     except ConfigError as e:
         fail(str(e))
     return args, world
@@ -283,11 +319,13 @@ def build_model_and_optimizer(args: Args, device: torch.device):
     return model, optimizer
 
 
-def _run(args: Args, device, logger: Logger) -> dict:
-    train_ds, valid_ds, test_ds, vocab = build_datasets(args)
+def _run(args: Args, device, logger: Logger, tokenizer=None) -> dict:
+    train_ds, valid_ds, test_ds, vocab = build_datasets(args, tokenizer)
     args.model.vocab_size = vocab
     sampler = Sampler(args, vocab) if args.log.sample_prompt is not None else None
+    set_phase("building the model and optimizer")
     model, optimizer = build_model_and_optimizer(args, device)
+    set_phase("loading the checkpoint")
     start, consumed = _maybe_load(args, model, optimizer)
     # Validation batches continue where the uninterrupted run would be (baseline + evals).
     t = args.train
@@ -298,6 +336,7 @@ def _run(args: Args, device, logger: Logger) -> dict:
     summary = train(args, model, optimizer, train_iter, valid_iter, device, logger, start,
                     consumed, sampler)
     if summary.get("iteration", 0) >= t.train_iters:
+        set_phase("the final evaluation")
         for name, ds in (("valid", valid_ds), ("test", test_ds)):
             logger.evaluation(summary["iteration"], name,
                               evaluate(model, optimizer, batch_iterator(ds, args, 0, device),
@@ -357,6 +396,47 @@ def write_run_config(args: Args) -> str | None:
     return None
 
 
+def _start(args: Args):
+    """Every check that needs no other rank, then the process groups: (device, tokenizer)."""
+    from .preflight import check_inputs
+    stop = lifeline.exit_with_parent()
+    if stop:
+        fail(stop, code=1, everywhere=False)
+    tokenizer = None
+    try:
+        tokenizer = check_inputs(args)
+    except ConfigError as e:
+        fail(str(e))
+    p = args.parallel
+    try:
+        device = init_distributed(p.device, p.distributed_timeout_minutes)
+    except DeviceError as e:
+        fail(str(e), everywhere=False)  # this rank's own (its LOCAL_RANK has no GPU)
+    except RendezvousError as e:
+        fail(str(e), code=1, everywhere=False)
+    ps.initialize_model_parallel(p.tensor_model_parallel_size)
+    log.info(apply_cpu_threads(threads_per_rank(p.cpu_threads_per_rank)))
+    for line in config_warnings(args):
+        log.info(line)
+    return device, tokenizer
+
+
+def _stop(e: Exception) -> None:
+    """End the run after ``e`` with one line for the job (a bug keeps its traceback)."""
+    if isinstance(e, (ConfigError, StartupError)):
+        fail(str(e))  # every rank holds it (agreed)
+    if isinstance(e, TrainingError):
+        fail(str(e), code=1)  # every rank reached it (the loss and the skips are global)
+    if isinstance(e, CheckpointError):
+        fail(str(e), code=1, everywhere=False)
+    reason = comm_failure(e)
+    if reason:
+        fail(reason, code=1, everywhere=False)  # quiet when the rank that stopped said why
+    if isinstance(e, OSError):  # a full disk, a file gone: this rank's own
+        fail(f"{e} (during {current_phase()})", code=1, everywhere=False)
+    claim_report()  # a bug: its traceback is the report; the other ranks stay quiet
+
+
 def pretrain(argv=None) -> dict:
     """The whole run for ``pretrain_gpt.py``'s flags; returns the last iteration's record."""
     args, world = _checked_args(argv)
@@ -364,30 +444,30 @@ def pretrain(argv=None) -> dict:
         from .plan import dry_run  # deferred: only the planner needs it
         dry_run(args, world)
         return {}
-    p = args.parallel
+    device, tokenizer = _start(args)
+    logger, lock = None, None
     try:
-        device = init_distributed(p.device, p.distributed_timeout_minutes)
-    except DeviceError as e:
-        fail(str(e))
-    ps.initialize_model_parallel(p.tensor_model_parallel_size)
-    log.info(apply_cpu_threads(threads_per_rank(p.cpu_threads_per_rank)))
-    logger = Logger(args.log, is_main=dist.get_rank() == 0, run_config=flat_config(args))
-    lock = None
-    try:
+        logger = agreed(lambda: Logger(args.log, is_main=dist.get_rank() == 0,
+                                       run_config=flat_config(args)))
         try:  # before anything is built: a bad --save/--load pair must cost nothing
             lock = prepare_save(args.ckpt, log=log.info)
         except CheckpointError as e:
-            fail(str(e))  # status 2, like a bad flag: nothing ran
+            fail(str(e))  # status 2, like a bad flag: nothing ran (every rank holds it)
         error = first_error(write_run_config(args) if dist.get_rank() == 0 else None)
         if error:
             fail(error, code=1)
-        return _run(args, device, logger)
-    except (TrainingError, CheckpointError) as e:
-        fail(str(e), code=1)
+        summary = _run(args, device, logger, tokenizer)
+        logger.close()  # the last records reach the disk here: a full one is an error
+        return summary
+    except Exception as e:
+        _stop(e)
+        raise
     finally:
         if lock is not None:
             lock.release()
-        logger.close()
+        if logger is not None:
+            with contextlib.suppress(OSError):  # already failing: the reason is out
+                logger.close()
         ps.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()

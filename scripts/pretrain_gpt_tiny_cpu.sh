@@ -4,7 +4,9 @@
 # It leaves a checkpoint (a re-run resumes from it), prints a greedy sample at every
 # evaluation and at the end, writes the loss curve and ends with the next commands.
 #
-# Environment (all optional): RUN_DIR (runs/tiny_cpu: log.jsonl, loss.png, ckpt/),
+# Environment (all optional): MODEL (gpt, or llama: RMSNorm, SwiGLU, rotary positions,
+# 2 K/V groups, untied output layer, no linear biases; 4.46M parameters against GPT's
+# 4.27M), RUN_DIR (runs/tiny_cpu, or runs/tiny_cpu_llama: log.jsonl, loss.png, ckpt/),
 # SAVE_DIR (RUN_DIR/ckpt), LOG_JSON (RUN_DIR/log.jsonl), TRAIN_ITERS (250), NPROC, TP,
 # SAMPLE_PROMPT ("def parse("), DATA_PATH (a preprocessed prefix; default the embedded
 # corpus), TOKENIZER_MODEL, SKIP_SETUP=1 (use this Python as it is: no pip install),
@@ -17,10 +19,23 @@ cd "$(dirname "$0")/.."
 q() { if [[ "$1" =~ ^[A-Za-z0-9_./:=+-]+$ ]]; then printf '%s' "$1"; else printf "'%s'" "${1//\'/\'\\\'\'}"; fi; }
 # What the user set, so the resume command printed at the end is the same command.
 GIVEN=()
-for var in RUN_DIR SAVE_DIR LOG_JSON TRAIN_ITERS NPROC TP SAMPLE_PROMPT DATA_PATH \
+for var in MODEL RUN_DIR SAVE_DIR LOG_JSON TRAIN_ITERS NPROC TP SAMPLE_PROMPT DATA_PATH \
            TOKENIZER_MODEL SKIP_SETUP PYTHON; do
   [ -n "${!var+set}" ] && GIVEN+=("$var=$(q "${!var}")")
 done
+MODEL=${MODEL:-gpt}
+case "$MODEL" in
+  gpt) MODEL_ARGS=(); NAME="tiny GPT"; HF="GPT2LMHeadModel"; RUN_DIR=${RUN_DIR:-runs/tiny_cpu} ;;
+  # The GPT's 4 layers x 256; SwiGLU's three matrices at 2h wide: +4% parameters with
+  # the untied output layer, no position table.
+  llama) MODEL_ARGS=(--normalization RMSNorm --swiglu --ffn-hidden-size 512
+                     --position-embedding-type rope --group-query-attention
+                     --num-query-groups 2 --untie-embeddings-and-output-weights
+                     --disable-bias-linear)
+         NAME="tiny Llama"; HF="LlamaForCausalLM"; RUN_DIR=${RUN_DIR:-runs/tiny_cpu_llama} ;;
+  *) echo "pretrain_gpt_tiny_cpu.sh: error: MODEL must be gpt or llama, got '$MODEL'" >&2
+     exit 2 ;;
+esac
 [ "${SKIP_SETUP:-0}" = 1 ] || bash scripts/setup_env.sh >&2
 PY=${PYTHON:-python3}
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
@@ -32,14 +47,13 @@ else
   NPROC=${NPROC:-4}; TP=${TP:-2}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # four ranks share the host's cores
 fi
-RUN_DIR=${RUN_DIR:-runs/tiny_cpu}
 SAVE_DIR=${SAVE_DIR:-$RUN_DIR/ckpt}
 LOG_JSON=${LOG_JSON:-$RUN_DIR/log.jsonl}
 SAMPLE_PROMPT=${SAMPLE_PROMPT-def parse(}
 ARGS=(
   --tensor-model-parallel-size "$TP"
   --num-layers 4 --hidden-size 256 --num-attention-heads 4
-  --seq-length 256 --max-position-embeddings 256
+  --seq-length 256 --max-position-embeddings 256 ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"}
   --micro-batch-size 4 --global-batch-size 16
   --train-iters "${TRAIN_ITERS:-250}" --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 20
   --lr-decay-style cosine --weight-decay 0.01 --clip-grad 1.0
@@ -55,7 +69,9 @@ ARGS=(
 CMD=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_gpt.py "${ARGS[@]}" "$@")
 if [ "${DRY_RUN:-0}" = 1 ]; then
   "$PY" pretrain_gpt.py "${ARGS[@]}" "$@" --dry-run --world-size "$NPROC" || true
-  echo "${CMD[*]}"
+  LINE=""
+  for w in "${CMD[@]}"; do LINE+="$(q "$w") "; done  # quoted: the line runs as printed
+  echo "${LINE% }"
   exit 0
 fi
 mkdir -p "$RUN_DIR" "$(dirname "$LOG_JSON")"
@@ -73,8 +89,8 @@ fi
 
 echo
 if "$PY" -c "import matplotlib" 2>/dev/null; then
-  "$PY" tools/plot_loss.py --log-json "$LOG_JSON" --out "$RUN_DIR/loss.png" --labels "tiny GPT" \
-    --title "tiny GPT on the Python standard library" >/dev/null
+  "$PY" tools/plot_loss.py --log-json "$LOG_JSON" --out "$RUN_DIR/loss.png" --labels "$NAME" \
+    --title "$NAME on the Python standard library" >/dev/null
   echo "loss curve: $RUN_DIR/loss.png"
 else
   echo "loss curve: not drawn (matplotlib is not installed: pip install matplotlib)"
@@ -91,5 +107,5 @@ echo "    TRAIN_ITERS=$((2 * ITERS)) $RERUN"
 echo "  generate from the checkpoint:"
 echo "    $PY tools/generate.py --load $(q "$SAVE_DIR") --prompt $(q "${SAMPLE_PROMPT:-def }")" \
      "--max-new-tokens 64 --top-p 0.9"
-echo "  export to Hugging Face (GPT-2 format):"
+echo "  export to Hugging Face ($HF):"
 echo "    $PY tools/convert_checkpoint.py --load $(q "$SAVE_DIR") --hf-out $(q "$RUN_DIR/hf")"

@@ -1,7 +1,7 @@
 """Flags generated from the config dataclasses, and cross-field validation."""
 import pytest
 
-from mp_offload.config import ConfigError, build_parser, parse_args, validate
+from mp_offload.config import ConfigError, build_parser, given_flags, parse_args, validate
 
 
 def test_megatron_flag_names_map_to_dataclasses():
@@ -9,7 +9,8 @@ def test_megatron_flag_names_map_to_dataclasses():
                        "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
                        "--global-batch-size", "8", "--train-iters", "5", "--bf16",
                        "--cpu-offload", "--lr-decay-style", "linear",
-                       "--data-path", "0.7", "a", "0.3", "b", "--save", "ck"])
+                       "--data-path", "0.7", "a", "0.3", "b", "--tokenizer-model", "t.model",
+                       "--save", "ck"])
     assert (args.model.num_layers, args.model.ffn_hidden_size) == (3, 384)
     assert args.parallel.tensor_model_parallel_size == 2 and args.train.bf16
     assert args.optim.cpu_offload and args.optim.lr_decay_style == "linear"
@@ -26,6 +27,10 @@ def test_megatron_flag_names_map_to_dataclasses():
     (["--seq-length", "512", "--max-position-embeddings", "256"], 1, "--seq-length 512"),
     (["--data-path", "0.5", "a", "b"], 1, "--data-path takes one prefix"),
     (["--micro-batch-size", "3", "--global-batch-size", "8"], 2, "--global-batch-size 8"),
+    (["--optimizer-offload-fraction", "0.5"], 1,
+     "--optimizer-offload-fraction 0.5 needs --cpu-offload"),
+    (["--cpu-offload", "--dpu-warmup-steps", "2", "--optimizer-offload-fraction", "0"], 1,
+     "--dpu-warmup-steps needs a host share"),
 ])
 def test_bad_combinations_name_the_flag(argv, world, needle):
     args = parse_args(["--train-iters", "1", *argv])
@@ -49,11 +54,24 @@ def test_bad_combinations_name_the_flag(argv, world, needle):
     ("--adam-eps", "0", "--adam-eps must be > 0"),
     ("--distributed-timeout-minutes", "0", "--distributed-timeout-minutes must be > 0"),
     ("--cpu-threads-per-rank", "0", "--cpu-threads-per-rank must be >= 1"),
+    ("--optimizer-offload-fraction", "1.5", "--optimizer-offload-fraction must be >= 0 and "
+     "<= 1, got 1.5"),
+    ("--optimizer-offload-fraction", "-0.1", "--optimizer-offload-fraction must be >= 0 and "
+     "<= 1, got -0.1"),
 ])
 def test_numbers_outside_their_range_name_the_flag(flag, value, needle):
     args = parse_args(["--train-iters", "1", flag, value])
-    with pytest.raises(ConfigError, match=needle.replace("-", r"\-")):
+    with pytest.raises(ConfigError, match=needle.replace("-", r"\-").replace(".", r"\.")):
         validate(args, 1)
+
+
+def test_offload_fraction_accepted_in_range_with_cpu_offload():
+    for value in ("0", "0.25", "1"):
+        args = parse_args(["--train-iters", "1", "--cpu-offload",
+                           "--optimizer-offload-fraction", value])
+        validate(args, 1)
+        assert args.optim.optimizer_offload_fraction == float(value)
+    assert parse_args(["--cpu-offload"]).optim.optimizer_offload_fraction is None  # = 1
 
 
 def test_validate_changes_nothing_and_resolve_fills_derived_values():
@@ -100,27 +118,50 @@ def test_config_file_keys_and_flags_override_it(tmp_path):
     ("a: [\n", "not valid YAML"),
 ])
 def test_config_file_errors_name_the_key(tmp_path, capsys, text, needle):
-    from mp_offload.config import ConfigError, load_config_file
+    from mp_offload.config_file import load_config_file
     path = _yaml(tmp_path, text)
     with pytest.raises(ConfigError) as e:
         load_config_file(path)
     assert str(e.value).startswith(f"--config {path}: ") and needle in str(e.value)
-    with pytest.raises(SystemExit) as e:  # pretrain_gpt.py: a usage error, exit 2
+    with pytest.raises(ConfigError) as e:  # pretrain_gpt.py: one line, exit 2 (fail)
         parse_args(["--config", path, "--train-iters", "1"])
-    assert e.value.code == 2 and needle in capsys.readouterr().err
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert capsys.readouterr() == ("", "")  # no usage text
 
 
 def test_missing_config_file(tmp_path, capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="nope.yaml: No such file or directory"):
         parse_args(["--config", str(tmp_path / "nope.yaml")])
-    assert "nope.yaml: No such file or directory" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="^argument --config: expected one argument$"):
+        parse_args(["--train-iters", "1", "--config"])
+    assert capsys.readouterr() == ("", "")
+
+
+def test_flag_mistakes_with_a_config_file_are_one_line(tmp_path, capsys):
+    path = _yaml(tmp_path, "num-layers: 3\ntrain-iters: 5\n")
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--config", path, "--hiden-size", "64"])
+    assert str(e.value) == "unrecognized argument --hiden-size: did you mean --hidden-size?"
+    with pytest.raises(ConfigError, match="^unrecognized argument --confg: did you mean "
+                                          "--config\\?$"):
+        parse_args(["--confg", path])
+    assert capsys.readouterr() == ("", "")
+
+
+def test_flags_given_in_a_config_file_count_as_given(tmp_path):
+    path = _yaml(tmp_path, "eval-interval: 5\neval_iters: 0\n")
+    argv = ["--config", path, "--train-iters", "10"]
+    assert {"eval_interval", "eval_iters", "train_iters"} <= given_flags(argv)
+    with pytest.raises(ConfigError, match="--eval-interval 5 with --eval-iters 0 evaluates"):
+        validate(parse_args(argv), 1, given_flags(argv))
 
 
 def test_dumped_config_reads_back_as_the_same_run(tmp_path):
-    from mp_offload.config import dump_config, resolve
+    from mp_offload.config import resolve
+    from mp_offload.config_file import dump_config
     args = parse_args(["--num-layers", "3", "--lr", "2e-4", "--bf16", "--train-samples", "64",
-                       "--data-path", "0.5", "x", "0.5", "y", "--sample-prompt", "def f(",
-                       "--save", "ck"])
+                       "--data-path", "0.5", "x", "0.5", "y", "--tokenizer-model", "t.model",
+                       "--sample-prompt", "def f(", "--save", "ck"])
     resolve(args, 2)  # train_iters derived from train_samples: not written as both
     text = dump_config(args)
     assert text.startswith("# The configuration of this run") and "\n# model\n" in text
@@ -141,3 +182,74 @@ def test_help_shows_defaults():
     assert "(default: None)" not in text and "(default: False)" not in text
     # Help that already names its default is left alone.
     assert "(default micro- batch x DP: no accumulation) --train-iters" in text  # wrapped
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--hiden-size", "64"], "unrecognized argument --hiden-size: did you mean --hidden-size?"),
+    (["--tensor-parallel-size=2"],
+     "unrecognized argument --tensor-parallel-size: did you mean --tensor-model-parallel-size?"),
+    (["--hidden-size", "abc"], "argument --hidden-size: invalid int value: 'abc'"),
+    (["--lr-decay-style", "cosin"], "argument --lr-decay-style: invalid choice: 'cosin'"),
+    (["--train-iters", "5", "6"], "unexpected value '6': no flag takes it"),
+])
+def test_flag_mistakes_are_one_line_without_usage(argv, needle, capsys):
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--train-iters", "1", *argv])
+    assert str(e.value) == needle or str(e.value).startswith(needle), str(e.value)
+    assert "\n" not in str(e.value)
+    assert capsys.readouterr() == ("", "")  # no usage text on any stream
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--split", "0,0,0"], "--split 0,0,0: the parts sum to 0"),
+    (["--split", "90,-5,5"], "--split 90,-5,5: part '-5' must be a finite number >= 0"),
+    (["--split", "90,x,5"], "--split 90,x,5: part 'x' is not a number"),
+    (["--split", "1,2,3,4"], "--split 1,2,3,4: 4 parts, at most 3"),
+    (["--split", "0,50,50"], "--split 0,50,50: the train part is 0"),
+    (["--data-path", "a", "b"], "--data-path a b: weight 'a' is not a number"),
+    (["--data-path", "-1", "a", "2", "b"], "weight '-1' must be a finite number >= 0"),
+    (["--data-path", "0", "a", "0", "b"], "the weights sum to 0"),
+    (["--lr-warmup-iters", "8", "--lr-decay-iters", "5"], "--lr-warmup-iters 8 exceeds "
+                                                         "--lr-decay-iters 5"),
+    (["--min-lr", "1e-3", "--lr", "1e-4"], "--min-lr 0.001 exceeds --lr 0.0001"),
+    (["--eval-iters", "0", "--eval-interval", "5"], "--eval-interval 5 with --eval-iters 0 "
+                                                    "evaluates nothing"),
+    (["--eval-interval", "5", "--split", "100,0,0"], "the valid part is 0"),
+    (["--mock-data", "--data-path", "x"], "--mock-data and --data-path exclude each other"),
+    (["--data-path", "x"], "--data-path needs --tokenizer-model"),
+    (["--tokenizer-model", "t.model"], "--tokenizer-model t.model without --data-path"),
+    (["--tokenizer-type", "NullTokenizer"], "--tokenizer-type NullTokenizer needs --data-path"),
+    (["--fp16", "--min-loss-scale", "8", "--initial-loss-scale", "4"],
+     "--min-loss-scale 8 exceeds --initial-loss-scale 4"),
+    (["--max-consecutive-skipped-steps", "0"], "--max-consecutive-skipped-steps must be >= 1"),
+])
+def test_nonsense_values_name_the_flag(argv, needle):
+    base = ["--train-iters", "10"]
+    if "--data-path" in argv and "--mock-data" not in argv and "x" not in argv:
+        base += ["--tokenizer-model", "t.model"]
+    argv = base + argv
+    args = parse_args(argv)
+    with pytest.raises(ConfigError, match=needle.replace("-", r"\-").replace("(", r"\(")
+                       .replace(")", r"\)")):
+        validate(args, 1, given_flags(argv))
+
+
+def test_a_run_shorter_than_its_warmup_is_allowed_with_a_warning():
+    from mp_offload.config import config_warnings, resolve
+    args = resolve(parse_args(["--train-iters", "10", "--lr-warmup-iters", "50"]), 1)
+    assert config_warnings(args) == ["warning: --lr-warmup-iters 50 is longer than the run "
+                                     "(--train-iters 10): the learning rate never reaches "
+                                     "--lr 0.0003"]
+
+
+def test_sensible_values_pass_and_every_problem_is_a_line():
+    ok = ["--train-iters", "10", "--lr-warmup-iters", "10", "--eval-iters", "0",
+          "--split", "98,2", "--data-path", "0.5", "a", "0.5", "b", "--tokenizer-model", "t"]
+    validate(parse_args(ok), 1, given_flags(ok))
+    bad = ["--train-iters", "10", "--fp16", "--bf16", "--min-lr", "1", "--split", "a"]
+    with pytest.raises(ConfigError) as e:
+        validate(parse_args(bad), 1, given_flags(bad))
+    assert len(str(e.value).splitlines()) == 3, str(e.value)
+    with pytest.raises(ConfigError) as e:  # not also --ffn-hidden-size, its default 4x
+        validate(parse_args(["--train-iters", "1", "--hidden-size", "-64"]), 1)
+    assert str(e.value) == "--hidden-size must be >= 1, got -64"

@@ -6,7 +6,8 @@ import os
 import pytest
 
 from mp_offload.data.hf_tokenizer import export_tokenizer
-from mp_offload.data.tokenizer import build_tokenizer, train_bpe_bytelevel, train_sentencepiece
+from mp_offload.data.tokenizer import build_tokenizer
+from mp_offload.data.tokenizer_training import train_bpe_bytelevel, train_sentencepiece
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")

@@ -51,3 +51,37 @@ def test_llama_recipes_dry_run(tmp_path, script, preset, params, fits):
     # The preset is the shape; recomputation and sequence parallelism are the run's choice.
     run_choices = dict(recompute_activations=False, sequence_parallel=False)
     assert dataclasses.replace(ours, **run_choices) == parse_args(MODEL_PRESETS[preset]).model
+
+
+def _tiny_dry_run(tmp_path, model):
+    env = dict(os.environ, DRY_RUN="1", SKIP_SETUP="1", PYTHON=sys.executable, MODEL=model,
+               RUN_DIR=str(tmp_path / model), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    res = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pretrain_gpt_tiny_cpu.sh")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    command = shlex.split(res.stdout.strip().splitlines()[-1])
+    return command[command.index("pretrain_gpt.py") + 1:]
+
+
+@pytest.mark.slow
+def test_tiny_script_model_llama_adds_the_llama_flags(tmp_path):
+    """MODEL=llama: the GPT's command plus every Llama option, in a model of about the
+    same parameter count; MODEL=gpt (the default) has none of them."""
+    from mp_offload.config import parse_args
+    from mp_offload.model.gpt import num_parameters
+    gpt, llama = (_tiny_dry_run(tmp_path, m) for m in ("gpt", "llama"))
+    flags = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+             "--group-query-attention", "--num-query-groups", "2",
+             "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+    assert all(f in llama for f in flags) and not any(f in gpt for f in flags[2::2])
+    m = parse_args(llama).model
+    assert (m.rms_norm, m.swiglu, m.rotary, m.kv_groups, m.untie_embeddings_and_output_weights,
+            m.disable_bias_linear) == (True, True, (10000, 1.0), 2, True, True)
+    g = parse_args(gpt).model
+    assert (g.num_layers, g.hidden_size) == (m.num_layers, m.hidden_size)
+    assert abs(num_parameters(m) / num_parameters(g) - 1) < 0.1
+    assert str(tmp_path / "llama") in " ".join(llama)  # its own run directory
+    res = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pretrain_gpt_tiny_cpu.sh")],
+                         env=dict(os.environ, MODEL="bert"), capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 2 and "MODEL must be gpt or llama" in res.stderr

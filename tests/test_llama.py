@@ -222,7 +222,7 @@ def test_llama_flags_parse_and_default_to_gpt2():
     m = args.model
     assert m.num_query_groups == 1 and m.kv_groups == 1 and m.rotary == (500000, 1.0)
     validate(args, 2)
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="argument --normalization: invalid choice: 'BatchNorm'"):
         parse_args(["--normalization", "BatchNorm"])
 
 

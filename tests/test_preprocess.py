@@ -69,6 +69,23 @@ def test_missing_input(tmp_path, capsys):
     assert err == f"error: input file not found: {missing}"
 
 
+def test_no_documents_is_an_error_naming_input_and_key(messy_jsonl, tmp_path, capsys):
+    """A wrong --json-keys skips every line: exit 1 naming the input and the key, instead
+    of an empty dataset that fails later, in training."""
+    out = str(tmp_path / "out")
+    assert main(_null_args(messy_jsonl, out, "--json-keys", "content")) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"error: no documents in {messy_jsonl} under --json-keys content: all 5 "
+                       f"lines were skipped (the first: {messy_jsonl}:1: missing key "
+                       f"'content'); nothing written"), err[-1]
+    assert not any(n.startswith("out") for n in os.listdir(tmp_path))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert main(_null_args(str(empty), out)) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: no documents in {empty} (the input is empty); nothing written")
+
+
 @pytest.mark.slow  # --workers 2: a spawned process pool
 def test_workers_identical(tmp_path):
     rng = np.random.RandomState(0)
@@ -102,7 +119,8 @@ def test_plain_text_is_one_document_per_file(tmp_path):
 
 
 def test_sentencepiece_path(tmp_path):
-    from mp_offload.data.tokenizer import build_tokenizer, train_sentencepiece
+    from mp_offload.data.tokenizer import build_tokenizer
+    from mp_offload.data.tokenizer_training import train_sentencepiece
 
     text = "import os\nprint(os.getcwd())\n" * 30
     model = train_sentencepiece([text], str(tmp_path / "sp"), vocab_size=300)
@@ -151,11 +169,8 @@ def hf_files(tmp_path_factory):
     """A byte-level BPE (tokenizer.json + vocab.json/merges.txt) and a SentencePiece
     model with its tokenizer.json conversion, all trained here."""
     pytest.importorskip("tokenizers")
-    from mp_offload.data.tokenizer import (
-        sentencepiece_to_tokenizer_json,
-        train_bpe_bytelevel,
-        train_sentencepiece,
-    )
+    from mp_offload.data.sentencepiece_convert import sentencepiece_to_tokenizer_json
+    from mp_offload.data.tokenizer_training import train_bpe_bytelevel, train_sentencepiece
 
     d = tmp_path_factory.mktemp("hf")
     docs = [CODE.replace("x", f"x{i}") for i in range(60)]

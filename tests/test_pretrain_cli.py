@@ -23,19 +23,58 @@ def torchrun(nproc, *args, timeout=240):
                           cwd=ROOT)
 
 
-@pytest.mark.parametrize("extra,needle", [
-    (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size 3 does not divide"),
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """A tiny NullTokenizer dataset (ids < 96)."""
+    import io
+
+    from mp_offload.data.preprocess import preprocess
+    d = tmp_path_factory.mktemp("data")
+    with open(d / "docs.jsonl", "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"text": " ".join(str((i * 7 + k) % 90) for k in range(40))}))
+            f.write("\n")
+    preprocess([str(d / "docs.jsonl")], str(d / "x"), "NullTokenizer", vocab_size=96,
+               log=io.StringIO())
+    return str(d / "x_text_document")
+
+
+@pytest.mark.parametrize("extra,line", [
+    (["--hiden-size", "64"], "unrecognized argument --hiden-size: did you mean --hidden-size?"),
+    (["--data-path", "{data}", "--tokenizer-model", "{data}.model"],
+     "--tokenizer-model {data}.model: no such file"),
+    (["--tokenizer-type", "NullTokenizer", "--data-path", "{data}.bin"],
+     "--data-path {data}.bin: give the prefix {data} (without .bin)"),
+    (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size 3 does not divide"
+                                            "|--ffn-hidden-size 256 is not divisible"),
     (["--tensor-model-parallel-size", "4", "--num-attention-heads", "6", "--hidden-size", "96"],
      "--num-attention-heads 6 is not divisible"),
     (["--global-batch-size", "6"], "--global-batch-size 6 is not a multiple"),
+    (["--cpu-offload", "--optimizer-offload-fraction", "1.5"],
+     "--optimizer-offload-fraction must be >= 0 and <= 1, got 1.5"),
+    (["--config", "{cfg}", "--hiden-size", "64"],
+     "unrecognized argument --hiden-size: did you mean --hidden-size?"),
+    (["--config", "{cfg}x"], "--config {cfg}x: No such file or directory"),
 ])
-def test_invalid_config_fails_on_every_rank(extra, needle):
-    # argparse keeps the last value, so ``extra`` overrides TINY
-    res = torchrun(4, *TINY, "--train-iters", "2", *extra, timeout=120)
+def test_bad_input_is_one_line_first_and_once(extra, line, dataset, tmp_path):
+    """Under torchrun with 4 ranks a user mistake prints its reason as the first line, once
+    (one line per problem, ``|`` above): no usage text, no traceback from any rank
+    (torchrun's own summary follows)."""
+    cfg = tmp_path / "run.yaml"  # --config: the flags' mistakes are caught next to it too
+    cfg.write_text("eval-iters: 1\nlr: 3e-3\n")
+    fill = lambda a: a.replace("{data}", dataset).replace("{cfg}", str(cfg))  # noqa: E731
+    extra = [fill(a) for a in extra]
+    want = ["pretrain_gpt.py: error: " + fill(w) for w in line.split("|")]
+    args = [a for a in TINY if a != "--mock-data"] if "--data-path" in extra else TINY
+    res = torchrun(4, *args, "--train-iters", "2", *extra, timeout=120)
     assert res.returncode != 0
-    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("pretrain_gpt.py: error:")]
-    assert len(lines) == 4, res.stderr[-2000:]  # one line per rank
-    assert all(needle in ln for ln in lines), lines[0]
+    lines = res.stderr.splitlines()
+    errors = [ln for ln in lines if ln.startswith("pretrain_gpt.py: error:")]
+    assert len(errors) == len(want), res.stderr[-3000:]
+    assert all(ln.startswith(w) for ln, w in zip(lines, want)), res.stderr[-3000:]
+    assert res.stdout == "" and "usage:" not in res.stderr, res.stderr[-3000:]
+    assert 'pretrain_gpt.py", line' not in res.stderr  # torchrun's traceback is its own
+    assert os.path.join(ROOT, "mp_offload") not in res.stderr, res.stderr[-3000:]
 
 
 def _losses(path):

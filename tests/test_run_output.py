@@ -95,12 +95,15 @@ def test_sampling_at_tp2_dp2_matches_generation_from_the_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_main_job_leaves_a_checkpoint_samples_a_plot_and_next_commands(tmp_path):
+@pytest.mark.parametrize("model,arch", [("gpt", "GPT2LMHeadModel"),
+                                        ("llama", "LlamaForCausalLM")])
+def test_main_job_leaves_a_checkpoint_samples_a_plot_and_next_commands(tmp_path, model,
+                                                                         arch):
     """scripts/pretrain_gpt_tiny_cpu.sh from scratch (a few iterations of a smaller model
     through extra flags), then the commands it prints: generate and the HF export."""
     pytest.importorskip("matplotlib")
     run = tmp_path / "run"
-    env = dict(os.environ, SKIP_SETUP="1", RUN_DIR=str(run), TRAIN_ITERS="4",
+    env = dict(os.environ, SKIP_SETUP="1", RUN_DIR=str(run), TRAIN_ITERS="4", MODEL=model,
                PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     res = subprocess.run(["bash", "scripts/pretrain_gpt_tiny_cpu.sh", "--num-layers", "2",
                           "--hidden-size", "64", "--eval-iters", "2"],
@@ -121,8 +124,9 @@ def test_main_job_leaves_a_checkpoint_samples_a_plot_and_next_commands(tmp_path)
     assert resume.startswith("TRAIN_ITERS=8 ") and resume.endswith(
         "bash scripts/pretrain_gpt_tiny_cpu.sh --num-layers 2 --hidden-size 64 --eval-iters 2")
     assert f"RUN_DIR={run}" in resume and "SKIP_SETUP=1" in resume
+    assert f"MODEL={model}" in resume
     for tool, check in (("tools/generate.py", "def parse("),
-                        ("tools/convert_checkpoint.py", "GPT2LMHeadModel")):
+                        ("tools/convert_checkpoint.py", arch)):
         line = next(ln.strip() for ln in nxt if tool in ln)
         argv = shlex.split(line)
         assert argv[0] == "python3" and argv[1] == tool
@@ -133,6 +137,26 @@ def test_main_job_leaves_a_checkpoint_samples_a_plot_and_next_commands(tmp_path)
                              capture_output=True, text=True, timeout=300)
         assert res.returncode == 0 and check in res.stdout, res.stderr[-3000:]
     assert os.path.exists(run / "hf" / "model.safetensors")
+    _export_loads_in_transformers(str(run / "hf"), str(run / "ckpt"))
+
+
+def _export_loads_in_transformers(hf_dir, ckpt):
+    """The exported directory: transformers' Auto classes load it with every weight
+    in place, and the model's logits are ours."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from mp_offload.checkpoint import resolve_checkpoint
+    from mp_offload.generation import load_model
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    ours = load_model(resolve_checkpoint(ckpt))
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    ids = torch.tensor([tok("def parse(self, text):\n    return")["input_ids"]])
+    with torch.no_grad():
+        want = ours(ids)[..., :ours.cfg.vocab_size]
+        torch.testing.assert_close(model(ids).logits, want, atol=1e-4, rtol=0)
 
 
 class _FakeWandb:

@@ -9,15 +9,14 @@ import random
 
 import pytest
 
+from mp_offload.data.sentencepiece_convert import sentencepiece_to_tokenizer_json
 from mp_offload.data.tokenizer import (
     EOD_TOKEN_NAMES,
     TOKENIZER_TYPES,
     NullTokenizer,
     build_tokenizer,
-    sentencepiece_to_tokenizer_json,
-    train_bpe_bytelevel,
-    train_sentencepiece,
 )
+from mp_offload.data.tokenizer_training import train_bpe_bytelevel, train_sentencepiece
 
 TEXT = (
     "def greet(name):\n"

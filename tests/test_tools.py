@@ -162,7 +162,7 @@ def test_export_refuses_what_gpt2_cannot_express():
     names = list(gpt2_name_map(2))
     cfg = {"num_layers": 2, "hidden_size": 32, "vocab_size": 100}
     check_gpt2_compatible(cfg, names)
-    with pytest.raises(ConversionError, match="swiglu=True"):
+    with pytest.raises(ConversionError, match="--swiglu"):
         check_gpt2_compatible(dict(cfg, swiglu=True), names)
     with pytest.raises(ConversionError, match="output_layer.weight"):
         check_gpt2_compatible(cfg, names + ["output_layer.weight"])

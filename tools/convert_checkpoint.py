@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Convert mp_offload checkpoints: merge to TP=1, export to / import from Hugging Face GPT-2.
+"""Convert mp_offload checkpoints: merge to TP=1, export to / import from Hugging Face
+(GPT2LMHeadModel, or LlamaForCausalLM for a model with rotary positions).
 
     python tools/convert_checkpoint.py --load ckpt --save-merged ckpt_tp1
-    python tools/convert_checkpoint.py --load ckpt --hf-out gpt2_dir
-    python tools/convert_checkpoint.py --hf-in gpt2_dir --save out --tensor-model-parallel-size 2
+    python tools/convert_checkpoint.py --load ckpt --hf-out hf_dir
+    python tools/convert_checkpoint.py --hf-in hf_dir --save out --tensor-model-parallel-size 2
 
 Thin wrapper: the logic lives in mp_offload.checkpoint.convert (run --help for the flags).
 """

@@ -21,12 +21,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-from mp_offload.data.tokenizer import (
-    build_tokenizer,
-    sentencepiece_to_tokenizer_json,
-    train_bpe_bytelevel,
-    train_sentencepiece,
-)
+from mp_offload.data.sentencepiece_convert import sentencepiece_to_tokenizer_json
+from mp_offload.data.tokenizer import build_tokenizer
+from mp_offload.data.tokenizer_training import train_bpe_bytelevel, train_sentencepiece
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,8 @@ Modules, each owning one thing:
 - ``load``: the collective load, re-partitioning the optimizer slices when sizes differ.
 - ``offline``: checkpoints in one process for tools: read full tensors, load weights at
   any TP size, write a checkpoint, merge to TP=1.
-- ``hf_gpt2``: export to / import from Hugging Face GPT-2.
+- ``hf_gpt2``, ``hf_llama``: export to / import from Hugging Face GPT-2 and Llama;
+  ``hf`` picks one by the model, ``hf_common`` holds what they share.
 - ``safetensors_io``: the safetensors codec.
 - ``convert``: the converter's command line (``tools/convert_checkpoint.py``).
 - ``guard``: start-up checks of --save (writable, locked, no silent overwrite).
@@ -27,7 +28,7 @@ from .format import (
     read_latest,
 )
 from .guard import SaveLock, check_no_overwrite, check_writable, prepare_save
-from .hf_gpt2 import export_hf, import_hf
+from .hf import export_hf, import_hf
 from .load import load_checkpoint
 from .offline import (
     FullTensors,

@@ -1,14 +1,17 @@
-"""Convert mp_offload checkpoints: merge to TP=1, export to / import from Hugging Face GPT-2.
+"""Convert mp_offload checkpoints: merge to TP=1, export to / import from Hugging Face
+(GPT-2 and Llama).
 
 The converter's command line (argparse and ``main``); ``tools/convert_checkpoint.py`` is a
-thin wrapper over it, the conversions themselves live in ``offline`` and ``hf_gpt2``.
+thin wrapper over it, the conversions themselves live in ``offline``, ``hf_gpt2`` and
+``hf_llama`` (``hf`` picks between the two).
 
     # one TP=1, DP=1 checkpoint (weights, fp32 master, Adam moments, step, RNG):
     python tools/convert_checkpoint.py --load ckpt --save-merged ckpt_tp1
-    # a GPT2LMHeadModel directory (config.json + model.safetensors):
-    python tools/convert_checkpoint.py --load ckpt --hf-out gpt2_dir
-    # a GPT-2 as the starting point of a run (pretrain_gpt.py --load out --finetune):
-    python tools/convert_checkpoint.py --hf-in gpt2_dir --save out --tensor-model-parallel-size 2
+    # a HF directory (config.json + model.safetensors): LlamaForCausalLM for a model
+    # with rotary positions, else GPT2LMHeadModel:
+    python tools/convert_checkpoint.py --load ckpt --hf-out hf_dir
+    # a GPT-2 or Llama as the starting point of a run (pretrain_gpt.py --load out --finetune):
+    python tools/convert_checkpoint.py --hf-in hf_dir --save out --tensor-model-parallel-size 2
 
 --save-merged and --hf-out can be given together. Runs in one process on the CPU; it
 holds one full parameter of the source at a time (plus, for --save-merged, the merged
@@ -26,7 +29,8 @@ import torch
 from ..optimizer.base import DEFAULT_BUCKET_SIZE
 from . import format as fmt
 from .errors import CheckpointError, ConversionError
-from .hf_gpt2 import export_hf, import_hf
+from .hf import export_architecture, export_hf, import_hf
+from .hf_common import model_flags
 from .offline import FullTensors, merge_checkpoint, resolve_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,17 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--load", help="checkpoint root (or one iter_* directory)")
     src.add_argument("--iteration", type=int, help="default: the latest checkpoint")
     src.add_argument("--save-merged", metavar="OUT", help="write a TP=1, DP=1 checkpoint here")
-    src.add_argument("--hf-out", metavar="HFDIR", help="write a Hugging Face GPT-2 here")
+    src.add_argument("--hf-out", metavar="HFDIR", help="write a Hugging Face model here "
+                     "(LlamaForCausalLM with rotary positions, else GPT2LMHeadModel)")
     src.add_argument("--hf-dtype", choices=DTYPES, default="float32",
                      help="dtype of the exported weights")
     src.add_argument("--eod-id", type=int, help="bos/eos id for the HF config (default: the "
                      "run's tokenizer end-of-document, when it can be found)")
-    hf = p.add_argument_group("from a Hugging Face GPT-2")
+    hf = p.add_argument_group("from a Hugging Face GPT-2 or Llama")
     hf.add_argument("--hf-in", metavar="HFDIR", help="directory with config.json and weights")
     hf.add_argument("--save", metavar="OUT", help="write the imported checkpoint here")
     hf.add_argument("--tensor-model-parallel-size", type=int, default=1)
     hf.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    hf.add_argument("--seq-length", type=int, help="default: the model's n_positions")
+    hf.add_argument("--seq-length", type=int, help="default: the model's maximum positions")
     hf.add_argument("--dtype", choices=DTYPES, default="float32",
                     help="dtype of the model.pt weights (the fp32 master is always kept)")
     hf.add_argument("--seed", type=int, default=1234, help="RNG state stored for a resume")
@@ -105,9 +110,9 @@ def main(argv=None) -> int:
                             seq_length=a.seq_length,
                             bucket_size=a.reduce_bucket_size or DEFAULT_BUCKET_SIZE,
                             dtype=DTYPES[a.dtype], seed=a.seed)
+            flags = " ".join(model_flags(FullTensors(out).config))
             print(f"imported {a.hf_in} -> {out} (TP={a.tensor_model_parallel_size}); train "
-                  f"from it with pretrain_gpt.py --load {a.save} --finetune and the same "
-                  f"model flags")
+                  f"from it with pretrain_gpt.py --load {a.save} --finetune {flags}")
             return 0
         ckpt = resolve_checkpoint(a.load, a.iteration)
         if a.save_merged:
@@ -116,7 +121,7 @@ def main(argv=None) -> int:
         if a.hf_out:
             eod = a.eod_id if a.eod_id is not None else _eod_guess(ckpt)
             export_hf(ckpt, a.hf_out, DTYPES[a.hf_dtype], eod=eod)
-            print(f"exported {ckpt} -> {a.hf_out} (GPT2LMHeadModel)")
+            print(f"exported {ckpt} -> {a.hf_out} ({export_architecture(ckpt)})")
             _export_tokenizer(ckpt, a.hf_out)
         return 0
     except (CheckpointError, ConversionError, OSError) as e:

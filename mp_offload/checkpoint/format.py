@@ -55,7 +55,8 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
 # before they existed has none of them, which means the GPT-2 default.
 OPTION_FIELDS = ("normalization", "swiglu", "position_embedding_type", "rotary_base",
                  "rotary_percent", "group_query_attention", "num_query_groups",
-                 "untie_embeddings_and_output_weights", "disable_bias_linear")
+                 "untie_embeddings_and_output_weights", "disable_bias_linear",
+                 "layernorm_epsilon")
 
 
 # ------------------------------------------------------------------------- names
@@ -319,13 +320,16 @@ def check_model_shape(manifest: dict, ckpt: str, model_cfg) -> None:
 
     from ..model.gpt import GPTConfig  # deferred: reading a manifest needs no model
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    # Rope options left unset mean their defaults: a flag giving those is the same model.
+    unset = dict(zip(("rotary_base", "rotary_percent"), GPTConfig().rotary))
     saved = manifest["model_config"]
     for f in SHAPE_FIELDS + OPTION_FIELDS:
-        here = getattr(model_cfg, f, defaults.get(f))
-        if saved.get(f, defaults.get(f)) != here:
+        here, there = (unset.get(f) if v is None else v for v in (
+            getattr(model_cfg, f, defaults.get(f)), saved.get(f, defaults.get(f))))
+        if there != here:
             flag = "--" + f.replace("_", "-")
             raise CheckpointError(f"{os.path.join(ckpt, MANIFEST)}: {flag} is {here} here but "
-                                  f"{saved.get(f, defaults.get(f))} in the checkpoint")
+                                  f"{there} in the checkpoint")
 
 
 class CheckedReader:

@@ -21,11 +21,11 @@ import torch
 
 from ..model.gpt import GPTConfig
 from ..optimizer.base import DEFAULT_BUCKET_SIZE
-from ..tensor_parallel.random import get_rng_tracker, model_parallel_seed
 from .errors import ConversionError
-from .format import fit_padding, rng_state
+from .format import fit_padding
+from .hf_common import ANY, check_names, check_options, fresh_rng, hf_weights, read_hf_config
 from .offline import FullTensors, write_checkpoint
-from .safetensors_io import SafeTensorsFile, write_safetensors
+from .safetensors_io import write_safetensors
 
 # ------------------------------------------------------------------- GPT-2 names
 _BLOCK = (("ln1", "ln_1", False), ("attn.qkv", "attn.c_attn", True),
@@ -46,26 +46,19 @@ def gpt2_name_map(num_layers: int) -> dict[str, tuple[str, bool]]:
     return m
 
 
-# GPTConfig fields that have a GPT-2 meaning (or none needed: seq length, padding, init,
-# recompute). Any other field a future model grows (rotary, SwiGLU, untied head...) stops
-# the export until this module learns it, rather than writing a wrong GPT-2.
-_GPT2_FIELDS = {"num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                "seq_length", "max_position_embeddings", "vocab_size",
-                "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout",
-                "layernorm_epsilon", "init_method_std", "recompute_activations"}
+# The options GPT-2 expresses, and the values it takes (hf_common.check_options refuses
+# any other, and any option a future model grows, rather than writing a wrong GPT-2).
+GPT2_OPTIONS = {"normalization": (None, "LayerNorm"), "swiglu": (False,),
+                "position_embedding_type": (None, "learned_absolute"),
+                "group_query_attention": (False,), "untie_embeddings_and_output_weights":
+                (False,), "disable_bias_linear": (False,), "rotary_base": ANY,
+                "rotary_percent": ANY, "num_query_groups": ANY}
 
 
 def check_gpt2_compatible(model_config: dict, names) -> None:
-    extra = {k: v for k, v in model_config.items() if k not in _GPT2_FIELDS and v}
-    if extra:
-        raise ConversionError("the model has options GPT-2 cannot express: " +
-                              ", ".join(f"{k}={v!r}" for k, v in sorted(extra.items())))
-    want = set(gpt2_name_map(model_config["num_layers"]))
-    got = set(names)
-    if got != want:
-        diff = sorted(got - want)[:5] + [f"(missing) {n}" for n in sorted(want - got)[:5]]
-        raise ConversionError("the parameters do not form a GPT-2 (tied head, learned "
-                              "positions, biased linears, LayerNorm): " + ", ".join(diff))
+    check_options(model_config, GPT2_OPTIONS, "GPT-2")
+    check_names(names, set(gpt2_name_map(model_config["num_layers"])),
+                "GPT-2 (tied head, learned positions, biased linears, LayerNorm)")
 
 
 def gpt2_config(cfg: GPTConfig, eod: int | None = None) -> dict:
@@ -115,33 +108,6 @@ def export_hf(ckpt: str, out_dir: str, dtype=torch.float32, eod: int | None = No
 
 
 # ------------------------------------------------------------------- GPT-2 import
-def _hf_weights(hf_dir: str):
-    """name -> loader for the weights of a HF directory (safetensors, sharded or not, or
-    pytorch_model.bin); names are returned without the ``transformer.`` prefix."""
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    single = os.path.join(hf_dir, "model.safetensors")
-    binary = os.path.join(hf_dir, "pytorch_model.bin")
-    if os.path.exists(single):
-        files = {n: single for n in SafeTensorsFile(single).names}
-    elif os.path.exists(index):
-        with open(index) as f:
-            files = {n: os.path.join(hf_dir, p) for n, p in json.load(f)["weight_map"].items()}
-    elif os.path.exists(binary):
-        state = torch.load(binary, map_location="cpu", weights_only=True, mmap=True)
-        return {n.removeprefix("transformer."): (lambda n=n: state[n]) for n in state}
-    else:
-        raise ConversionError(f"{hf_dir}: no model.safetensors(.index.json) or "
-                              f"pytorch_model.bin")
-    opened = {}
-
-    def load(name, path):
-        if path not in opened:
-            opened[path] = SafeTensorsFile(path)
-        return opened[path].get(name)
-    return {n.removeprefix("transformer."): (lambda n=n, p=p: load(n, p))
-            for n, p in files.items()}
-
-
 def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 128,
                    seq_length: int | None = None) -> GPTConfig:
     if hf.get("model_type") != "gpt2":
@@ -173,33 +139,16 @@ def config_from_hf(hf: dict, make_vocab_size_divisible_by: int = 128,
                      init_method_std=hf.get("initializer_range", 0.02))
 
 
-def _fresh_rng(seed: int):
-    """RNG state per TP rank as a run seeded with ``seed`` would have it (for a resume
-    without --finetune); the process's own generators are left as they were."""
-    def rng(tp_rank: int) -> dict:
-        tracker = get_rng_tracker()
-        saved = (torch.get_rng_state(), tracker.get_states(), tracker.device)
-        try:
-            model_parallel_seed(seed, tp_rank, "cpu")
-            return rng_state()
-        finally:
-            torch.set_rng_state(saved[0])
-            tracker.set_states(saved[1])
-            tracker.device = saved[2]
-    return rng
-
-
 def import_hf(hf_dir: str, save: str, tp: int = 1, *, make_vocab_size_divisible_by: int = 128,
               seq_length: int | None = None, bucket_size: int = DEFAULT_BUCKET_SIZE,
               dtype=torch.float32, seed: int = 1234) -> str:
     """Write a GPT-2 from ``hf_dir`` as an iteration-0 checkpoint at TP=``tp``, DP=1."""
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        hf = json.load(f)
+    hf = read_hf_config(hf_dir)
     cfg = config_from_hf(hf, make_vocab_size_divisible_by, seq_length)
     if cfg.num_attention_heads % tp or cfg.hidden_size % tp or cfg.ffn_hidden_size % tp:
         raise ConversionError(f"--tensor-model-parallel-size {tp} does not divide the heads "
                               f"({cfg.num_attention_heads}), hidden size or MLP width")
-    weights = _hf_weights(hf_dir)
+    weights = hf_weights(hf_dir, strip="transformer.")
     # Some files store the tied head anyway: then it must equal the embedding.
     tied = "lm_head.weight" not in weights or \
         torch.equal(weights["lm_head.weight"](), weights["wte.weight"]())
@@ -225,5 +174,5 @@ def import_hf(hf_dir: str, save: str, tp: int = 1, *, make_vocab_size_divisible_
         return fit_padding(t, shape, max(dim, 0))
 
     args = {"model": dataclasses.asdict(cfg), "source": {"hf_dir": os.path.abspath(hf_dir)}}
-    return write_checkpoint(save, 0, 0, cfg, tp, tensor, dtype=dtype, rng=_fresh_rng(seed),
+    return write_checkpoint(save, 0, 0, cfg, tp, tensor, dtype=dtype, rng=fresh_rng(seed),
                             args=args, bucket_size=bucket_size)

@@ -2,9 +2,9 @@
 
   tokenizer.py        SentencePieceTokenizer, HuggingFaceTokenizer (a ``tokenizers``
                       tokenizer.json), GPT2BPETokenizer (vocab.json + merges.txt) and
-                      NullTokenizer, chosen by ``build_tokenizer``; training
-                      (``train_sentencepiece``, ``train_bpe_bytelevel``) and SentencePiece
-                      -> tokenizer.json conversion
+                      NullTokenizer, chosen by ``build_tokenizer``
+  tokenizer_training.py  ``train_sentencepiece``, ``train_bpe_bytelevel``
+  sentencepiece_convert.py  SentencePiece BPE -> identical tokenizer.json
   preprocess.py       JSONL / plain text -> MMIDIDX files (tools/preprocess_data.py)
   indexed_dataset.py  Megatron's "MMIDIDX" .bin/.idx format: builder and mmap reader
   gpt_dataset.py      GPT samples over the token stream (cached index arrays),
@@ -38,16 +38,15 @@ from .indexed_dataset import (
 )
 from .preprocess import PreprocessError, preprocess
 from .samplers import PretrainingSampler, collate
+from .sentencepiece_convert import sentencepiece_to_tokenizer_json
 from .tokenizer import (
     GPT2BPETokenizer,
     HuggingFaceTokenizer,
     NullTokenizer,
     SentencePieceTokenizer,
     build_tokenizer,
-    sentencepiece_to_tokenizer_json,
-    train_bpe_bytelevel,
-    train_sentencepiece,
 )
+from .tokenizer_training import train_bpe_bytelevel, train_sentencepiece
 
 __all__ = [
     "BlendedDataset", "build_blending_indices", "prepare_default_corpus", "GPTDataset",

@@ -1,17 +1,23 @@
 """The datasets and batch iterators of one run, from its flags.
 
 Only TP rank 0 of each TP group reads data (its batches are broadcast to the group);
-global rank 0 builds the index caches first, then the other readers load them.
+global rank 0 builds the index caches first, then the other readers load them. Every
+step that can fail on one rank (a corrupt file, a full disk, data made with another
+tokenizer) runs inside ``agreed``: its error is raised on every rank alike, as one
+line, instead of one rank's traceback under the others' lost connections.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 import torch.distributed as dist
 
 from .. import parallel_state as ps
+from ..distributed import agreed, set_phase
 from ..logger import log
+from .checks import check_token_ids, load_tokenizer, tokenizer_description
 from .loader import BatchIterator, MockGPTDataset, SizedPlaceholder
 
 
@@ -22,38 +28,51 @@ def num_samples(args) -> tuple[int, int, int]:
     return iters * gbs, evals, t.eval_iters * gbs
 
 
-def build_datasets(args):
-    """(train, valid, test, vocab_size); only global rank 0 builds caches first."""
+def _default_corpus(cache: str) -> tuple[list[str], str]:
+    """([prefix], tokenizer model) of the embedded corpus; rank 0 builds it first."""
+    from .default_corpus import prepare_default_corpus
+    agreed(lambda: prepare_default_corpus(
+        cache, log=lambda s: log.info(f"[default corpus] {s}")), active=dist.get_rank() == 0)
+    prefix, model = agreed(lambda: prepare_default_corpus(cache))
+    return [prefix], model
+
+
+def build_datasets(args, tokenizer=None):
+    """(train, valid, test, vocab_size); only global rank 0 builds caches first.
+
+    ``tokenizer``: the one preflight loaded for --data-path (else it is loaded here).
+    StartupError (the same on every rank) when the data cannot be used.
+    """
     d, m, t = args.data, args.model, args.train
     n_train, n_valid, n_test = num_samples(args)
     if d.mock_data:
         mk = lambda n, k: MockGPTDataset(max(n, 1), m.seq_length, m.vocab_size, t.seed + k)  # noqa
         return mk(n_train, 0), mk(n_valid, 1), mk(n_test, 2), m.vocab_size
-    from .gpt_dataset import build_train_valid_test_datasets
-    from .tokenizer import build_tokenizer
+    from .gpt_dataset import build_train_valid_test_datasets, parse_data_path
 
+    set_phase("building the datasets")
     cache = d.data_cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "mp_offload")
-    data_path, tok_model = d.data_path, d.tokenizer_model
+    data, data_path = d, d.data_path
     if data_path is None:  # the embedded default corpus: the stdlib's own sources
-        from .default_corpus import prepare_default_corpus
-        if dist.get_rank() == 0:
-            prepare_default_corpus(cache, log=lambda s: log.info(f"[default corpus] {s}"))
-        dist.barrier()
-        data_path, tok_model = prepare_default_corpus(cache)
-        data_path = [data_path]
+        data_path, model = _default_corpus(cache)
         # Recorded with the run's arguments (checkpoints): generation and export find the
         # tokenizer the run trained with.
-        d.tokenizer_model = tok_model
-    tok = build_tokenizer(d.tokenizer_type, tok_model, vocab_size=m.vocab_size,
-                          vocab_file=d.vocab_file, merge_file=d.merge_file)
+        d.tokenizer_model = model
+        data = dataclasses.replace(d, data_path=data_path)
+        tokenizer = None
+    if tokenizer is None:
+        tokenizer = agreed(lambda: load_tokenizer(data, m.vocab_size))
+    # One pass over every .bin (cached): ids beyond the vocabulary mean another tokenizer.
+    agreed(lambda: check_token_ids(parse_data_path(data_path)[0], tokenizer.vocab_size,
+                                   tokenizer_description(data, m.vocab_size),
+                                   d.data_cache_dir), active=dist.get_rank() == 0)
     datasets = (None, None, None)
     is_reader = ps.get_tensor_model_parallel_rank() == 0
     for turn in (0, 1):  # rank 0 builds the index caches, then the other readers load them
-        if is_reader and (dist.get_rank() == 0) == (turn == 0):
-            datasets = build_train_valid_test_datasets(
-                data_path, d.split, (n_train, n_valid, n_test), m.seq_length, t.seed,
-                cache_dir=d.data_cache_dir)
-        dist.barrier()
+        datasets = agreed(lambda: build_train_valid_test_datasets(
+            data_path, d.split, (n_train, n_valid, n_test), m.seq_length, t.seed,
+            cache_dir=d.data_cache_dir),
+            active=is_reader and (dist.get_rank() == 0) == (turn == 0)) or datasets
     # Non-readers hold no datasets: learn from TP rank 0 which splits exist and their
     # lengths (-1: no such split), so every rank can run the same sampler.
     lengths = torch.tensor([-1 if ds is None else len(ds) for ds in datasets],
@@ -63,7 +82,7 @@ def build_datasets(args):
                        group=ps.get_tensor_model_parallel_group().torch_group())
     datasets = tuple(ds if is_reader else (None if n < 0 else SizedPlaceholder(n))
                      for ds, n in zip(datasets, lengths.tolist()))
-    return (*datasets, tok.vocab_size)
+    return (*datasets, tokenizer.vocab_size)
 
 
 def batch_iterator(dataset, args, consumed: int, device):

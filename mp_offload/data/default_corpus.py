@@ -20,7 +20,7 @@ import time
 
 from .indexed_dataset import MMapIndexedDataset, exists
 from .preprocess import preprocess
-from .tokenizer import train_sentencepiece
+from .tokenizer_training import train_sentencepiece
 
 _FORMAT = 2  # bumped: documents are shuffled
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",

@@ -182,12 +182,26 @@ class GPTDataset:
         return {"text": np.concatenate(pieces).astype(np.int64)}
 
 
+def _number(text: str, what: str) -> float:
+    """A finite, non-negative float, or ValueError saying what ``text`` was for."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{what} {text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} {text!r} must be a finite number >= 0")
+    return value
+
+
 def parse_split(split: str) -> list[float]:
-    """ "969,30,1" or "0.9/0.05/0.05" -> normalised [train, valid, test] fractions."""
-    parts = [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
-    if not parts or len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise ValueError(f"bad split {split!r}: expected up to 3 non-negative numbers, "
-                         "e.g. 969,30,1")
+    """ "969,30,1" or "0.9/0.05/0.05" -> normalised [train, valid, test] fractions
+    (missing parts are 0). ValueError says which part is wrong."""
+    texts = [s.strip() for s in split.replace("/", ",").split(",")]
+    if len(texts) > 3:
+        raise ValueError(f"{len(texts)} parts, at most 3 (train,valid,test)")
+    parts = [_number(t, "part") for t in texts]
+    if sum(parts) <= 0:
+        raise ValueError("the parts sum to 0")
     parts += [0.0] * (3 - len(parts))
     total = sum(parts)
     return [p / total for p in parts]
@@ -208,10 +222,10 @@ def parse_data_path(data_path: Sequence) -> tuple[list[str], list[float]]:
         return [str(data_path[0])], [1.0]
     if not data_path or len(data_path) % 2:
         raise ValueError(f"data_path must be [prefix] or [weight, prefix, ...], got {data_path}")
-    weights = [float(w) for w in data_path[0::2]]
+    weights = [_number(str(w), "weight") for w in data_path[0::2]]
     prefixes = [str(p) for p in data_path[1::2]]
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"data_path weights must be non-negative with a positive sum: {weights}")
+    if sum(weights) <= 0:
+        raise ValueError(f"the weights sum to 0: {weights}")
     total = sum(weights)
     return prefixes, [w / total for w in weights]
 

@@ -26,13 +26,8 @@ import json
 import os
 import shutil
 
-from .tokenizer import (
-    _PAD_TOKEN_NAMES,
-    EOD_TOKEN_NAMES,
-    GPT2_EOD,
-    build_tokenizer,
-    sentencepiece_to_tokenizer_json,
-)
+from .sentencepiece_convert import sentencepiece_to_tokenizer_json
+from .tokenizer import _PAD_TOKEN_NAMES, EOD_TOKEN_NAMES, GPT2_EOD, build_tokenizer
 
 # Post-processors that put tokens around the text (BOS/EOS, [CLS]/[SEP]); ByteLevel only
 # fixes offsets and is kept.

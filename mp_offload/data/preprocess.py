@@ -41,6 +41,7 @@ class PreprocessStats:
     documents: int = 0
     tokens: int = 0
     skipped: int = 0
+    first_skip: str = ""  # where and why the first skipped line was skipped
     input_bytes: int = 0
     seconds: float = 0.0
     output_prefixes: list = field(default_factory=list)
@@ -191,6 +192,8 @@ def preprocess(
         reporter = _Progress(progress, log, log_interval,
                              sum(os.path.getsize(p) for p in inputs))
         _write_documents(results, inputs, builders, stats, on_bad_line, reporter)
+        if not stats.documents:
+            raise PreprocessError(_nothing_written(inputs, json_keys, stats))
         _publish(builders, prefixes, suffix)
         ok = True
     finally:
@@ -270,6 +273,7 @@ def _write_documents(results, inputs: Sequence[str], builders: list, stats: Prep
             if on_bad_line == "fail":
                 raise PreprocessError(f"{where}: {out}")
             stats.skipped += 1
+            stats.first_skip = stats.first_skip or f"{where}: {out}"
             if stats.skipped <= _MAX_WARNINGS:
                 progress.warn(f"warning: skipping {where}: {out}")
                 if stats.skipped == _MAX_WARNINGS:
@@ -282,6 +286,17 @@ def _write_documents(results, inputs: Sequence[str], builders: list, stats: Prep
             stats.tokens += len(ids)
         stats.documents += 1
         progress.update(stats, nbytes)
+
+
+def _nothing_written(inputs: Sequence[str], json_keys: Sequence[str],
+                     stats: PreprocessStats) -> str:
+    """Why no dataset is written: an empty one would only fail later, in training."""
+    where = ", ".join(inputs)
+    keys = " ".join(json_keys)
+    if stats.skipped:
+        return (f"no documents in {where} under --json-keys {keys}: all {stats.skipped} "
+                f"lines were skipped (the first: {stats.first_skip}); nothing written")
+    return f"no documents in {where} (the input is empty); nothing written"
 
 
 def _publish(builders: list, prefixes: list[str], suffix: str) -> None:

@@ -40,7 +40,9 @@ def build_optimizer(model: torch.nn.Module, args, device: torch.device) -> Optim
                          accumulate_on_device=o.accumulate_grads_on_device,
                          reduce_dtype=torch.float32 if o.accumulate_allreduce_grads_in_fp32
                          else None, exp_avg_dtype=MOMENT_DTYPES[o.exp_avg_dtype],
-                         exp_avg_sq_dtype=MOMENT_DTYPES[o.exp_avg_sq_dtype])
+                         exp_avg_sq_dtype=MOMENT_DTYPES[o.exp_avg_sq_dtype],
+                         offload_fraction=1.0 if o.optimizer_offload_fraction is None
+                         else o.optimizer_offload_fraction)
 
 
 __all__ = ["build_optimizer", "compute_dtype", "DEFAULT_BUCKET_SIZE", "Optimizer",

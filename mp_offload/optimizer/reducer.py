@@ -9,7 +9,8 @@ rank's reduced chunk is delivered to where the optimizer wants it (``GradTargets
 - offload, k > 1 micro-batches accumulated on the host: copied down, then copied (first
   micro-batch) or added (later ones) into the fp32 gradient slice, on a worker thread as
   the copies land (CUDA), or in place (CPU);
-- no offload: copied or added into the fp32 gradient slice on the device.
+- no offload: copied or added into the fp32 gradient slice on the device; so are the
+  chunks of the first ``device_buckets`` buckets with partial offload (``device_share.py``).
 The squared gradient norm is computed where the final gradient first exists, so the host
 never makes a separate pass for it: from each reduced chunk on the device (final chunks),
 or on the host in the pass that adds the last micro-batch. Two bucket buffers (double
@@ -77,6 +78,8 @@ class GradTargets:
     """Where one step's reduced chunks go (host-slice layout, this rank's elements)."""
     staging: torch.Tensor | None  # offload: the chunks as they come down (reduce dtype)
     grads: torch.Tensor | None  # fp32 accumulation slice (host with offload, else device)
+    # partial offload: the fp32 gradient of the buckets kept on the device (slice offsets)
+    device_grads: torch.Tensor | None = None
 
 
 def _sum_squares(t: torch.Tensor, ranges) -> torch.Tensor:
@@ -91,11 +94,14 @@ def _sum_squares(t: torch.Tensor, ranges) -> torch.Tensor:
 class GradientReducer:
     def __init__(self, layout: FlatLayout, dp: ParallelGroup, device: torch.device,
                  reduce_dtype: torch.dtype, *, offload: bool, micro_batches: int = 1,
-                 accumulate_on_device: bool = False, copier=None):
+                 accumulate_on_device: bool = False, copier=None, device_buckets: int = 0):
         """``copier`` (a ``CopyStream``) on CUDA with offload; ``micro_batches``: backward
-        calls per step."""
+        calls per step; ``device_buckets``: with offload, the leading buckets whose chunks
+        stay on the device (partial offload); host targets start after them."""
         self.layout, self.dp, self.device, self.dtype = layout, dp, device, reduce_dtype
         self.offload, self.copier = offload, copier
+        self.device_buckets = device_buckets if offload else 0
+        self.host_start = sum(b.chunk for b in layout.buckets[:self.device_buckets])
         self.micro_batches = micro_batches
         self.accumulate_on_device = accumulate_on_device and micro_batches > 1
         # Adam reads the staging itself when the chunk that comes down is the final gradient.
@@ -248,12 +254,14 @@ class GradientReducer:
         once = self.micro_batches == 1 or self.accumulate_on_device
         if final and once:
             self._norm_parts.append(_sum_squares(out, ranges))  # on the device, no host pass
-        if not self.offload:
-            grad = self.targets.grads[lo:hi]
+        if not self.offload or b.index < self.device_buckets:
+            grads = self.targets.grads if not self.offload else self.targets.device_grads
+            grad = grads[lo:hi]
             grad.copy_(out) if first else grad.add_(out)
             if final and not once:
                 self._norm_parts.append(_sum_squares(grad, ranges))
             return None
+        lo, hi = lo - self.host_start, hi - self.host_start  # host buffers start after them
         stage = self.targets.staging[lo:hi]
         self.bytes_down += b.chunk * out.element_size()
         landed = None

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..parallel_state import ParallelGroup
 from .adam_math import torch_adam_step
 from .base import DEFAULT_BUCKET_SIZE, StepResult
+from .device_share import DeviceShare, actual_fraction, clip_runs, split_buckets
 from .grads import clip_coefficient, reduce_norm_squared
 from .host_memory import host_empty, set_thread_device
 from .layout import FlatLayout
@@ -39,7 +40,9 @@ class ZeroOptimizer:
     fp32 CPU weights become this rank's master slice and the parameters become views of
     one flat device buffer in ``dtype``. ``dp``/``tp`` are ``ParallelGroup`` handles;
     ``dpu_warmup_steps`` turns on the one-step delayed update after that many steps;
-    ``loss_scale`` (fp16) holds the dynamic loss scaler's settings.
+    ``loss_scale`` (fp16) holds the dynamic loss scaler's settings. ``offload_fraction``
+    (with ``cpu_offload``): the share of the slice offloaded; the first buckets, about
+    1 - F of it, stay on the device (``device_share.py``); F = 0 is ``cpu_offload=False``.
     """
 
     checkpoint_kind = "zero"
@@ -53,8 +56,11 @@ class ZeroOptimizer:
                  micro_batches: int = 1, accumulate_on_device: bool = False,
                  reduce_dtype: torch.dtype | None = None,
                  exp_avg_dtype: torch.dtype = torch.float32,
-                 exp_avg_sq_dtype: torch.dtype = torch.float32):
+                 exp_avg_sq_dtype: torch.dtype = torch.float32,
+                 offload_fraction: float = 1.0):
         self.model, self.device, self.dtype = model, torch.device(device), dtype
+        if cpu_offload and offload_fraction == 0.0:
+            cpu_offload = False  # nothing offloaded: exactly the device-resident ZeRO-2
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.clip_grad = clip_grad
         self.dp_group, self.tp_group = dp, tp
@@ -68,13 +74,15 @@ class ZeroOptimizer:
         self.step_calls = 0
         self.bytes_up = 0
         self.host = torch.device("cpu") if cpu_offload else self.device
+        self._split_off(offload_fraction, exp_avg_dtype, exp_avg_sq_dtype)
         pin = self.device.type == "cuda" and cpu_offload
         reduce_dtype = reduce_dtype or dtype
         self.reducer = GradientReducer(self.layout, dp, self.device, reduce_dtype,
                                        offload=cpu_offload, micro_batches=micro_batches,
                                        accumulate_on_device=accumulate_on_device,
-                                       copier=CopyStream(self.device) if pin else None)
-        n, copies = self.layout.host_numel, 2 if dpu_warmup_steps is not None else 1
+                                       copier=CopyStream(self.device) if pin else None,
+                                       device_buckets=self.device_buckets)
+        n, copies = self.layout.host_numel - self.split, 2 if dpu_warmup_steps is not None else 1
 
         # Host (or device, without offload) state: fp32 master, m, v. The master is filled
         # and the fp32 CPU model freed (params move to the device buffer) before the rest
@@ -110,18 +118,36 @@ class ZeroOptimizer:
             host_empty(n, dtype, pin) if low and cpu_offload else None
         self._adam = self._pick_adam()
         # One kernel call per step over the whole slice; weight decay on these ranges only.
-        self._decay_ranges = [(lo, hi) for lo, hi, decay in self.layout.decay_runs() if decay]
+        runs = clip_runs(self.layout.decay_runs(), self.split, self.layout.host_numel)
+        self._decay_ranges = [(lo, hi) for lo, hi, decay in runs if decay]
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         self._uploaded = None  # CUDA event: the last host->device copy of the staging
         self._begin_step()
 
     # ---------------------------------------------------------------- set-up
+    def _split_off(self, fraction: float, exp_avg_dtype, exp_avg_sq_dtype) -> None:
+        """Partial offload: the first ``device_buckets`` buckets (``split`` elements of the
+        slice) stay on the device (``device_share.py``); host buffers hold the rest, at host
+        offset - split. Nothing to split off without offload or at F = 1."""
+        chunks = [b.chunk for b in self.layout.buckets]
+        self.offload_fraction = fraction
+        self.device_buckets = split_buckets(chunks, fraction) if self.cpu_offload else 0
+        self.actual_offload_fraction = actual_fraction(chunks, self.device_buckets) \
+            if self.cpu_offload else 0.0
+        self.split = sum(chunks[:self.device_buckets])
+        runs = clip_runs(self.layout.decay_runs(), 0, self.split)
+        self.share = DeviceShare(self.split, self.device, runs, exp_avg_dtype,
+                                 exp_avg_sq_dtype) if self.split else None
+
     def _place_model(self, model: torch.nn.Module) -> None:
         """fp32 CPU weights -> master slice, then params become views of one flat buffer."""
         for slot, p_off, h_off, length in self.layout.owned_pieces():
             src = slot.param.detach().reshape(-1)[p_off:p_off + length]
-            self.master[h_off:h_off + length].copy_(src)
+            # A piece lies inside one bucket's chunk, so wholly on one side of the split.
+            dst = self.share.master[h_off:] if h_off < self.split else \
+                self.master[h_off - self.split:]
+            dst[:length].copy_(src)
         self.flat = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
         for slot in self.layout.slots:
             view = self.flat[slot.start:slot.start + slot.numel].view_as(slot.param)
@@ -146,7 +172,8 @@ class ZeroOptimizer:
     def _begin_step(self) -> None:
         self.reducer.start_step(GradTargets(
             staging=self.grad_staging[0] if self.grad_staging else None,
-            grads=self.grads[0] if self.grads else None))
+            grads=self.grads[0] if self.grads else None,
+            device_grads=None if self.share is None else self.share.grads))
 
     def zero_grad(self) -> None:
         """Start a step. Nothing is zeroed: the first micro-batch's chunks overwrite."""
@@ -177,12 +204,16 @@ class ZeroOptimizer:
         delayed = self.dpu_warmup_steps is not None and self.step_count > self.dpu_warmup_steps
         if delayed:
             self._join_and_publish()  # params of step t-1 go up now; t runs behind forward t+1
+            # The device share steps now, from this thread (stream order: before backward
+            # t+1 overwrites its gradient); its result is published with the host's, at t+1.
+            self._device_step(lr, grad_scale, self.step_count)
             self._thread = threading.Thread(target=self._delayed_pass, name="dpu-adam",
                                             args=(grad, lr, grad_scale, self.step_count),
                                             daemon=True)
             self._thread.start()
             self._adam_grads().reverse()  # backward t+1 writes into the other buffer
         else:
+            self._device_step(lr, grad_scale, self.step_count)  # queued first: beside the host
             self._adam_pass(grad, lr, grad_scale, self.step_count)
             self._publish()
         self._begin_step()
@@ -197,7 +228,15 @@ class ZeroOptimizer:
         except BaseException as e:  # noqa: BLE001 - re-raised by _join_and_publish
             self._thread_error = e
 
+    def _device_step(self, lr: float, grad_scale: float, step: int) -> None:
+        if self.share is not None:
+            b1, b2 = self.betas
+            self.share.step(step=step, lr=lr, beta1=b1, beta2=b2, eps=self.eps,
+                            weight_decay=self.weight_decay, grad_scale=grad_scale)
+
     def _adam_pass(self, grad: torch.Tensor, lr: float, grad_scale: float, step: int) -> None:
+        if self.master.numel() == 0:  # the whole slice is on the device
+            return
         if self._uploaded is not None:  # the last copy up may still be reading the staging
             self._uploaded.synchronize()
         b1, b2 = self.betas
@@ -209,10 +248,13 @@ class ZeroOptimizer:
     def _publish(self) -> None:
         """Copy this rank's new params up (one copy per bucket), then all-gather them."""
         src = self.master if self.param_staging is None else self.param_staging
-        for b in self.layout.buckets:
+        if self.share is not None:
+            self.share.publish(self.flat, self.layout.buckets[:self.device_buckets],
+                               self.dp_rank)
+        for b in self.layout.buckets[self.device_buckets:]:
             lo, hi = b.chunk_range(self.dp_rank)
-            self.flat[lo:hi].copy_(src[b.host_offset:b.host_offset + b.chunk],
-                                   non_blocking=True)
+            h = b.host_offset - self.split
+            self.flat[lo:hi].copy_(src[h:h + b.chunk], non_blocking=True)
             if self.cpu_offload:
                 self.bytes_up += b.chunk * self.flat.element_size()
         if self.device.type == "cuda" and self.cpu_offload:
@@ -247,9 +289,22 @@ class ZeroOptimizer:
     def state_dict(self) -> dict:
         """This rank's optimizer slice (host tensors, no copies) and what it needs."""
         self.flush()
-        return dict(master=self.master, exp_avg=self.exp_avg, exp_avg_sq=self.exp_avg_sq,
-                    step=self.step_count, scaler=self.scaler.state_dict(),
-                    layout=self.layout.describe())
+        return dict(master=self._whole("master"), exp_avg=self._whole("exp_avg"),
+                    exp_avg_sq=self._whole("exp_avg_sq"), step=self.step_count,
+                    scaler=self.scaler.state_dict(), layout=self.layout.describe())
+
+    def _whole(self, key: str) -> torch.Tensor:
+        """The slice's ``key`` unsplit (device share, then host part): checkpoints do not
+        depend on the offload fraction."""
+        host = getattr(self, key)
+        if self.share is None:
+            return host
+        return torch.cat([getattr(self.share, key).cpu(), host.cpu()])
+
+    def _install(self, key: str, whole: torch.Tensor) -> None:
+        if self.share is not None:
+            getattr(self.share, key).copy_(whole[:self.split])
+        getattr(self, key).copy_(whole[self.split:])
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -259,10 +314,10 @@ class ZeroOptimizer:
         ``scaler`` (a weights-only load gives the master alone). Collective (all-gather).
         """
         self.flush()
-        self.master.copy_(state["master"])
+        self._install("master", state["master"])
         if state.get("exp_avg") is not None:
-            self.exp_avg.copy_(state["exp_avg"])
-            self.exp_avg_sq.copy_(state["exp_avg_sq"])
+            self._install("exp_avg", state["exp_avg"])
+            self._install("exp_avg_sq", state["exp_avg_sq"])
         self.step_count = state.get("step", 0)
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -293,6 +348,8 @@ class ZeroOptimizer:
             device["grad_accumulation"] = nbytes(self.reducer.acc_buffer)
         host = dict(staging=staging)
         (host if self.cpu_offload else device).update(state)
+        if self.share is not None:  # partial offload: the device share's own state
+            device.update(self.share.memory_bytes())
         return dict(device=device, host=host)
 
     def pinned_bytes(self) -> int:
@@ -303,5 +360,8 @@ class ZeroOptimizer:
     def memory_report(self) -> str:
         rep = self.memory_bytes()
         fmt = lambda d: ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in d.items())  # noqa
+        split = (f"; offload fraction {self.actual_offload_fraction:.3f} (asked "
+                 f"{self.offload_fraction:g}): the device updates {self.split} of them"
+                 if self.cpu_offload and self.offload_fraction < 1 else "")
         return (f"rank memory: device [{fmt(rep['device'])}] host [{fmt(rep['host'])}] "
-                f"(owned {self.layout.host_numel} of {self.layout.numel} elements)")
+                f"(owned {self.layout.host_numel} of {self.layout.numel} elements{split})")

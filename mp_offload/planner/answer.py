@@ -35,7 +35,8 @@ def speed(cfg: GPTConfig, run: Run, machine: Machine, batch_per_gpu: int) -> Ste
     mode = run.mode if run.mode in MODES else "pytorch"
     return step_time(cfg, run.world, machine, tp=run.tp, batch_per_gpu=batch_per_gpu,
                      micro_batch=run.micro_batch, elem_bytes=run.elem_bytes,
-                     bucket_size=run.bucket_size, mode=mode)
+                     bucket_size=run.bucket_size, mode=mode,
+                     offload_fraction=run.offload_fraction)
 
 
 def compare_max_models(run: Run, hw: Hardware, family: str, machine: Machine,
@@ -99,6 +100,15 @@ def larger_elsewhere(answers: dict[str, ModeAnswer], mode: str) -> str | None:
             f"{best.found.params / 1e9:.2f}B vs {mine / 1e9:.2f}B ({why}); plan it with {flag}")
 
 
+def format_split_gain(st: StepTime, full: StepTime) -> str:
+    """Partial offload against full offload: the optimizer phase and the step."""
+    return (f"  optimizer at offload fraction {st.offload_fraction:.4f} (actual): CPU Adam "
+            f"{st.adam_host:.3f} s over the host part beside device Adam {st.adam_device:.3f} s "
+            f"over the device share -> {st.adam:.3f} s (all offloaded: CPU Adam "
+            f"{full.adam:.3f} s); step {st.step_sync:.2f} s vs {full.step_sync:.2f} s "
+            f"({full.step_sync / st.step_sync:.2f}x)")
+
+
 def format_speed(st: StepTime, cfg: GPTConfig, machine: Machine, rate_source: str) -> str:
     host = (f", PCIe {machine.pcie_gbs:g} GB/s, host {machine.host_mem_gbs:g} GB/s and "
             f"{machine.cpu_cores_per_node} cores per node, CPU Adam "
@@ -143,6 +153,8 @@ def launch_command(cfg: GPTConfig, run: Run, plan: JobPlan, st: StepTime, precis
     opt = [f"--{precision}"] if precision != "fp32" else []
     opt += {"offload": ["--cpu-offload"], "zero2": [],
             "pytorch": ["--optimizer", "torch-adamw"]}.get(run.mode, [])
+    if run.mode == "offload" and run.offload_fraction < 1:
+        opt += ["--optimizer-offload-fraction", str(run.offload_fraction)]
     if run.mode == "offload" and dpu_warmup_steps is not None:
         opt += ["--dpu-warmup-steps", str(dpu_warmup_steps)]
     if cfg.recompute_activations:

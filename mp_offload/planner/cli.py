@@ -29,10 +29,12 @@ from .answer import (
     compare_max_models,
     format_max_models,
     format_speed,
+    format_split_gain,
     larger_elsewhere,
     launch_command,
     speed,
 )
+from .fraction import pick_offload_fraction
 from .memory import (
     ALL_MODES,
     EXACT,
@@ -77,7 +79,9 @@ def run_from_args(args: Args, world: int, mode: str | None = None, cuda: bool = 
                accumulate_on_device=o.accumulate_grads_on_device,
                reduce_bytes=4 if o.accumulate_allreduce_grads_in_fp32 else None,
                moment_bytes=(2 if o.exp_avg_dtype == "bf16" else 4,
-                             2 if o.exp_avg_sq_dtype == "bf16" else 4))
+                             2 if o.exp_avg_sq_dtype == "bf16" else 4),
+               offload_fraction=1.0 if o.optimizer_offload_fraction is None
+               else o.optimizer_offload_fraction)
 
 
 def _host_memory_gib() -> float | None:
@@ -199,9 +203,28 @@ def dry_run(args: Args, world: int) -> None:
     print(describe_model(args, world))
     run = run_from_args(args, world)
     print(format_job(plan_job(run, hw, source="meta")))  # the real model, every TP rank
+    if run.mode == "offload" and args.optim.optimizer_offload_fraction is None:
+        print(_fraction_line(run, hw)[1])
     print("same model and layout, other modes:")
     print(format_comparison(compare_modes(run, hw)))
     sys.stdout.flush()
+
+
+def _fraction_line(run: Run, hw: Hardware) -> tuple[Run, str]:
+    """The run at the largest device share that fits, and a line saying so."""
+    f, plan = pick_offload_fraction(run, hw)
+    s = plan.ranks[0].shapes
+    kept = s.device_share(f)
+    if f == 1.0:
+        why = "nothing more fits the device" if plan.fits_device else "it does not fit even so"
+        return run, f"offload fraction: 1 (all of the optimizer state on the host: {why})"
+    zero2 = ", = ZeRO-2 without offload" if f == 0 else ""
+    return replace(run, offload_fraction=f), (
+        f"offload fraction: --optimizer-offload-fraction {f:g}{zero2} (the largest device "
+        f"share that fits {hw.device_memory_gb:g} GiB: the first {kept:,} of each rank's "
+        f"{s.host_numel:,} elements, {kept / s.host_numel:.1%} of its optimizer state, stay on "
+        f"the device; "
+        f"device peak {plan.device_peak / GiB:.2f} GiB)")
 
 
 # -------------------------------------------------------------- the plan CLI
@@ -355,10 +378,14 @@ def main(argv=None) -> int:
     if ask_max:
         return _answer_max_model(args, opt, run, hw)
     if not (opt.paper_table or opt.throughput):
+        note = None
+        if run.mode == "offload" and args.optim.optimizer_offload_fraction is None:
+            run, note = _fraction_line(run, hw)  # keep on the device what fits there
         plan = plan_job(run, hw, source="meta")
         if opt.json:
             rp = plan.ranks[0]
-            print(json.dumps(dict(mode=run.mode, tp=run.tp, dp=run.dp, device=rp.device,
+            print(json.dumps(dict(mode=run.mode, tp=run.tp, dp=run.dp,
+                                  offload_fraction=run.offload_fraction, device=rp.device,
                                   host=rp.host, device_total=plan.device_peak,
                                   host_node=plan.host_node_peak, fits=plan.fits,
                                   exact=list(EXACT), parameters=num_parameters(args.model,
@@ -366,6 +393,8 @@ def main(argv=None) -> int:
         else:
             _print_assumed(args, opt, run, hw)
             print(describe_model(args, world))
+            if note:
+                print(note)
             print(format_job(plan))
             print("same model and layout, other modes:")
             print(format_comparison(compare_modes(run, hw)))
@@ -416,6 +445,9 @@ def _print_speed_and_launch(args: Args, opt, run: Run, plan, cfg, machine=None,
         machine, rate_src = _machine(opt, plan.hw)
     st = speed(cfg, run, machine, opt.batch_per_gpu)
     print(format_speed(st, cfg, machine, rate_src))
+    if run.mode == "offload" and run.offload_fraction < 1:
+        full = speed(cfg, replace(run, offload_fraction=1.0), machine, opt.batch_per_gpu)
+        print(format_split_gain(st, full))
     where = "every node, with its NODE_RANK and node 0's MASTER_ADDR" \
         if len(plan.node_ranks) > 1 else "this node"
     print(f"launch ({where}; {math.ceil(TRAIN_TOKENS / st.tokens_per_step):,} iterations = "

@@ -12,6 +12,9 @@ Exact (they are the optimizer's own buffers, sized by FlatLayout):
   device grad_accumulation  r * flat_numel with --accumulate-grads-on-device (k > 1)
   master / exp_avg / exp_avg_sq  4 * host_numel each (moments 2 in bf16): 12Ψ/(T·D)
                        on the host with offload (8 with bf16 moments), on the device without
+  partial offload      --optimizer-offload-fraction F < 1: the slice's first buckets (about
+                       1 - F of it) keep master, moments and an fp32 gradient (4 B) on the
+                       device; every host category above counts the rest only
   grads                4 * host_numel (twice with DPU), the fp32 sum of k > 1 micro-batches
                        accumulated on the host, or any gradient without offload; none with
                        offload when one chunk per step is the whole gradient (k = 1 or
@@ -87,6 +90,7 @@ class Run:
     moment_bytes: tuple[int, int] = (4, 4)  # exp_avg, exp_avg_sq (2: bf16 moments)
     flash: bool = True  # fused SDPA kernels keep no s x s scores
     bucket_buffers: int | None = None  # default: ZeroOptimizer's, min(2, number of buckets)
+    offload_fraction: float = 1.0  # offload: the share of the slice on the host (F)
 
     @property
     def world(self) -> int:
@@ -157,9 +161,11 @@ def plan_rank(run: Run, shapes: RankShapes, hw: Hardware) -> tuple[dict, dict, s
     else:
         r, k, copies = run.reduce_bytes or e, run.micro_batches, 2 if run.dpu else 1
         acc = run.accumulate_on_device and k > 1
-        offload = run.mode == "offload"
+        offload = run.mode == "offload" and run.offload_fraction > 0  # F = 0: zero2
         direct = offload and (k == 1 or acc)  # Adam reads the gradient staging itself
         m1, m2 = run.moment_bytes
+        kept = shapes.device_share(run.offload_fraction) if offload else 0
+        n -= kept  # the host part of a partially offloaded slice
         state = dict(master=4 * n, exp_avg=m1 * n, exp_avg_sq=m2 * n,
                      grads=0 if direct else 4 * n * copies)
         device = dict(params=e * shapes.flat_numel,
@@ -174,6 +180,9 @@ def plan_rank(run: Run, shapes: RankShapes, hw: Hardware) -> tuple[dict, dict, s
             if offload else 0
         host = dict(staging=staging)
         (host if offload else device).update(state)
+        if kept:  # the device share: its own master, moments and fp32 gradient
+            device.update(master=4 * kept, exp_avg=m1 * kept, exp_avg_sq=m2 * kept,
+                          grads=4 * kept)
     rs_out = (run.reduce_bytes or e) * (shapes.max_bucket // run.dp) \
         if run.dp > 1 and not plain else 0
     device.update(activations=act.peak, workspace=int(hw.device_reserved_gb * GiB) + rs_out)
@@ -245,7 +254,8 @@ def _ranges(xs: list[int]) -> str:
 
 def format_job(plan: JobPlan) -> str:
     run, hw = plan.run, plan.hw
-    head = (f"plan: mode {run.mode}{' + DPU' if run.dpu else ''}, TP={run.tp} DP={run.dp} "
+    head = (f"plan: mode {run.mode}{' + DPU' if run.dpu else ''}{_fraction(plan)}, "
+            f"TP={run.tp} DP={run.dp} "
             f"(world {run.world}, {hw.devices_per_node} devices/node, "
             f"{len(plan.node_ranks)} node(s)), micro-batch {run.micro_batch} x seq "
             f"{run.cfg.seq_length}, {run.elem_bytes}-byte params, recompute "
@@ -257,6 +267,16 @@ def format_job(plan: JobPlan) -> str:
                f"{_headroom(hw)} ({max(plan.node_ranks)} ranks) -> "
                f"{'fits' if plan.fits_host else 'DOES NOT FIT'}")
     return "\n".join([head, *body, verdict])
+
+
+def _fraction(plan: JobPlan) -> str:
+    run = plan.run
+    if run.mode != "offload" or run.offload_fraction >= 1:
+        return ""
+    s = plan.ranks[0].shapes
+    kept = s.device_share(run.offload_fraction)
+    return (f" with --optimizer-offload-fraction {run.offload_fraction:g} (actual "
+            f"{1 - kept / s.host_numel:.4f}: the device keeps {kept:,} of {s.host_numel:,})")
 
 
 def _headroom(hw: Hardware) -> str:

@@ -20,6 +20,7 @@ import torch
 
 from .. import parallel_state as ps
 from ..model.gpt import GPTConfig, layer_widths
+from ..optimizer.device_share import split_buckets
 from ..optimizer.layout import FlatLayout
 
 
@@ -113,6 +114,12 @@ class RankShapes:
     host_numel: int  # this DP rank's slice: master / m / v / grad, each
     max_bucket: int  # elements of one gradient bucket buffer
     num_buckets: int
+    chunks: tuple[int, ...] = ()  # this DP rank's chunk of each bucket, in slice order
+
+    def device_share(self, offload_fraction: float) -> int:
+        """Elements of the slice kept on the device at this offload fraction (the
+        optimizer's own split, ``device_share.split_buckets``)."""
+        return sum(self.chunks[:split_buckets(self.chunks, offload_fraction)])
 
 
 def rank_shapes(named_params, dp: int, bucket_size: int, tp_rank: int = 0,
@@ -123,4 +130,5 @@ def rank_shapes(named_params, dp: int, bucket_size: int, tp_rank: int = 0,
     return RankShapes(params=total, sharded=sharded, replicated=total - sharded,
                       flat_numel=layout.numel, host_numel=layout.host_numel,
                       max_bucket=max(b.numel for b in layout.buckets),
-                      num_buckets=len(layout.buckets))
+                      num_buckets=len(layout.buckets),
+                      chunks=tuple(b.chunk for b in layout.buckets))

@@ -25,6 +25,12 @@ FLOPs per token (flops_per_token, recomputation counted), C = sustained device F
     all-gather         (D-1)/D*e*P bytes over the DP link
   DPU: CPU Adam and the copy up run behind the next step's forward/backward; only
   what does not fit under it counts.
+  Partial offload (``offload_fraction`` F < 1): every host and PCIe term above counts
+  only the host part of the slice; the device share (its first buckets) is updated by a
+  fused device Adam, 34 B per element at device memory bandwidth (28 for Adam, 6 to
+  round the master into the parameters), launched before the CPU Adam and running
+  beside it: the step's optimizer time is the larger of the two. With DPU the device
+  Adam sits in the device's stream before the next forward, so it counts in full.
 
 Without offload (``mode``): "zero2" keeps the fp32 slice on the device, so the host
 terms go (no PCIe, no host accumulation) and zeroing, norm and Adam are passes over the
@@ -51,6 +57,7 @@ ZERO_BYTES_PER_ELEMENT = 4  # zero_grad: write the fp32 gradient slice
 ACCUMULATE_BYTES_PER_ELEMENT = 10  # per micro-batch: read 2 (staging) + 4, write 4
 NORM_BYTES_PER_ELEMENT = 4  # read the fp32 gradient slice
 ADAM_BYTES_PER_ELEMENT = 30  # read p, g, m, v; write p, m, v and the low-precision copy
+DEVICE_SHARE_BYTES_PER_ELEMENT = 34  # fused Adam 28, then master -> params 4 + 2
 
 
 @dataclass
@@ -111,6 +118,9 @@ class StepTime:
     tflops_dpu: float
     mode: str = "offload"
     tokens_per_step: int = 0  # sequences per step (B x DP) x sequence length
+    adam_host: float = 0.0  # partial offload: the CPU Adam over the host part...
+    adam_device: float = 0.0  # ...beside the device Adam over the device share
+    offload_fraction: float = 1.0
 
     @property
     def tokens_per_day(self) -> float:
@@ -123,7 +133,8 @@ class StepTime:
 
 def step_time(cfg: GPTConfig, gpus: int, machine: Machine, tp: int = 1,
               batch_per_gpu: int = 16, micro_batch: int = 4, elem_bytes: int = 2,
-              bucket_size: int = DEFAULT_BUCKET_SIZE, mode: str = "offload") -> StepTime:
+              bucket_size: int = DEFAULT_BUCKET_SIZE, mode: str = "offload",
+              offload_fraction: float = 1.0) -> StepTime:
     if gpus % tp:
         raise ValueError(f"{gpus} GPUs do not split into TP={tp}")
     if mode not in ("offload", "zero2", "pytorch"):
@@ -132,6 +143,8 @@ def step_time(cfg: GPTConfig, gpus: int, machine: Machine, tp: int = 1,
     recompute = cfg.recompute_activations
     shapes = rank_shapes(spec_named_params(cfg, tp), dp, bucket_size)
     n, P, e = shapes.host_numel, shapes.flat_numel, elem_bytes
+    kept = shapes.device_share(offload_fraction) if mode == "offload" else 0
+    n -= kept  # partial offload: the host terms count the host part only
     F = flops_per_token(cfg, recompute, tp)
     s, h, L = cfg.seq_length, cfg.hidden_size, cfg.num_layers
     micro = batch_per_gpu // micro_batch
@@ -159,7 +172,9 @@ def step_time(cfg: GPTConfig, gpus: int, machine: Machine, tp: int = 1,
         norm = NORM_BYTES_PER_ELEMENT * n / host_bw
         rate = min(machine.cpu_cores_per_node / ranks_node * machine.adam_rate_per_core,
                    host_bw / ADAM_BYTES_PER_ELEMENT)
-        adam = n / rate
+        adam_host = n / rate
+        adam_device = DEVICE_SHARE_BYTES_PER_ELEMENT * kept / (machine.device_mem_gbs * 1e9)
+        adam = max(adam_host, adam_device)  # the device share runs beside the CPU Adam
         up = e * n / pcie
     else:  # the optimizer state on the device: passes at device memory bandwidth
         dev_bw = machine.device_mem_gbs * 1e9
@@ -169,16 +184,18 @@ def step_time(cfg: GPTConfig, gpus: int, machine: Machine, tp: int = 1,
         zero = ZERO_BYTES_PER_ELEMENT * n / dev_bw
         norm = NORM_BYTES_PER_ELEMENT * n / dev_bw
         adam = ADAM_BYTES_PER_ELEMENT * n / dev_bw
+        adam_host, adam_device = 0.0, adam
     per_micro = fb + tp_comm + grad_exposed + accumulate
     work = micro * per_micro
     sync = work + zero + norm + adam + up + ag
-    dpu = work + zero + norm + max(0.0, adam - micro * fb) + up + ag if mode == "offload" \
-        else sync
+    dpu = work + zero + norm + adam_device + max(0.0, adam_host - micro * fb) + up + ag \
+        if mode == "offload" else sync
     flops = batch_per_gpu * s * F / tp
     return StepTime(gpus, tp, dp, micro * fb, micro * tp_comm, micro * grad_exposed,
                     micro * accumulate, zero, norm, adam, up, ag, sync, dpu,
                     flops / sync / 1e12, flops / dpu / 1e12, mode,
-                    (batch_per_gpu // micro_batch) * micro_batch * dp * s)
+                    (batch_per_gpu // micro_batch) * micro_batch * dp * s, adam_host,
+                    adam_device, 1.0 - kept / shapes.host_numel if mode == "offload" else 0.0)
 
 
 def scaling(cfg: GPTConfig, machine: Machine, gpus=(1, 2, 4, 8, 16, 32, 64, 128), **kw):

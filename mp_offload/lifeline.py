@@ -1,0 +1,46 @@
+"""Workers end with their launcher (Linux): the parent-death signal.
+
+A launcher killed with SIGKILL (``kill -9`` of torchrun, an OOM kill) cannot stop its
+workers; they would go on training unsupervised, holding the GPUs. ``exit_with_parent``
+asks the kernel to send SIGTERM when the parent dies: the training loop then finishes
+its step, saves (with --save) and exits, as for a scheduler's SIGTERM.
+
+The request only covers a parent that is still alive when it is made. The parent is
+recorded when this module is imported (``pretrain_gpt.py`` imports it before torch,
+which takes seconds), and ``exit_with_parent`` checks it is still the parent after the
+request, so a launcher that died in between is noticed too.
+
+No torch here: importing this module must be instant.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_PARENT = os.getppid()
+
+
+def launched() -> bool:
+    """Started by a launcher (torchrun and torch.multiprocessing set LOCAL_RANK). A plain
+    ``python pretrain_gpt.py`` under nohup must outlive its shell, so it is left alone."""
+    return "LOCAL_RANK" in os.environ
+
+
+def exit_with_parent(sig: int = signal.SIGTERM) -> str | None:
+    """Arm the parent-death signal; a reason to stop now when the launcher is already
+    gone, else None (also where there is no such signal: not Linux, not launched)."""
+    if not sys.platform.startswith("linux") or not launched():
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    if os.getppid() != _PARENT:
+        return (f"the launcher (pid {_PARENT}) exited before this worker started; "
+                f"stopping (nothing trained yet)")
+    return None
