@@ -174,8 +174,9 @@ def plan_rank(run: Run, shapes: RankShapes, hw: Hardware) -> tuple[dict, dict, s
         if acc:
             device["grad_accumulation"] = r * shapes.flat_numel
         # Offload only: low-precision params up, gradients down, pinned at exact size.
-        # (A CPU "device" with one DP rank and no DPU: Adam writes the params in place.)
-        up = e < 4 and (run.cuda or run.dp > 1 or run.dpu)
+        # (A CPU "device" with one DP rank, no DPU and the whole slice on the host: Adam
+        # writes the params in place.)
+        up = e < 4 and (run.cuda or run.dp > 1 or run.dpu or kept > 0)
         staging = (e * n if up else 0) + r * n * (copies if direct else 1) \
             if offload else 0
         host = dict(staging=staging)
