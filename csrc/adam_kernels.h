@@ -45,11 +45,9 @@
 #include <cstring>
 
 #include "simd.h"
+#include "simd_level.h"
 
 namespace {
-
-enum : int { kScalar = 0, kAVX2 = 1, kAVX512 = 2 };
-const char* const kLevelNames[] = {"scalar", "avx2", "avx512"};
 
 // ---------------------------------------------------------------- scalars
 // Per-step constants, computed in double and rounded to float exactly where
@@ -374,22 +372,6 @@ TileFn pick(int level, int gt, int mt, int vt, int ot) {
   if (gt == kF16) return pick_m<kF16, PROBE>(level, mt, vt, ot);
   if (gt == kBF16) return pick_m<kBF16, PROBE>(level, mt, vt, ot);
   return pick_m<kF32, PROBE>(level, mt, vt, ot);
-}
-
-bool level_supported(int level) {
-#if defined(MPO_X86)
-  __builtin_cpu_init();
-  if (level == kAVX512) return __builtin_cpu_supports("avx512f") && level_supported(kAVX2);
-  if (level == kAVX2)
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-#endif
-  return level == kScalar;
-}
-
-int best_level() {
-  for (int l = kAVX512; l > kScalar; --l)
-    if (level_supported(l)) return l;
-  return kScalar;
 }
 
 }  // namespace

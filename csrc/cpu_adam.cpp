@@ -168,17 +168,6 @@ double stream_probe(std::uintptr_t param, std::uintptr_t grad, int grad_dtype, s
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-int parse_level(const std::string& name) {
-  if (name == "auto") return best_level();
-  for (int l = kScalar; l <= kAVX512; ++l)
-    if (name == kLevelNames[l]) {
-      if (!level_supported(l))
-        throw std::runtime_error("SIMD level '" + name + "' is not supported by this CPU/build");
-      return l;
-    }
-  throw std::invalid_argument("unknown SIMD level '" + name + "' (expected scalar, avx2, avx512 or auto)");
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_cpu_adam, m) {
@@ -213,12 +202,7 @@ PYBIND11_MODULE(_cpu_adam, m) {
         py::arg("exp_avg_sq_dtype") = 0,
         "Same memory traffic as adam_step with trivial math; returns seconds. Overwrites the buffers.");
   m.def("simd_level", []() { return std::string(kLevelNames[g_level]); });
-  m.def("available_simd_levels", []() {
-    std::vector<std::string> out;
-    for (int l = kScalar; l <= kAVX512; ++l)
-      if (level_supported(l)) out.emplace_back(kLevelNames[l]);
-    return out;
-  });
+  m.def("available_simd_levels", &available_levels);
   m.def("set_simd_level", [](const std::string& name) { g_level = parse_level(name); }, py::arg("name"));
   m.def("set_num_threads", [](int n) {
     if (n < 1) throw std::invalid_argument("num_threads must be >= 1, got " + std::to_string(n));
