@@ -36,7 +36,7 @@ def test_llama_recipes_dry_run(tmp_path, script, preset, params, fits):
     """DRY_RUN=1 prints the plan of every rank kind and the torchrun command; the
     command's model is the planner's ``--model`` preset of the same name."""
     from mp_offload.config import parse_args
-    from mp_offload.planner.cli import MODEL_PRESETS
+    from mp_offload.planner.named_models import MODEL_PRESETS
     env = {k: v for k, v in os.environ.items() if not k.startswith("PLAN_")}
     env.update(DRY_RUN="1", MOCK_DATA="1", SAVE_DIR=str(tmp_path / "ck"), PYTHON=sys.executable,
                CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")

@@ -462,3 +462,23 @@ def test_step_time_without_offload_has_no_host_terms():
         assert st.tokens_per_step == 16 * 8 * 1024
         assert st.tokens_per_day == pytest.approx(st.tokens_per_step * 86400 / st.step_sync)
         assert st.days_per_billion_tokens == pytest.approx(1e9 / st.tokens_per_day)
+
+
+def test_paper_table_plans_the_llama_recipes():
+    """--paper-table's recipe lines are the plans of the recipes' flags: bf16 moments save
+    exactly 4 B per parameter of host memory on the DGX-2 (all 16 ranks on one node hold
+    the whole model once), and every recipe fits the hardware its script targets."""
+    from mp_offload.model.gpt import num_parameters
+    from mp_offload.planner.cli import format_recipe_table, recipe_plan
+    from mp_offload.planner.named_models import RECIPES
+
+    table = format_recipe_table()
+    assert len(table.strip().splitlines()) == 2 + len(RECIPES)
+    fp32_m, bf16_m = (recipe_plan(r) for r in RECIPES if r.model == "llama2-70b")
+    n = num_parameters(fp32_m[1].cfg, fp32_m[1].tp)
+    saved = fp32_m[0].host_node_peak - bf16_m[0].host_node_peak
+    assert abs(saved - 4 * n) <= 0.001 * saved, (saved, n)
+    assert 68e9 < n < 70e9  # Llama 2 70B: 69.0B parameters
+    for r in RECIPES:
+        plan, _ = recipe_plan(r)
+        assert plan.fits, (r, plan.device_peak, plan.host_node_peak)

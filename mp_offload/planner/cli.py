@@ -40,12 +40,14 @@ from .memory import (
     EXACT,
     GiB,
     Hardware,
+    JobPlan,
     Run,
     compare_modes,
     format_comparison,
     format_job,
     plan_job,
 )
+from .named_models import MODEL_PRESETS, RECIPES, recipe_label
 from .search import (
     FAMILIES,
     bytes_per_param_note,
@@ -147,23 +149,6 @@ def _vocab_from_tokenizer(args: Args) -> str:
         return f"vocabulary {args.model.vocab_size} (from {d.tokenizer_model})"
     except Exception as e:  # noqa: BLE001 - a plan is still useful without it
         return f"vocabulary {args.model.vocab_size} (--vocab-size; tokenizer failed: {e})"
-
-
-# ``--model NAME``: the flags of a published shape, given before the command line's own
-# (argparse keeps the last value, so an explicit flag still wins).
-_LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-          "--group-query-attention", "--untie-embeddings-and-output-weights",
-          "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0"]
-MODEL_PRESETS = {
-    "llama3-8b": [*_LLAMA, "--num-layers", "32", "--hidden-size", "4096",
-                  "--ffn-hidden-size", "14336", "--num-attention-heads", "32",
-                  "--num-query-groups", "8", "--vocab-size", "128256", "--rotary-base",
-                  "500000", "--seq-length", "8192", "--max-position-embeddings", "8192"],
-    "llama2-70b": [*_LLAMA, "--num-layers", "80", "--hidden-size", "8192",
-                   "--ffn-hidden-size", "28672", "--num-attention-heads", "64",
-                   "--num-query-groups", "8", "--vocab-size", "32000", "--rotary-base", "10000",
-                   "--seq-length", "4096", "--max-position-embeddings", "4096"],
-}
 
 
 def _options(m) -> str:
@@ -345,6 +330,35 @@ def parse(argv=None) -> tuple[Args, argparse.Namespace]:
     return args, opt
 
 
+def recipe_plan(recipe) -> tuple[JobPlan, Run]:
+    """The plan of one named-model recipe, as ``--model NAME FLAGS`` would make it."""
+    args, opt = parse(["--model", recipe.model, *recipe.flags,
+                       "--world-size", str(recipe.world)])
+    args.train.dry_run = True
+    resolve(args, recipe.world)
+    hw = Hardware(opt.device_memory_gb, opt.host_memory_gb, opt.devices_per_node,
+                  opt.device_reserved_gb, opt.host_process_gb)
+    run = run_from_args(args, recipe.world, cuda=True)
+    return plan_job(run, hw), run
+
+
+def format_recipe_table() -> str:
+    lines = ["\nthe Llama recipes (scripts/pretrain_llama*.sh), planned per rank (GiB):",
+             f"{'model':<12}{'hardware':<32}{'configuration':<46}{'device':>14}"
+             f"{'host/node':>16}  fits"]
+    for recipe in RECIPES:
+        plan, run = recipe_plan(recipe)
+        dev = f"{plan.device_peak / GiB:.1f}/{plan.hw.device_memory_gb:g}"
+        host = f"{plan.host_node_peak / GiB:.0f}/{plan.hw.host_usable_gb:g}"
+        why = "yes" if plan.fits else "no (" + ", ".join(
+            w for w, ok in (("device", plan.fits_device), ("host", plan.fits_host))
+            if not ok) + ")"
+        label = f"{recipe_label(recipe)}, k={run.micro_batches}"
+        lines.append(f"{recipe.model:<12}{recipe.hardware:<32}{label:<46}{dev:>14}"
+                     f"{host:>16}  {why}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     try:
         args, opt = parse(argv)
@@ -373,6 +387,7 @@ def main(argv=None) -> int:
               f"{args.train.micro_batch_size}, recomputation on, fp16, GPT-2 vocabulary):")
         print(format_paper_table(paper_table(micro_batch=args.train.micro_batch_size)))
         print(bytes_per_param_note())
+        print(format_recipe_table())
     if opt.throughput:
         _throughput(args, opt)
     if ask_max:
