@@ -50,7 +50,8 @@ HOST=$("$PY" -c "import os; print(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PH
 
 for mode in no-offload offload offload-dpu; do
   extra=()
-  [ "$mode" != no-offload ] && extra=(--cpu-offload)
+  # F=1 said explicitly: the planner would otherwise plan the share it would keep on the device
+  [ "$mode" != no-offload ] && extra=(--cpu-offload --optimizer-offload-fraction 1)
   [ "$mode" = offload-dpu ] && extra+=(--dpu-warmup-steps 2)
   echo "== 2. 1.3B, $ITERS iterations, $mode =="
   log="$OUT/1.3b_$mode.jsonl"
