@@ -156,6 +156,7 @@ def test_lone_rank_times_out_with_a_line():
     assert time.time() - t0 < 100
 
 
+@pytest.mark.slow
 def test_a_stalled_rank_is_named_by_the_ranks_that_waited_for_it():
     """Rank 1 of 2 sleeps in iteration 3: rank 0's collective times out after
     --distributed-timeout-minutes, and the one line names rank 1 (gloo does not)."""
