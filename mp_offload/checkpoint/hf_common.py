@@ -14,7 +14,7 @@ import torch
 from ..tensor_parallel.random import get_rng_tracker, model_parallel_seed
 from .errors import ConversionError
 from .format import OPTION_FIELDS, SHAPE_FIELDS, rng_state
-from .safetensors_io import SafeTensorsFile
+from .safetensors_io import SafeTensorsFile, write_safetensors
 
 # GPTConfig fields that leave the weights' meaning alone (training-time choices): no
 # architecture has to express them.
@@ -127,3 +127,16 @@ def fresh_rng(seed: int):
             tracker.set_states(saved[1])
             tracker.device = saved[2]
     return rng
+
+
+def write_hf_dir(out_dir: str, config: dict, dtype: torch.dtype, entries, produce,
+                 use_package: bool) -> str:
+    """A Hugging Face model directory: model.safetensors (tensors made one at a time by
+    ``produce``) and config.json with the dtype they were written in."""
+    os.makedirs(out_dir, exist_ok=True)
+    config = dict(config, torch_dtype=str(dtype).replace("torch.", ""))
+    write_safetensors(os.path.join(out_dir, "model.safetensors"), entries, produce,
+                      metadata={"format": "pt"}, use_package=use_package)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return out_dir

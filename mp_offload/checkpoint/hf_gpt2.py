@@ -14,7 +14,6 @@ usually absent from the file; the activation ``gelu_new`` is GELU's tanh approxi
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import torch
@@ -23,9 +22,16 @@ from ..model.gpt import GPTConfig
 from ..optimizer.base import DEFAULT_BUCKET_SIZE
 from .errors import ConversionError
 from .format import fit_padding
-from .hf_common import ANY, check_names, check_options, fresh_rng, hf_weights, read_hf_config
+from .hf_common import (
+    ANY,
+    check_names,
+    check_options,
+    fresh_rng,
+    hf_weights,
+    read_hf_config,
+    write_hf_dir,
+)
 from .offline import FullTensors, write_checkpoint
-from .safetensors_io import write_safetensors
 
 # ------------------------------------------------------------------- GPT-2 names
 _BLOCK = (("ln1", "ln_1", False), ("attn.qkv", "attn.c_attn", True),
@@ -97,14 +103,7 @@ def export_hf(ckpt: str, out_dir: str, dtype=torch.float32, eod: int | None = No
         t = fit_padding(full.get(ours), shape, 0)
         return t.t() if conv else t
 
-    os.makedirs(out_dir, exist_ok=True)
-    config = gpt2_config(cfg, eod)
-    config["torch_dtype"] = str(dtype).replace("torch.", "")
-    write_safetensors(os.path.join(out_dir, "model.safetensors"), entries, produce,
-                      metadata={"format": "pt"}, use_package=use_package)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    return out_dir
+    return write_hf_dir(out_dir, gpt2_config(cfg, eod), dtype, entries, produce, use_package)
 
 
 # ------------------------------------------------------------------- GPT-2 import

@@ -22,7 +22,6 @@ Our layout (model/layers.py) against Llama's (HF transformers' ``modeling_llama`
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import torch
@@ -31,9 +30,16 @@ from ..model.gpt import GPTConfig
 from ..optimizer.base import DEFAULT_BUCKET_SIZE
 from .errors import ConversionError
 from .format import fit_padding
-from .hf_common import ANY, check_names, check_options, fresh_rng, hf_weights, read_hf_config
+from .hf_common import (
+    ANY,
+    check_names,
+    check_options,
+    fresh_rng,
+    hf_weights,
+    read_hf_config,
+    write_hf_dir,
+)
 from .offline import FullTensors, write_checkpoint
-from .safetensors_io import write_safetensors
 
 ARCH = "LlamaForCausalLM"
 DEFAULT_THETA = 10000  # transformers' default rope_theta for Llama, and ours
@@ -156,14 +162,7 @@ def export_hf(ckpt: str, out_dir: str, dtype=torch.float32, eod: int | None = No
             last[ours] = split_rows(names[ours][0], full.get(ours), cfg)
         return last[ours][i]
 
-    os.makedirs(out_dir, exist_ok=True)
-    config = llama_config(cfg, eod)
-    config["torch_dtype"] = str(dtype).replace("torch.", "")
-    write_safetensors(os.path.join(out_dir, "model.safetensors"), entries, produce,
-                      metadata={"format": "pt"}, use_package=use_package)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    return out_dir
+    return write_hf_dir(out_dir, llama_config(cfg, eod), dtype, entries, produce, use_package)
 
 
 # ----------------------------------------------------------------------- import
