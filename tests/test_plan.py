@@ -482,3 +482,53 @@ def test_paper_table_plans_the_llama_recipes():
     for r in RECIPES:
         plan, _ = recipe_plan(r)
         assert plan.fits, (r, plan.device_peak, plan.host_node_peak)
+
+
+@pytest.mark.parametrize("preset,extra", [
+    ("llama3-8b", []),
+    ("llama2-70b", ["--tensor-model-parallel-size", "8", "--world-size", "8",
+                    "--sequence-parallel"])])
+def test_printed_launch_command_trains_the_named_model(preset, extra, capsys):
+    """The torchrun line the planner prints for --model NAME parses back to that model:
+    every option (RMSNorm, SwiGLU, rope base, GQA, untied, no bias) is on it."""
+    import shlex
+
+    from mp_offload.config import parse_args
+    from mp_offload.plan import main as plan_main
+    from mp_offload.planner.named_models import MODEL_PRESETS
+
+    assert plan_main(["--model", preset, "--machine", "hgx-h200", *extra]) == 0
+    out = capsys.readouterr().out
+    cmd = out[out.index("torchrun"):].replace("\\\n", " ")
+    words = shlex.split(cmd.split("\n")[0])
+    flags = words[words.index("pretrain_gpt.py") + 1:]
+    flags = ["x" if w.startswith("$") else w for w in flags]
+    got = parse_args(flags + ["--vocab-size", MODEL_PRESETS[preset][
+        MODEL_PRESETS[preset].index("--vocab-size") + 1]]).model
+    want = parse_args(MODEL_PRESETS[preset] + extra[:2] + extra[4:]).model
+    for field in ("sequence_parallel", "normalization", "swiglu", "position_embedding_type",
+                  "rotary_base", "group_query_attention", "num_query_groups",
+                  "untie_embeddings_and_output_weights", "disable_bias_linear",
+                  "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"):
+        assert getattr(got, field) == getattr(want, field), field
+
+
+def test_machine_preset_sets_the_hardware_and_a_flag_still_wins(capsys):
+    from mp_offload.planner.cli import parse
+
+    _, opt = parse(["--machine", "hgx-h200"])
+    assert (opt.device_memory_gb, opt.device_tflops, opt.devices_per_node) == (141, 400, 8)
+    _, opt = parse(["--machine", "hgx-h200", "--device-tflops", "300"])
+    assert opt.device_tflops == 300 and opt.device_memory_gb == 141
+    _, opt = parse([])
+    assert opt.device_tflops == Machine.device_tflops  # no preset: the paper's DGX-2
+
+
+def test_model_flags_leave_default_options_out_and_name_each_once():
+    from mp_offload.checkpoint.hf_common import model_flags
+
+    base = GPTConfig(**tiny_gpt_config())
+    assert "--layernorm-epsilon" not in model_flags(base)
+    flags = model_flags(dataclasses.replace(base, layernorm_epsilon=1e-6))
+    assert flags.count("--layernorm-epsilon") == 1
+    assert flags[flags.index("--layernorm-epsilon") + 1] == "1e-06"

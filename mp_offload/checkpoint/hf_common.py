@@ -59,17 +59,18 @@ def check_names(names, want: set, what: str) -> None:
         raise ConversionError(f"the parameters do not form a {what}: " + ", ".join(diff))
 
 
-def model_flags(cfg) -> list[str]:
+def model_flags(cfg, fields=SHAPE_FIELDS + OPTION_FIELDS) -> list[str]:
     """pretrain_gpt.py flags of ``cfg``'s shape and options (what a run that loads the
-    checkpoint must repeat; the checkpoint refuses a run whose flags differ), and its
-    norm epsilon unless it is the default (not checked, but it changes the outputs)."""
+    checkpoint must repeat; the checkpoint refuses a run whose flags differ); options at
+    their defaults are left out."""
     flags = []
-    eps = cfg.layernorm_epsilon
-    extra = () if eps == type(cfg)().layernorm_epsilon else ("layernorm_epsilon",)
-    for field in SHAPE_FIELDS + OPTION_FIELDS + extra:
+    default = type(cfg)()
+    for field in fields:
         value = getattr(cfg, field)
         if field == "vocab_size" or value is None or value is False:
             continue  # the vocabulary comes from the run's tokenizer
+        if field in OPTION_FIELDS and value == getattr(default, field):
+            continue
         flag = "--" + field.replace("_", "-")
         flags += [flag] if value is True else [flag, f"{value:g}" if isinstance(
             value, float) else str(value)]

@@ -13,6 +13,8 @@ import math
 import shlex
 from dataclasses import dataclass, replace
 
+from ..checkpoint.format import OPTION_FIELDS
+from ..checkpoint.hf_common import model_flags
 from ..model.gpt import GPTConfig
 from .memory import MODES, GiB, Hardware, JobPlan, Run
 from .search import Found, max_model
@@ -144,6 +146,7 @@ def launch_command(cfg: GPTConfig, run: Run, plan: JobPlan, st: StepTime, precis
     if cfg.ffn_hidden_size != 4 * cfg.hidden_size:
         model += ["--ffn-hidden-size", str(cfg.ffn_hidden_size)]
     flags.append(model)
+    flags.append(model_flags(cfg, OPTION_FIELDS))  # RMSNorm, SwiGLU, rope, GQA, ...
     seq = ["--seq-length", str(cfg.seq_length), "--max-position-embeddings",
            str(cfg.max_position_embeddings)]
     global_batch = st.tokens_per_step // cfg.seq_length
@@ -159,6 +162,8 @@ def launch_command(cfg: GPTConfig, run: Run, plan: JobPlan, st: StepTime, precis
         opt += ["--dpu-warmup-steps", str(dpu_warmup_steps)]
     if cfg.recompute_activations:
         opt += ["--recompute-activations"]
+    if cfg.sequence_parallel and run.tp > 1:  # planned with sequence-sharded activations
+        opt += ["--sequence-parallel"]
     flags.append(opt)
     data = ["--data-path", *(data_path or ["$DATA_PATH"]),
             "--tokenizer-model", tokenizer_model or "$TOKENIZER_MODEL"]

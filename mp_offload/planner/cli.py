@@ -47,7 +47,7 @@ from .memory import (
     format_job,
     plan_job,
 )
-from .named_models import MODEL_PRESETS, RECIPES, recipe_label
+from .named_models import MACHINE_PRESETS, MODEL_PRESETS, RECIPES, recipe_label
 from .search import (
     FAMILIES,
     bytes_per_param_note,
@@ -242,6 +242,9 @@ def _planner_parser() -> argparse.ArgumentParser:
     add("--json", action="store_true", help="print the plan as JSON")
     add("--model", choices=sorted(MODEL_PRESETS), default=None,
         help="start from a published shape's flags (flags given here still win)")
+    add("--machine", choices=sorted(MACHINE_PRESETS), default=None,
+        help="start from a machine's hardware flags (memory, links, TFLOPS; flags given "
+             "here still win)")
     add("--max-model", action="store_true", help="largest GPT of --family that fits")
     add("--family", choices=FAMILIES, default="gpt3",
         help="gpt3: width and depth grow together (depth h/128..h/64); layers: only depth")
@@ -314,7 +317,11 @@ def parse(argv=None) -> tuple[Args, argparse.Namespace]:
     argv = list(sys.argv[1:] if argv is None else argv)
     first = argparse.ArgumentParser(add_help=False)
     first.add_argument("--model", choices=sorted(MODEL_PRESETS))
-    preset = first.parse_known_args(argv)[0].model
+    first.add_argument("--machine", choices=sorted(MACHINE_PRESETS))
+    known = first.parse_known_args(argv)[0]
+    preset = known.model
+    if known.machine:
+        argv = [*MACHINE_PRESETS[known.machine], *argv]
     if preset:
         argv = [*MODEL_PRESETS[preset], *argv]
     ns = vars(parse_with_config(_planner_parser(), argv))

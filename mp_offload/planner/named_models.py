@@ -70,3 +70,19 @@ def recipe_label(r: Recipe) -> str:
     parts += ["device accum."] if "--accumulate-grads-on-device" in flags else []
     parts += ["bf16 m/v"] if "--exp-avg-dtype" in flags else []
     return ", ".join(parts)
+
+
+# ``--machine NAME``: the hardware flags of a machine, given before the command line's own.
+# Memory sizes and bandwidths are the public specifications; "sustained" TFLOPS and the
+# achieved link speeds are assumptions (about 40% of dense bf16 peak on large GEMMs, PCIe 5
+# x16 at ~50 GB/s, NCCL bus bandwidth over NVLink 4 at ~350 GB/s). Without --machine the
+# throughput model is the paper's DGX-2 (throughput.Machine's defaults).
+_HGX = ["--devices-per-node", "8", "--tp-devices-per-node", "8", "--host-memory-gb", "2048",
+        "--device-tflops", "400", "--intra-node-gbs", "350", "--inter-node-gbs", "40",
+        "--pcie-gbs", "50", "--cpu-cores-per-node", "112", "--host-mem-gbs", "400"]
+MACHINE_PRESETS = {
+    "dgx2": ["--devices-per-node", "16", "--tp-devices-per-node", "16", "--device-memory-gb",
+             "32", "--host-memory-gb", "1536"],
+    "hgx-h100": [*_HGX, "--device-memory-gb", "80", "--device-mem-gbs", "3350"],
+    "hgx-h200": [*_HGX, "--device-memory-gb", "141", "--device-mem-gbs", "4800"],
+}
