@@ -532,3 +532,23 @@ def test_model_flags_leave_default_options_out_and_name_each_once():
     flags = model_flags(dataclasses.replace(base, layernorm_epsilon=1e-6))
     assert flags.count("--layernorm-epsilon") == 1
     assert flags[flags.index("--layernorm-epsilon") + 1] == "1e-06"
+
+
+def test_max_model_with_a_device_share_grows_a_host_bound_model():
+    """On a host-bound machine, keeping the optimizer share that fits on the device
+    (--optimizer-offload-fraction) finds a larger model than full offload; its plan fits
+    at the F it reports, and one layer more does not fit at any F."""
+    from mp_offload.planner.search import paper_base
+    from mp_offload.planner.fraction import pick_offload_fraction
+    from mp_offload.planner.memory import Hardware, Run
+    from mp_offload.planner.search import max_model
+
+    hw = Hardware(device_memory_gb=141, host_memory_gb=256, devices_per_node=1)
+    run = Run(paper_base(), mode="offload")
+    full = max_model(run, hw)
+    share = max_model(run, hw, pick_fraction=True)
+    assert full.limit == "host" and share.params > 1.2 * full.params
+    f = share.plan.run.offload_fraction
+    assert 0 < f < 1 and share.plan.fits
+    deeper = dataclasses.replace(share.cfg, num_layers=share.cfg.num_layers + 1)
+    assert not pick_offload_fraction(dataclasses.replace(run, cfg=deeper), hw)[1].fits

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from ..model.gpt import GPTConfig, num_parameters
+from .fraction import pick_offload_fraction
 from .memory import GiB, Hardware, JobPlan, Run, plan_job
 
 GPT3_WIDTHS = (768, 1024, 1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192, 10240,
@@ -55,9 +56,16 @@ class Found:
     limit: str  # what stops it from growing: device, host, or the family's range
 
 
-def max_model(run: Run, hw: Hardware, family: str = "gpt3") -> Found:
+def max_model(run: Run, hw: Hardware, family: str = "gpt3",
+              pick_fraction: bool = False) -> Found:
+    """``pick_fraction`` (offload): each candidate keeps on the device the share of its
+    optimizer state that fits there (``--optimizer-offload-fraction``), which lets a
+    host-bound model grow; the found plan's ``run.offload_fraction`` is that F."""
     def plan_at(h, heads, layers):
-        return plan_job(replace(run, cfg=_shape(run.cfg, h, heads, layers, family)), hw)
+        candidate = replace(run, cfg=_shape(run.cfg, h, heads, layers, family))
+        if pick_fraction and run.mode == "offload":
+            return pick_offload_fraction(candidate, hw)[1]
+        return plan_job(candidate, hw)
 
     best = Found(None, 0, None, "nothing fits")
     for h, heads, lo, hi in family_widths(family, run.cfg, run.tp):
@@ -98,6 +106,7 @@ class Row:
     # accumulation here); 1: Adam reads the gradients as they came down (no fp32 copy)
     micro_batches: int = 1
     moment_bytes: tuple[int, int] = (4, 4)  # (2, 2): bf16 Adam moments
+    pick_fraction: bool = False  # keep on the device the optimizer share that fits there
 
 
 def paper_rows() -> list[Row]:
@@ -139,9 +148,11 @@ def paper_rows() -> list[Row]:
         Row("PyTorch (mixed-precision Adam)", h100, "pytorch"),
         Row("ZeRO-2, no offload (this code)", h100, "zero2"),
         Row("ZeRO-Offload (this code)", h100, "offload"),
+        Row("+ offload fraction (device share)", h100, "offload", pick_fraction=True),
         Row("TP=8 + ZeRO-Offload", hgx, "offload", tp=8),
         Row("PyTorch (mixed-precision Adam)", h200, "pytorch"),
         Row("ZeRO-Offload (this code)", h200, "offload"),
+        Row("+ offload fraction (device share)", h200, "offload", pick_fraction=True),
         Row("ZeRO-Offload (this code)", h200_lent, "offload"),
         Row("TP=8 + ZeRO-Offload", h200x8, "offload", tp=8),
     ]
@@ -159,17 +170,20 @@ def paper_table(base: GPTConfig | None = None, micro_batch: int = 1,
     return [(row, max_model(Run(base, tp=row.tp, dp=row.dp, mode=row.mode,
                                 micro_batch=micro_batch, micro_batches=row.micro_batches,
                                 moment_bytes=row.moment_bytes),
-                            row.hw, family))
+                            row.hw, family, pick_fraction=row.pick_fraction))
             for row in paper_rows()]
 
 
 def format_paper_table(results: list[tuple[Row, Found]]) -> str:
-    lines = [f"{'hardware':<42}{'mode':<38}{'largest':>9}  {'shape (LxH/heads)':<19}"
+    lines = [f"{'hardware':<42}{'mode':<43}{'largest':>9}  {'shape (LxH/heads)':<19}"
              f"{'limit':<14}{'paper':>6}"]
     for row, found in results:
         shape = (f"{found.cfg.num_layers}x{found.cfg.hidden_size}/"
                  f"{found.cfg.num_attention_heads}" if found.cfg else "-")
-        lines.append(f"{row.hw.name:<42}{row.label:<38}{found.params / 1e9:8.2f}B  {shape:<19}"
+        label = row.label
+        if row.pick_fraction and found.plan is not None:
+            label += f" F={found.plan.run.offload_fraction:.2f}"
+        lines.append(f"{row.hw.name:<42}{label:<43}{found.params / 1e9:8.2f}B  {shape:<19}"
                      f"{found.limit:<14}{row.claim or '-':>6}")
     return "\n".join(lines)
 
