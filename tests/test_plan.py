@@ -538,10 +538,9 @@ def test_max_model_with_a_device_share_grows_a_host_bound_model():
     """On a host-bound machine, keeping the optimizer share that fits on the device
     (--optimizer-offload-fraction) finds a larger model than full offload; its plan fits
     at the F it reports, and one layer more does not fit at any F."""
-    from mp_offload.planner.search import paper_base
     from mp_offload.planner.fraction import pick_offload_fraction
     from mp_offload.planner.memory import Hardware, Run
-    from mp_offload.planner.search import max_model
+    from mp_offload.planner.search import max_model, paper_base
 
     hw = Hardware(device_memory_gb=141, host_memory_gb=256, devices_per_node=1)
     run = Run(paper_base(), mode="offload")
