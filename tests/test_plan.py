@@ -365,17 +365,20 @@ def test_no_flags_answers_for_the_launch_scripts_defaults(capsys, monkeypatch):
     assert "assumed (the launch scripts' defaults; give the flag to change it): --bf16 " \
            "--cpu-offload --recompute-activations --seq-length 2048 --vocab-size 50257" in out
     assert "host 256 GiB per node with 25.6 GiB kept free" in out
-    # The figures, recomputed: the largest offload model fits in 230.4 GiB, one layer
-    # more does not (host-bound at ~19 bytes per parameter).
+    # The figures, recomputed: the largest offload model, keeping on the device the share
+    # of its optimizer state that fits there (no --optimizer-offload-fraction given), fits
+    # in 230.4 GiB of host; one layer more does not fit at any F. Full offload is smaller.
+    from mp_offload.planner.fraction import pick_offload_fraction
     base = dataclasses.replace(paper_base(seq=2048), recompute_activations=True)
     hw = Hardware(80, 256, 8, host_headroom_gb=25.6)
     run = Run(base, micro_batch=4, micro_batches=4)  # 16 sequences per step: 4 micro-batches
-    found = max_model(run, hw)
+    found = max_model(run, hw, pick_fraction=True)
     assert found.limit == "host" and found.plan.host_node_peak <= 230.4 * 2**30
     more = dataclasses.replace(found.cfg, num_layers=found.cfg.num_layers + 1)
-    assert plan_job(Run(more, micro_batch=4, micro_batches=4), hw).host_node_peak > \
-        230.4 * 2**30
-    assert 11.5e9 < found.params < 12.5e9
+    assert not pick_offload_fraction(dataclasses.replace(run, cfg=more), hw)[1].fits
+    assert 11.5e9 < max_model(run, hw).params < 12.5e9 < found.params < 16e9
+    run = found.plan.run
+    assert f"--optimizer-offload-fraction {round(run.offload_fraction, 2):g}" in out
     c = found.cfg
     assert f"max model (gpt3), offload: {found.params / 1e9:.2f}B = --num-layers " \
            f"{c.num_layers} --hidden-size {c.hidden_size}" in out
@@ -396,15 +399,19 @@ def test_no_flags_answers_for_the_launch_scripts_defaults(capsys, monkeypatch):
            f"--num-attention-heads {c.num_attention_heads}" in launch
     assert "--seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 4 " \
            "--global-batch-size 16" in launch
-    assert "--bf16 --cpu-offload --recompute-activations" in launch
+    assert (f"--bf16 --cpu-offload --optimizer-offload-fraction "
+            f"{round(run.offload_fraction, 2):g} --recompute-activations") in launch
     assert f"--train-iters {-(-10**9 // (16 * 2048))}" in launch
 
 
 def test_two_nodes_of_eight_say_no_offload_fits_more(capsys, monkeypatch):
     """2 x 8 GPUs, TP=8 x DP=2, 512 GiB hosts: offload is host-bound (10 bytes per
-    parameter per node) and leaves 10% free; ZeRO-2 without offload fits more."""
+    parameter per node) and leaves 10% free; ZeRO-2 without offload fits more than full
+    offload (F=1 given); with no F given, offload keeps the share that fits on the device
+    and is never smaller than ZeRO-2 (F=0 is ZeRO-2)."""
     code, out = _plan_out(capsys, monkeypatch, "--world-size", "16", "--host-memory-gb", "512",
-                          "--tensor-model-parallel-size", "8")
+                          "--tensor-model-parallel-size", "8", "--optimizer-offload-fraction",
+                          "1")
     assert code == 0
     rows = _table(out)
     assert rows["offload"][1] == "host" and rows["zero2"][1] == "device"
@@ -419,7 +426,8 @@ def test_two_nodes_of_eight_say_no_offload_fits_more(capsys, monkeypatch):
     assert "--tensor-model-parallel-size 8" in out and "--global-batch-size 32" in out
     # No headroom: a larger offload model, filling the host to the brim.
     code, out0 = _plan_out(capsys, monkeypatch, "--world-size", "16", "--host-memory-gb", "512",
-                           "--tensor-model-parallel-size", "8", "--host-headroom-gb", "0")
+                           "--tensor-model-parallel-size", "8", "--host-headroom-gb", "0",
+                           "--optimizer-offload-fraction", "1")
     assert _table(out0)["offload"][0] > rows["offload"][0]
     assert 460.8 < float(out0.split("host per node: ")[1].split()[0]) <= 512
     # Without offload asked for, the answer and the command are for ZeRO-2.
@@ -427,6 +435,11 @@ def test_two_nodes_of_eight_say_no_offload_fits_more(capsys, monkeypatch):
                            "--tensor-model-parallel-size", "8", "--no-cpu-offload")
     assert f"max model (gpt3), zero2: {rows['zero2'][0]:.2f}B" in out2
     assert "fits a LARGER model" not in out2 and "--cpu-offload" not in out2.split("launch (")[1]
+    code, out3 = _plan_out(capsys, monkeypatch, "--world-size", "16", "--host-memory-gb", "512",
+                           "--tensor-model-parallel-size", "8")
+    picked = _table(out3)
+    assert picked["offload"][0] >= picked["zero2"][0] > rows["offload"][0]
+    assert "fits a LARGER model" not in out3 and "--optimizer-offload-fraction" in out3
 
 
 def test_flags_replace_the_assumed_defaults(capsys, monkeypatch):

@@ -42,15 +42,19 @@ def speed(cfg: GPTConfig, run: Run, machine: Machine, batch_per_gpu: int) -> Ste
 
 
 def compare_max_models(run: Run, hw: Hardware, family: str, machine: Machine,
-                       batch_per_gpu: int) -> dict[str, ModeAnswer]:
-    """The largest GPT of ``family`` in each mode (``run``'s own first), with its speed."""
+                       batch_per_gpu: int, pick_fraction: bool = False
+                       ) -> dict[str, ModeAnswer]:
+    """The largest GPT of ``family`` in each mode (``run``'s own first), with its speed;
+    ``pick_fraction``: offload keeps on the device the optimizer share that fits there."""
     out = {}
     # The launch command accumulates batch_per_gpu / micro_batch micro-batches per step:
     # plan their memory (with offload, an fp32 gradient sum on the host).
     k = max(1, batch_per_gpu // run.micro_batch)
     for mode in dict.fromkeys([run.mode, *MODES]):
         r = replace(run, mode=mode, dpu=run.dpu and mode == "offload", micro_batches=k)
-        found = max_model(r, hw, family)
+        found = max_model(r, hw, family, pick_fraction=pick_fraction)
+        if found.plan is not None:
+            r = replace(r, offload_fraction=found.plan.run.offload_fraction)
         out[mode] = ModeAnswer(mode, found, speed(found.cfg, r, machine, batch_per_gpu)
                                if found.cfg else None)
     return out

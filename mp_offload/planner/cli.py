@@ -481,7 +481,9 @@ def _print_speed_and_launch(args: Args, opt, run: Run, plan, cfg, machine=None,
 def _answer_max_model(args: Args, opt, run: Run, hw: Hardware) -> int:
     _print_assumed(args, opt, run, hw)
     machine, rate_src = _machine(opt, hw)
-    answers = compare_max_models(run, hw, opt.family, machine, opt.batch_per_gpu)
+    # No F given: offload keeps on the device the share of its state that fits there.
+    pick = run.mode == "offload" and args.optim.optimizer_offload_fraction is None
+    answers = compare_max_models(run, hw, opt.family, machine, opt.batch_per_gpu, pick)
     mine = answers[run.mode].found
     if mine.cfg is not None:
         c = mine.cfg
@@ -498,8 +500,7 @@ def _answer_max_model(args: Args, opt, run: Run, hw: Hardware) -> int:
     if mine.cfg is None:
         print(f"max model ({opt.family}): nothing fits with {run.mode}")
         return 1
-    _print_speed_and_launch(args, opt, replace(run, cfg=mine.cfg), mine.plan, mine.cfg,
-                            machine, rate_src)
+    _print_speed_and_launch(args, opt, mine.plan.run, mine.plan, mine.cfg, machine, rate_src)
     return 0
 
 
