@@ -60,8 +60,8 @@ def test_user_jsonl_corpus_tp2_dp2(tmp_path):
 
 def _hf_export_round_trips_text(tmp_path, sp_model):
     """AutoTokenizer + AutoModelForCausalLM on the export: the project's ids, its logits."""
-    transformers = pytest.importorskip("transformers")
     import torch
+    import transformers
 
     from mp_offload.checkpoint import resolve_checkpoint
     from mp_offload.checkpoint.convert import main as convert

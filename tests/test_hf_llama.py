@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 from dist_helpers import run_distributed
 
 from mp_offload import parallel_state as ps
@@ -23,8 +24,6 @@ from mp_offload.checkpoint.safetensors_io import SafeTensorsFile
 from mp_offload.generation import load_model
 from mp_offload.model.gpt import GPTConfig
 from mp_offload.tensor_parallel import gather_from_tp_region
-
-transformers = pytest.importorskip("transformers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, HIDDEN, HEADS, POS = 100, 64, 8, 32

@@ -4,13 +4,11 @@ import json
 import os
 
 import pytest
+import transformers
 
 from mp_offload.data.hf_tokenizer import export_tokenizer
 from mp_offload.data.tokenizer import build_tokenizer
 from mp_offload.data.tokenizer_training import train_bpe_bytelevel, train_sentencepiece
-
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("tokenizers")
 
 CODE = ('def parse(text, *, strict=False):\n    """Split ``text``."""\n'
         '    for i, line in enumerate(text.splitlines()):\n'

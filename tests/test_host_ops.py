@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
+from mp_offload import _host_ops as C
 from mp_offload.ops import host_ops
 
-C = pytest.importorskip("mp_offload._host_ops")
 LEVELS = ["scalar", "avx2", "avx512"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SIZES = [0, 1, 2, 7, 15, 16, 17, 31, 32, 33, 47, 63, 64, 65, 100, 255, 1000, 4095, 4096, 4099]

@@ -231,7 +231,7 @@ def test_tp1_llama_equals_transformers_llama(rotary_base):
     """Our Llama options at TP=1 give HF LlamaForCausalLM's logits once the weights are
     moved over with the layout rules an HF converter needs: the per-group fused QKV
     split into q/k/v, fc1 into gate/up, the vocabulary padding cut."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     cfg = _cfg(**LLAMA, rotary_base=rotary_base, layernorm_epsilon=1e-6)
     torch.manual_seed(3)
     ours = GPTModel(cfg, tp_group=SINGLE).eval()

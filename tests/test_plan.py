@@ -305,7 +305,6 @@ def test_plot_degrades_without_matplotlib(monkeypatch, tmp_path):
 
 
 def test_plot_written_with_matplotlib(tmp_path):
-    pytest.importorskip("matplotlib")
     path = tmp_path / "x.png"
     assert plot_scaling(scaling(ten_b(), Machine(), gpus=(1, 2)), str(path), "t") is True
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -168,7 +168,6 @@ CODE = "def f(x):\n    return x * 2  # ✓ ünï 数字\n\n\tclass A:\n        p
 def hf_files(tmp_path_factory):
     """A byte-level BPE (tokenizer.json + vocab.json/merges.txt) and a SentencePiece
     model with its tokenizer.json conversion, all trained here."""
-    pytest.importorskip("tokenizers")
     from mp_offload.data.sentencepiece_convert import sentencepiece_to_tokenizer_json
     from mp_offload.data.tokenizer_training import train_bpe_bytelevel, train_sentencepiece
 
@@ -245,7 +244,6 @@ def test_hf_types_flag_errors(messy_jsonl, tmp_path, capsys, flags, needle):
 def test_progress_bar_shows_rate_and_eta(messy_jsonl, tmp_path):
     """--progress bar: a tqdm bar over the input bytes (rate, ETA), warnings above it,
     filled at the end (blank lines are never documents); the same dataset as lines."""
-    pytest.importorskip("tqdm")
     import io
 
     from mp_offload.data.preprocess import preprocess

@@ -101,7 +101,6 @@ def test_main_job_leaves_a_checkpoint_samples_a_plot_and_next_commands(tmp_path,
                                                                          arch):
     """scripts/pretrain_gpt_tiny_cpu.sh from scratch (a few iterations of a smaller model
     through extra flags), then the commands it prints: generate and the HF export."""
-    pytest.importorskip("matplotlib")
     run = tmp_path / "run"
     env = dict(os.environ, SKIP_SETUP="1", RUN_DIR=str(run), TRAIN_ITERS="4", MODEL=model,
                PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -143,8 +142,8 @@ def test_main_job_leaves_a_checkpoint_samples_a_plot_and_next_commands(tmp_path,
 def _export_loads_in_transformers(hf_dir, ckpt):
     """The exported directory: transformers' Auto classes load it with every weight
     in place, and the model's logits are ours."""
-    transformers = pytest.importorskip("transformers")
     import torch
+    import transformers
 
     from mp_offload.checkpoint import resolve_checkpoint
     from mp_offload.generation import load_model

@@ -122,7 +122,6 @@ VARIED = [
 
 @pytest.fixture(scope="module")
 def bbpe_dir(tmp_path_factory):
-    pytest.importorskip("tokenizers")
     d = tmp_path_factory.mktemp("bbpe")
     docs = [TEXT.replace("name", f"name{i}") for i in range(40)]
     docs.append("prose about cafés, naïve résumés")
@@ -166,7 +165,6 @@ def _word_level_json(path, words):
 
 @pytest.mark.parametrize("eod_name", EOD_TOKEN_NAMES)
 def test_huggingface_eod_names(tmp_path, eod_name):
-    pytest.importorskip("tokenizers")
     later = list(EOD_TOKEN_NAMES[EOD_TOKEN_NAMES.index(eod_name) + 1:])
     path = _word_level_json(tmp_path / "t.json", ["<unk>", "a", "<pad>", *later, eod_name])
     tok = build_tokenizer("HuggingFaceTokenizer", path)
@@ -175,7 +173,6 @@ def test_huggingface_eod_names(tmp_path, eod_name):
 
 
 def test_huggingface_ignores_truncation_and_padding_settings(tmp_path):
-    pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer
 
     path = _word_level_json(tmp_path / "t.json", ["<unk>", "a", "<pad>", "</s>"])
@@ -187,7 +184,6 @@ def test_huggingface_ignores_truncation_and_padding_settings(tmp_path):
 
 
 def test_huggingface_errors(tmp_path, monkeypatch):
-    pytest.importorskip("tokenizers")
     no_eod = _word_level_json(tmp_path / "t.json", ["<unk>", "a"])
     with pytest.raises(ValueError, match="no end-of-text token.*<\\|endoftext\\|>"):
         build_tokenizer("HuggingFaceTokenizer", no_eod)
@@ -283,7 +279,6 @@ def test_gpt2_bpe_errors(bbpe_dir, tmp_path):
 
 
 def test_cli_bpe_bytelevel(tmp_path):
-    pytest.importorskip("tokenizers")
     src = tmp_path / "a.txt"
     src.write_text(TEXT * 10)
     train = _load_tool("train_tokenizer")
@@ -298,7 +293,6 @@ def test_cli_bpe_bytelevel(tmp_path):
 
 
 def test_cli_sentencepiece_with_tokenizer_json(tmp_path):
-    pytest.importorskip("tokenizers")
     src = tmp_path / "a.txt"
     src.write_text(TEXT * 10)
     train = _load_tool("train_tokenizer")
@@ -358,7 +352,6 @@ def _varied_strings(corpus, n, seed=0):
 
 @pytest.fixture(scope="module")
 def sp_converted(tmp_path_factory):
-    pytest.importorskip("tokenizers")
     d = tmp_path_factory.mktemp("sp2hf")
     model = train_sentencepiece(_corpus(), str(d / "sp"), vocab_size=1500)
     return model, sentencepiece_to_tokenizer_json(model, str(d / "tokenizer.json"))
@@ -420,7 +413,7 @@ def test_converted_merge_order_within_a_piece_does_not_matter(sp_converted):
 
 
 def test_converted_json_in_transformers_and_as_tokenizer_type(sp_converted):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     model, out = sp_converted
     fast = transformers.PreTrainedTokenizerFast(tokenizer_file=out)
     sp_tok = build_tokenizer("SentencePieceTokenizer", model)
@@ -447,8 +440,6 @@ def test_converted_plain_text_normalization(tmp_path):
 
     import sentencepiece as spm
     from tokenizers import Tokenizer
-
-    pytest.importorskip("tokenizers")
     model = train_sentencepiece(_corpus(), str(tmp_path / "plain"), vocab_size=800,
                                 code_friendly=False)
     hf = Tokenizer.from_file(sentencepiece_to_tokenizer_json(model, str(tmp_path / "p.json")))
@@ -467,7 +458,6 @@ def test_converted_plain_text_normalization(tmp_path):
 
 
 def test_conversion_refuses_what_it_cannot_match(tmp_path):
-    pytest.importorskip("tokenizers")
     unigram = train_sentencepiece([TEXT * 20], str(tmp_path / "uni"), vocab_size=350,
                                   model_type="unigram")
     with pytest.raises(ValueError, match="only BPE models convert"):

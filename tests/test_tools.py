@@ -92,7 +92,7 @@ def test_merged_tp1_checkpoint_continues_like_tp2(trained, tmp_path):
 # ------------------------------------------------------------------ HF GPT-2
 @pytest.mark.slow
 def test_hf_export_gives_the_same_logits_in_transformers(trained, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     hf = str(tmp_path / "hf")
     assert _tool("convert_checkpoint").main(["--load", str(trained / "ckpt"),
                                              "--hf-out", hf]) == 0
@@ -138,7 +138,7 @@ def test_hf_import_export_round_trip_and_finetune(trained, tmp_path):
 
 
 def test_import_a_transformers_gpt2(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=50, n_positions=12, n_embd=24, n_layer=2,
                                      n_head=4)  # n_inner None: 4h
@@ -170,15 +170,12 @@ def test_export_refuses_what_gpt2_cannot_express():
 
 @pytest.mark.parametrize("writer_package", [False, True])
 def test_safetensors_files_read_back(tmp_path, writer_package):
-    if writer_package:
-        pytest.importorskip("safetensors")
     tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16),
                "c": torch.arange(6, dtype=torch.int64).reshape(2, 3), "d": torch.randn(1, 1)}
     path = str(tmp_path / "x.safetensors")
     write_safetensors(path, [(n, list(t.shape), t.dtype) for n, t in tensors.items()],
                       tensors.__getitem__, metadata={"format": "pt"}, use_package=writer_package)
-    readers = [False] + ([True] if importlib.util.find_spec("safetensors") else [])
-    for pkg in readers:
+    for pkg in (False, True):  # our reader and the safetensors package (a test extra)
         f = SafeTensorsFile(path, use_package=pkg)
         assert sorted(f.names) == sorted(tensors)
         for n, t in tensors.items():
@@ -224,7 +221,6 @@ def test_sampling_never_picks_padded_vocabulary():
 # ------------------------------------------------------------------------ plots
 @pytest.mark.slow
 def test_plot_loss_writes_a_png(trained, tmp_path):
-    pytest.importorskip("matplotlib")
     out = str(tmp_path / "loss.png")
     assert _tool("plot_loss").main(["--log-json", str(trained / "log.jsonl"), "--out", out]) == 0
     with open(out, "rb") as f:
