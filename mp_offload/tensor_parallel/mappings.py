@@ -95,47 +95,34 @@ def reduce_scatter_sequence(x: torch.Tensor, group: ParallelGroup) -> torch.Tens
     return out.movedim(0, SEQUENCE_DIM).contiguous()
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
+def _identity(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
+    return x
+
+
+def _conjugate(name: str, forward_op, backward_op) -> type[torch.autograd.Function]:
+    """An autograd Function doing ``forward_op`` in forward and ``backward_op`` on the
+    gradient (both ``(tensor, group) -> tensor``)."""
     def forward(ctx, x, group):
         ctx.group = group
-        return x
+        return forward_op(x, group)
 
-    @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return backward_op(grad, ctx.group), None
+
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last_dim(grad, ctx.group), None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last_dim(grad, ctx.group), None
+_CopyToTP = _conjugate("_CopyToTP", _identity, _all_reduce)
+_ReduceFromTP = _conjugate("_ReduceFromTP", _all_reduce, _identity)
+_ScatterToTP = _conjugate("_ScatterToTP", _split_last_dim, _gather_last_dim)
+_GatherFromTP = _conjugate("_GatherFromTP", _gather_last_dim, _split_last_dim)
+_ScatterToSequence = _conjugate("_ScatterToSequence", split_sequence, gather_sequence)
+_GatherFromSequence = _conjugate("_GatherFromSequence", gather_sequence, split_sequence)
+_ReduceScatterFromTP = _conjugate("_ReduceScatterFromTP", reduce_scatter_sequence,
+                                  gather_sequence)
+_GatherSequenceToTP = _conjugate("_GatherSequenceToTP", gather_sequence,
+                                 reduce_scatter_sequence)
 
 
 def copy_to_tp_region(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
@@ -152,50 +139,6 @@ def scatter_to_tp_region(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
 
 def gather_from_tp_region(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     return _GatherFromTP.apply(x, group)
-
-
-class _ScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_sequence(grad, ctx.group), None
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return gather_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split_sequence(grad, ctx.group), None
-
-
-class _ReduceScatterFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_sequence(grad, ctx.group), None
-
-
-class _GatherSequenceToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return gather_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_sequence(grad, ctx.group), None
 
 
 def scatter_to_sequence_region(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
