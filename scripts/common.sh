@@ -31,6 +31,11 @@ require_int() {
   [ "$value" -ge "$min" ] || die "$name must be >= $min, got $value"
 }
 
+# check_precision: PRECISION is bf16 or fp16 (the recipes' mixed-precision choice).
+check_precision() {
+  [[ "${PRECISION:-}" =~ ^(bf16|fp16)$ ]] || die "PRECISION must be bf16 or fp16, got '${PRECISION:-}'"
+}
+
 # GPUs this job may use (0 without CUDA): CUDA_VISIBLE_DEVICES when it is set, else all
 # of the machine's; nvidia-smi first because importing torch is slow.
 gpus_here() {

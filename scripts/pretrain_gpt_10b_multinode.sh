@@ -26,7 +26,7 @@ if [ -z "${GPUS_PER_NODE:-}" ]; then
 fi
 TP=${TP:-1}
 PRECISION=${PRECISION:-bf16}
-[[ "$PRECISION" =~ ^(bf16|fp16)$ ]] || die "PRECISION must be bf16 or fp16, got '$PRECISION'"
+check_precision
 require_int NNODES 1
 require_int NODE_RANK 0
 require_int MASTER_PORT 1

@@ -14,7 +14,7 @@ TOKENIZER_MODEL=${TOKENIZER_MODEL-$ROOT/data/tokenizer.model}
 SAVE_DIR=${SAVE_DIR:-$ROOT/checkpoints/gpt_13b}
 NGPUS=${NGPUS:-1}
 PRECISION=${PRECISION:-bf16}
-[[ "$PRECISION" =~ ^(bf16|fp16)$ ]] || die "PRECISION must be bf16 or fp16, got '$PRECISION'"
+check_precision
 check_gpus NGPUS
 check_save_dir
 data_args

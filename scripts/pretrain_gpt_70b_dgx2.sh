@@ -24,7 +24,7 @@ SAVE_DIR=${SAVE_DIR:-$ROOT/checkpoints/gpt_70b}
 NGPUS=${NGPUS:-16}
 TP=${TP:-8}
 PRECISION=${PRECISION:-fp16}
-[[ "$PRECISION" =~ ^(bf16|fp16)$ ]] || die "PRECISION must be bf16 or fp16, got '$PRECISION'"
+check_precision
 check_gpus NGPUS
 require_int TP 1
 [ $((NGPUS % TP)) -eq 0 ] || die "TP=$TP does not divide NGPUS=$NGPUS"
