@@ -34,3 +34,23 @@ def run_distributed(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; re-raise any failure."""
     mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world,
                        join=True, start_method="spawn")
+
+
+def loss_and_grads(model, x, y):
+    """One fp32 forward/backward: (the loss, {parameter name: its gradient})."""
+    model.zero_grad()
+    loss = model(x, y).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def merged_grad(param, group):
+    """``param``'s gradient as the unsplit model has it: a TP-split parameter's shards are
+    gathered over ``group`` (a ParallelGroup) and merged."""
+    from mp_offload.tensor_parallel import merge_partitions
+
+    if not param.tensor_model_parallel or group.size == 1:
+        return param.grad
+    parts = [torch.empty_like(param.grad) for _ in range(group.size)]
+    dist.all_gather(parts, param.grad.contiguous(), group=group.torch_group())
+    return merge_partitions(parts, param.partition_dim, param.partition_stride)

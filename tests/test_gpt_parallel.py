@@ -2,13 +2,13 @@
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import run_distributed
+from dist_helpers import loss_and_grads, merged_grad, run_distributed
 from helpers import tiny_gpt_config
 
 from mp_offload import parallel_state as ps
 from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer.grads import allreduce_gradients
-from mp_offload.tensor_parallel import merge_partitions, model_parallel_seed
+from mp_offload.tensor_parallel import model_parallel_seed
 
 CFG = tiny_gpt_config(vocab_size=100)
 pytestmark = pytest.mark.slow  # every test spawns gloo ranks
@@ -26,32 +26,17 @@ def _model(group, recompute=False):
     return GPTModel(GPTConfig(**CFG, recompute_activations=recompute), tp_group=group)
 
 
-def _loss_and_grads(model, x, y):
-    model.zero_grad()
-    loss = model(x, y).mean()
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
-def _merged(param, group):
-    if not param.tensor_model_parallel or group.size == 1:
-        return param.grad
-    parts = [torch.empty_like(param.grad) for _ in range(group.size)]
-    dist.all_gather(parts, param.grad.contiguous(), group=group.torch_group())
-    return merge_partitions(parts, param.partition_dim, param.partition_stride)
-
-
 def _tp_worker(rank, world, tp, recompute):
     ps.initialize_model_parallel(tp)
     x, y = _batch(4)
     ref = _model(ps.ParallelGroup.single())
-    ref_loss, ref_grads = _loss_and_grads(ref, x, y)
+    ref_loss, ref_grads = loss_and_grads(ref, x, y)
     group = ps.get_tensor_model_parallel_group()
     model = _model(group, recompute)
-    loss, _ = _loss_and_grads(model, x, y)
+    loss, _ = loss_and_grads(model, x, y)
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=0), (loss, ref_loss)
     for name, p in model.named_parameters():
-        g = _merged(p, group)
+        g = merged_grad(p, group)
         want = ref_grads[name]
         if name == "wte.weight":  # padded vocab differs by TP size; padding rows get no grad
             assert g[100:].abs().max() == 0 and want[100:].abs().max() == 0
@@ -68,10 +53,10 @@ def test_gpt_tp_equals_tp1(tp, recompute):
 def _dp_worker(rank, world):
     ps.initialize_model_parallel(1)
     x, y = _batch(4)
-    ref_loss, ref_grads = _loss_and_grads(_model(ps.ParallelGroup.single()), x, y)
+    ref_loss, ref_grads = loss_and_grads(_model(ps.ParallelGroup.single()), x, y)
     model = _model(ps.get_tensor_model_parallel_group())
     half = slice(2 * rank, 2 * rank + 2)
-    loss, grads = _loss_and_grads(model, x[half], y[half])
+    loss, grads = loss_and_grads(model, x[half], y[half])
     allreduce_gradients(list(model.parameters()), ps.get_data_parallel_group())
     dist.all_reduce(loss)
     assert torch.allclose(loss / 2, ref_loss, rtol=1e-6)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_helpers import run_distributed
+from dist_helpers import loss_and_grads, merged_grad, run_distributed
 
 from mp_offload import parallel_state as ps
 from mp_offload.config import ConfigError, parse_args, validate
@@ -27,7 +27,7 @@ from mp_offload.model.layers import (
     build_norm,
 )
 from mp_offload.planner import estimate_activations
-from mp_offload.tensor_parallel import merge_partitions, model_parallel_seed
+from mp_offload.tensor_parallel import model_parallel_seed
 
 SINGLE = ps.ParallelGroup.single()
 LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
@@ -280,30 +280,15 @@ def _model(cfg, group):
     return GPTModel(cfg, tp_group=group)
 
 
-def _loss_and_grads(model, x, y):
-    model.zero_grad()
-    loss = model(x, y).mean()
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
-def _merged(param, group):
-    if not param.tensor_model_parallel or group.size == 1:
-        return param.grad
-    parts = [torch.empty_like(param.grad) for _ in range(group.size)]
-    dist.all_gather(parts, param.grad.contiguous(), group=group.torch_group())
-    return merge_partitions(parts, param.partition_dim, param.partition_stride)
-
-
 def _check_equal_to_tp1(cfg, group):
     x, y = _batch()
-    ref_loss, ref_grads = _loss_and_grads(_model(cfg, SINGLE), x, y)
+    ref_loss, ref_grads = loss_and_grads(_model(cfg, SINGLE), x, y)
     model = _model(cfg, group)
-    loss, _ = _loss_and_grads(model, x, y)
+    loss, _ = loss_and_grads(model, x, y)
     what = f"TP={group.size} sp={cfg.sequence_parallel} recompute={cfg.recompute_activations}"
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (what, loss, ref_loss)
     for name, p in model.named_parameters():
-        g, want = _merged(p, group), ref_grads[name]
+        g, want = merged_grad(p, group), ref_grads[name]
         if name in ("wte.weight", "output_layer.weight"):  # padding differs by TP size
             assert g[100:].abs().max() == 0 and want[100:].abs().max() == 0
             g, want = g[:100], want[:100]
@@ -333,7 +318,7 @@ def _check_recompute_replays_sp_dropout(group):
     for recompute in (False, True):
         cfg = _cfg(**LLAMA, sequence_parallel=True, hidden_dropout=0.2, attention_dropout=0.2,
                    recompute_activations=recompute)
-        runs.append(_loss_and_grads(_model(cfg, group), x, y))
+        runs.append(loss_and_grads(_model(cfg, group), x, y))
     assert torch.equal(runs[0][0], runs[1][0])
     for name, g in runs[0][1].items():
         assert torch.allclose(g, runs[1][1][name], rtol=1e-6, atol=1e-8), name
@@ -400,9 +385,9 @@ def _gpt2_sp_worker(rank, world):
     group = ps.get_tensor_model_parallel_group()
     x, y = _batch()
     base = dict(hidden_dropout=0.0, attention_dropout=0.0)
-    plain = _loss_and_grads(_model(_cfg(**base), group), x, y)
+    plain = loss_and_grads(_model(_cfg(**base), group), x, y)
     model = _model(_cfg(**base, sequence_parallel=True), group)
-    sp = _loss_and_grads(model, x, y)
+    sp = loss_and_grads(model, x, y)
     assert abs(plain[0] - sp[0]) <= 1e-6 * abs(plain[0])
     for name, p in model.named_parameters():
         assert torch.allclose(sp[1][name], plain[1][name], rtol=1e-5, atol=1e-7), name
