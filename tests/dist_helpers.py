@@ -54,3 +54,10 @@ def merged_grad(param, group):
     parts = [torch.empty_like(param.grad) for _ in range(group.size)]
     dist.all_gather(parts, param.grad.contiguous(), group=group.torch_group())
     return merge_partitions(parts, param.partition_dim, param.partition_stride)
+
+
+def pretrain_worker(rank, world, argv):
+    """``run_distributed`` target: one rank of ``pretrain_gpt.py argv``."""
+    from mp_offload.training import pretrain
+
+    pretrain(argv)

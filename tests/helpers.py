@@ -33,3 +33,14 @@ def tiny_model_flags(**overrides) -> list[str]:
         else:
             flags += [flag, format(value, "g") if isinstance(value, float) else str(value)]
     return flags
+
+
+#: pretrain_gpt.py flags of the resume/reshard tests: the tiny GPT (vocabulary 100), mock
+#: data, 8 iterations with evaluation every 3, offload, buckets small enough for several.
+CKPT_RUN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--vocab-size", "100", "--make-vocab-size-divisible-by", "8",
+            "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-3",
+            "--lr-warmup-iters", "2", "--train-iters", "8", "--eval-interval", "3",
+            "--eval-iters", "1", "--log-interval", "100", "--cpu-offload",
+            "--reduce-bucket-size", "3000"]

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 import torch
-from dist_helpers import run_distributed
+from dist_helpers import pretrain_worker, run_distributed
+from helpers import CKPT_RUN
 
 from mp_offload import parallel_state as ps
 from mp_offload.checkpoint import (
@@ -30,27 +31,15 @@ from mp_offload.config import parse_args, validate
 from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer import build_optimizer
 from mp_offload.tensor_parallel import random as tp_random
-from mp_offload.training import pretrain
 
 pytestmark = pytest.mark.slow  # every test here spawns ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--vocab-size", "100", "--make-vocab-size-divisible-by", "8",
-        "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-3",
-        "--lr-warmup-iters", "2", "--train-iters", "8", "--eval-interval", "3",
-        "--eval-iters", "1", "--log-interval", "100", "--cpu-offload",
-        "--reduce-bucket-size", "3000"]
-
-
-def _pretrain_worker(rank, world, argv):
-    pretrain(argv)
 
 
 def run(world, tp, *extra):
-    run_distributed(_pretrain_worker, world,
-                    BASE + ["--tensor-model-parallel-size", str(tp), *extra])
+    run_distributed(pretrain_worker, world,
+                    CKPT_RUN + ["--tensor-model-parallel-size", str(tp), *extra])
 
 
 def records(path):
@@ -160,13 +149,13 @@ def test_llama_exact_resume_and_reshard_across_sequence_parallel(tmp_path):
 
 def test_torch_adamw_resumes_exactly(tmp_path):
     """The unpartitioned reference optimizer (TP=1, DP=2) resumes bitwise too."""
-    argv = [a for a in BASE if a != "--cpu-offload"] + ["--optimizer", "torch-adamw"]
+    argv = [a for a in CKPT_RUN if a != "--cpu-offload"] + ["--optimizer", "torch-adamw"]
     logs = {k: str(tmp_path / f"{k}.jsonl") for k in ("unbroken", "resumed")}
     ck = str(tmp_path / "ckpt")
-    run_distributed(_pretrain_worker, 2, argv + ["--log-json", logs["unbroken"]])
-    run_distributed(_pretrain_worker, 2, argv + ["--save", ck, "--exit-interval", "4",
+    run_distributed(pretrain_worker, 2, argv + ["--log-json", logs["unbroken"]])
+    run_distributed(pretrain_worker, 2, argv + ["--save", ck, "--exit-interval", "4",
                                                  "--log-json", logs["resumed"]])
-    run_distributed(_pretrain_worker, 2, argv + ["--load", ck, "--log-json", logs["resumed"]])
+    run_distributed(pretrain_worker, 2, argv + ["--load", ck, "--log-json", logs["resumed"]])
     got, want = losses(logs["resumed"]), losses(logs["unbroken"])
     assert sorted(got) == list(range(1, 9))
     assert got == want
@@ -177,7 +166,7 @@ def test_killed_save_leaves_last_checkpoint_loadable(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", MP_OFFLOAD_CKPT_FAULT="before_rename:4",
                PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "pretrain_gpt.py"), *BASE, "--save", ck, "--save-interval", "2"]
+           os.path.join(ROOT, "pretrain_gpt.py"), *CKPT_RUN, "--save", ck, "--save-interval", "2"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
     assert res.returncode != 0
     assert read_latest(ck) == 2
@@ -194,7 +183,7 @@ def test_killed_save_leaves_last_checkpoint_loadable(tmp_path):
 
 
 def _corrupt_worker(rank, world, ck):
-    argv = BASE + ["--tensor-model-parallel-size", "2"]
+    argv = CKPT_RUN + ["--tensor-model-parallel-size", "2"]
     ps.initialize_model_parallel(2)
 
     def attempt(extra=()):
@@ -359,7 +348,7 @@ class _FakeCuda:
 
 
 def _rng_worker(rank, world, root):
-    args = parse_args(BASE)
+    args = parse_args(CKPT_RUN)
     validate(args, 1)
     ps.initialize_model_parallel(1)
     seed, tracker, fake = args.train.seed, tp_random.get_rng_tracker(), _FakeCuda()
@@ -530,7 +519,7 @@ def test_bad_save_setup_stops_every_rank_before_training(tmp_path, case):
     }[case]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "pretrain_gpt.py"), *BASE, "--save-interval", "1", *flags]
+           os.path.join(ROOT, "pretrain_gpt.py"), *CKPT_RUN, "--save-interval", "1", *flags]
     with _held_lock(root) if case == "locked" else contextlib.nullcontext():
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240,
                              check=False)

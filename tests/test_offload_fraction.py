@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import run_distributed
+from dist_helpers import pretrain_worker, run_distributed
 from helpers import ADAM_HP as HP
-from helpers import tiny_gpt_config
+from helpers import CKPT_RUN, tiny_gpt_config
 
 from mp_offload import parallel_state as ps
 from mp_offload.data.loader import MockGPTDataset
@@ -315,22 +315,9 @@ def test_plan_cli_prints_the_fraction_it_would_use(capsys):
 
 
 # ------------------------------------------------------------------ checkpoints
-CKPT_RUN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--seq-length", "16", "--vocab-size", "100", "--make-vocab-size-divisible-by", "8",
-            "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "8",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-3",
-            "--lr-warmup-iters", "2", "--train-iters", "8", "--eval-interval", "3",
-            "--eval-iters", "1", "--log-interval", "100", "--cpu-offload",
-            "--reduce-bucket-size", "3000"]
-
-
-def _pretrain_worker(rank, world, argv):
-    from mp_offload.training import pretrain
-    pretrain(argv)
-
 
 def _run(world, tp, fraction, *extra):
-    run_distributed(_pretrain_worker, world,
+    run_distributed(pretrain_worker, world,
                     [*CKPT_RUN, "--tensor-model-parallel-size", str(tp),
                      "--optimizer-offload-fraction", fraction, *extra])
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from dist_helpers import run_distributed
+from dist_helpers import pretrain_worker, run_distributed
 
 from mp_offload.checkpoint import (
     ConversionError,
@@ -19,7 +19,6 @@ from mp_offload.checkpoint.safetensors_io import SafeTensorsFile, write_safetens
 from mp_offload.data.loader import MockGPTDataset
 from mp_offload.generation import load_model, sample_token
 from mp_offload.generation import main as generate_main
-from mp_offload.training import pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, SEQ = 100, 16
@@ -40,12 +39,8 @@ def _tool(name):
     return mod
 
 
-def _pretrain_worker(rank, world, argv):
-    pretrain(argv)
-
-
 def train(world, tp, *extra):
-    run_distributed(_pretrain_worker, world,
+    run_distributed(pretrain_worker, world,
                     BASE + ["--tensor-model-parallel-size", str(tp), *extra])
 
 
