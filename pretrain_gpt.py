@@ -6,6 +6,7 @@
 
 The loop lives in mp_offload.training; this file only calls it.
 """
+
 import mp_offload.lifeline  # noqa: F401 - records the launcher before the slow imports
 from mp_offload.training import pretrain
 

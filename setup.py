@@ -35,8 +35,17 @@ setup(
     install_requires=["torch>=2.1", "numpy", "sentencepiece", "tqdm", "pyyaml"],
     # What the tests need beyond that (the Hugging Face export/import and tokenizer tests,
     # the loss plots); scripts/setup_env.sh installs them, so only CUDA tests skip.
-    extras_require={"test": ["pytest", "transformers", "safetensors", "tokenizers",
-                             "matplotlib", "tqdm", "pyyaml"]},
+    extras_require={
+        "test": [
+            "pytest",
+            "transformers",
+            "safetensors",
+            "tokenizers",
+            "matplotlib",
+            "tqdm",
+            "pyyaml",
+        ]
+    },
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
 )

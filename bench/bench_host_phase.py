@@ -24,6 +24,7 @@ memory, which costs the host no time either.
 pattern of bench/bench_host_ceiling.py for the same traffic (the accumulate's two streams
 reach less bandwidth per byte than Adam's five on some machines).
 """
+
 import argparse
 import os
 import platform
@@ -35,12 +36,18 @@ def _args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--micro-batches", default="1,4,4d",
-                    help="comma-separated k values; a 'd' suffix accumulates on the device")
+    ap.add_argument(
+        "--micro-batches",
+        default="1,4,4d",
+        help="comma-separated k values; a 'd' suffix accumulates on the device",
+    )
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    ap.add_argument("--ceiling", action="store_true",
-                    help="also: our accumulate and Adam against bench_host_ceiling's best pattern")
+    ap.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="also: our accumulate and Adam against bench_host_ceiling's best pattern",
+    )
     args = ap.parse_args()
     for row in args.micro_batches.split(","):
         if not row.rstrip("d").isdigit() or int(row.rstrip("d")) < 1:
@@ -73,18 +80,34 @@ class Timer:
                 return fn(*a, **k)
             finally:
                 self.total += time.perf_counter() - t0
+
         return timed
 
 
 def build(k: int, on_device: bool):
     single = ps.ParallelGroup.single()
-    cfg = GPTConfig(num_layers=ARGS.layers, hidden_size=ARGS.hidden,
-                    num_attention_heads=max(1, ARGS.hidden // 64), seq_length=64,
-                    vocab_size=32000, hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = GPTConfig(
+        num_layers=ARGS.layers,
+        hidden_size=ARGS.hidden,
+        num_attention_heads=max(1, ARGS.hidden // 64),
+        seq_length=64,
+        vocab_size=32000,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     torch.manual_seed(0)
     model = GPTModel(cfg, tp_group=single)
-    opt = ZeroOptimizer(model, **HP, dp=single, tp=single, device="cpu", dtype=torch.bfloat16,
-                        cpu_offload=True, micro_batches=k, accumulate_on_device=on_device)
+    opt = ZeroOptimizer(
+        model,
+        **HP,
+        dp=single,
+        tp=single,
+        device="cpu",
+        dtype=torch.bfloat16,
+        cpu_offload=True,
+        micro_batches=k,
+        accumulate_on_device=on_device,
+    )
     params = list(model.parameters())
     consts = [torch.randn(p.shape).mul_(1e-3).to(torch.bfloat16) for p in params]
     return opt, params, consts
@@ -108,6 +131,7 @@ def bench_row(row: str) -> int:
 
     def timed_acc(self, *a, _orig=orig_acc, _timer=host_acc):
         return _timer.wrap(_orig(self, *a))
+
     reducer_mod.GradientReducer._host_accumulate = timed_acc
     opt, params, consts = build(k, on_device)
     opt.step = step_t.wrap(opt.step)
@@ -125,15 +149,28 @@ def bench_row(row: str) -> int:
         acc_ms.append(host_acc.total * 1e3)
         step_ms.append(step_t.total * 1e3)
         t0 = time.perf_counter()
-        cpu_adam.adam_step(p, g, m, v, step=step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
-                           weight_decay=0.01, param_out=out)
+        cpu_adam.adam_step(
+            p,
+            g,
+            m,
+            v,
+            step=step,
+            lr=1e-4,
+            beta1=0.9,
+            beta2=0.95,
+            eps=1e-8,
+            weight_decay=0.01,
+            param_out=out,
+        )
         alone.append((time.perf_counter() - t0) * 1e3)
     reducer_mod.GradientReducer._host_accumulate = orig_acc
     med = statistics.median
     paired = med([h / a for h, a in zip(host, alone)])  # same round: robust to drift
-    print(f"{row:>2} {n:11,d} {med(host):13.1f} {med(alone):13.1f} "
-          f"{med(host) / med(alone):6.2f} {paired:6.2f} {med(acc_ms):14.1f} "
-          f"{med(step_ms):8.1f}")
+    print(
+        f"{row:>2} {n:11,d} {med(host):13.1f} {med(alone):13.1f} "
+        f"{med(host) / med(alone):6.2f} {paired:6.2f} {med(acc_ms):14.1f} "
+        f"{med(step_ms):8.1f}"
+    )
     return n
 
 
@@ -147,15 +184,28 @@ def ceiling(n: int) -> None:
         print(f"ceiling: {why}")
         return
     # the accumulate's traffic: read 2 B, read and write 4 B per element (this process only)
-    hc.TRAFFIC.setdefault("accumulate", (10, [("param", "float32", hc.READ_WRITE),
-                                              ("grad", "bfloat16", hc.READ)]))
+    hc.TRAFFIC.setdefault(
+        "accumulate", (10, [("param", "float32", hc.READ_WRITE), ("grad", "bfloat16", hc.READ)])
+    )
     dst, src = torch.randn(n), torch.randn(n).to(torch.bfloat16)
     p, m, v, g = (torch.rand(n) for _ in range(4))
     out = torch.empty(n, dtype=torch.bfloat16)
-    ours = {"accumulate": lambda: host_ops.accumulate_(dst, src, overwrite=False),
-            "fp32+bf16out": lambda: cpu_adam.adam_step(
-                p, g, m, v, step=1, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
-                weight_decay=0.01, param_out=out)}
+    ours = {
+        "accumulate": lambda: host_ops.accumulate_(dst, src, overwrite=False),
+        "fp32+bf16out": lambda: cpu_adam.adam_step(
+            p,
+            g,
+            m,
+            v,
+            step=1,
+            lr=1e-4,
+            beta1=0.9,
+            beta2=0.95,
+            eps=1e-8,
+            weight_decay=0.01,
+            param_out=out,
+        ),
+    }
     print(f"{'traffic':>13} {'B/elem':>6} {'ours GB/s':>9} {'ceiling GB/s':>12}  pattern")
     for traffic, fn in ours.items():
         nbytes = hc.TRAFFIC[traffic][0] * n
@@ -167,9 +217,11 @@ def ceiling(n: int) -> None:
                 f()
                 times[name].append(time.perf_counter() - t0)
         best, secs = hc.best_of({k: v for k, v in times.items() if k != "ours"})
-        print(f"{traffic:>13} {hc.TRAFFIC[traffic][0]:6d} "
-              f"{nbytes / statistics.median(times['ours']) / 1e9:9.1f} "
-              f"{nbytes / secs / 1e9:12.1f}  {best}")
+        print(
+            f"{traffic:>13} {hc.TRAFFIC[traffic][0]:6d} "
+            f"{nbytes / statistics.median(times['ours']) / 1e9:9.1f} "
+            f"{nbytes / secs / 1e9:12.1f}  {best}"
+        )
 
 
 def main() -> None:
@@ -184,11 +236,15 @@ def main() -> None:
         pass
     # (host_ops.simd_level is new: the script also runs on older trees, for before/after)
     ops = host_ops.simd_level() if hasattr(host_ops, "simd_level") else "?"
-    print(f"CPU: {cpu}; {ARGS.threads} thread(s); CPU Adam {cpu_adam.simd_level()}; "
-          f"host ops {ops}; torch {torch.__version__}; "
-          f"load avg {os.getloadavg()[0]:.2f}")
-    print(f"{'k':>2} {'elements':>11} {'host phase ms':>13} {'adam alone ms':>13} {'ratio':>6} "
-          f"{'paired':>6} {'(accumulate ms':>14} {'step ms)':>8}")
+    print(
+        f"CPU: {cpu}; {ARGS.threads} thread(s); CPU Adam {cpu_adam.simd_level()}; "
+        f"host ops {ops}; torch {torch.__version__}; "
+        f"load avg {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"{'k':>2} {'elements':>11} {'host phase ms':>13} {'adam alone ms':>13} {'ratio':>6} "
+        f"{'paired':>6} {'(accumulate ms':>14} {'step ms)':>8}"
+    )
     n = 0
     for row in ARGS.micro_batches.split(","):
         n = bench_row(row)

@@ -20,6 +20,7 @@ same logical copies, counted the same way.
   python bench/bench_traffic.py [--precisions bf16,fp16,fp32] [--micro 1,4] [--dp 1,2]
                                 [--iters 4] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRECISION_FLAGS = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}
 ELEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-PAPER_MIN = 4.0       # ZeRO-Offload paper: 2 B fp16 grad down + 2 B fp16 param up, per step
-DEEPSPEED_DOC = 8.0   # DeepSpeed stage-1/2 offload, documented: fp32 grads down + fp32 params up
+PAPER_MIN = 4.0  # ZeRO-Offload paper: 2 B fp16 grad down + 2 B fp16 param up, per step
+DEEPSPEED_DOC = 8.0  # DeepSpeed stage-1/2 offload, documented: fp32 grads down + fp32 params up
 
 NOTES = """\
 expected   = k x (compute-dtype bytes) down + 1 x up: 2k+2 B in fp16/bf16, 4k+4 B in fp32.
@@ -78,16 +79,27 @@ def measure(pretrain_argv) -> dict:
         for s, h in handlers.items():  # pretrain() installs its own stop handlers
             signal.signal(s, h)
     opt = captured[0]
-    return dict(bytes_down=opt.reducer.bytes_down, bytes_up=opt.bytes_up, steps=opt.step_count,
-                iterations=summary["iteration"], owned=opt.layout.host_numel,
-                total_params=opt.layout.numel,
-                step_stats=opt.stats()["host_device_bytes_per_param"],
-                skipped=summary.get("skipped_iterations", 0))
+    return dict(
+        bytes_down=opt.reducer.bytes_down,
+        bytes_up=opt.bytes_up,
+        steps=opt.step_count,
+        iterations=summary["iteration"],
+        owned=opt.layout.host_numel,
+        total_params=opt.layout.numel,
+        step_stats=opt.stats()["host_device_bytes_per_param"],
+        skipped=summary.get("skipped_iterations", 0),
+    )
 
 
 def measure_in_process(pretrain_argv) -> list[dict]:
-    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env = dict(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+    )
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -103,9 +115,18 @@ def measure_in_process(pretrain_argv) -> list[dict]:
 def measure_torchrun(pretrain_argv, nproc: int, threads: int) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="bench_traffic_") as work:
         prefix = os.path.join(work, "counters")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", os.path.abspath(__file__), "--worker", prefix, "--",
-               *pretrain_argv]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            os.path.abspath(__file__),
+            "--worker",
+            prefix,
+            "--",
+            *pretrain_argv,
+        ]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
         res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -119,19 +140,28 @@ def measure_torchrun(pretrain_argv, nproc: int, threads: int) -> list[dict]:
 
 
 def _parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--precisions", default="bf16,fp16,fp32")
     ap.add_argument("--micro", default="1,4", help="micro-batches per step (gradient accumulation)")
     ap.add_argument("--dp", default="1,2", help="data-parallel sizes (>1 runs under torchrun)")
     ap.add_argument("--dpu", action="store_true", help="add a bf16, k=1 row with DPU on")
-    ap.add_argument("--no-overflow-row", dest="overflow_row", action="store_false",
-                    help="skip the fp16 row whose every step overflows (and is skipped)")
+    ap.add_argument(
+        "--no-overflow-row",
+        dest="overflow_row",
+        action="store_false",
+        help="skip the fp16 row whose every step overflows (and is skipped)",
+    )
     ap.add_argument("--iters", type=int, default=4)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--bucket-size", type=int, default=50_000,
-                    help="--reduce-bucket-size: several buckets even on the small model")
+    ap.add_argument(
+        "--bucket-size",
+        type=int,
+        default=50_000,
+        help="--reduce-bucket-size: several buckets even on the small model",
+    )
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
     ap.add_argument("--json", metavar="FILE")
     a = ap.parse_args(argv)
@@ -146,13 +176,41 @@ def _parse_args(argv=None):
 
 def pretrain_argv(a, precision: str, k: int, dp: int, dpu: bool, extra=()) -> list[str]:
     mb = 2
-    flags = ["--num-layers", a.layers, "--hidden-size", a.hidden, "--num-attention-heads", 4,
-             "--seq-length", 32, "--vocab-size", 128, "--mock-data",
-             "--tokenizer-type", "NullTokenizer", "--micro-batch-size", mb,
-             "--global-batch-size", mb * k * dp, "--train-iters", a.iters, "--lr", "1e-4",
-             "--log-interval", 10 ** 6, "--eval-interval", 10 ** 6, "--eval-iters", 1,
-             "--optimizer", "adam", "--cpu-offload", "--reduce-bucket-size", a.bucket_size,
-             *PRECISION_FLAGS[precision]]
+    flags = [
+        "--num-layers",
+        a.layers,
+        "--hidden-size",
+        a.hidden,
+        "--num-attention-heads",
+        4,
+        "--seq-length",
+        32,
+        "--vocab-size",
+        128,
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--micro-batch-size",
+        mb,
+        "--global-batch-size",
+        mb * k * dp,
+        "--train-iters",
+        a.iters,
+        "--lr",
+        "1e-4",
+        "--log-interval",
+        10**6,
+        "--eval-interval",
+        10**6,
+        "--eval-iters",
+        1,
+        "--optimizer",
+        "adam",
+        "--cpu-offload",
+        "--reduce-bucket-size",
+        a.bucket_size,
+        *PRECISION_FLAGS[precision],
+    ]
     if dpu:
         flags += ["--dpu-warmup-steps", 1]
     return [str(f) for f in [*flags, *extra]]
@@ -160,47 +218,68 @@ def pretrain_argv(a, precision: str, k: int, dp: int, dpu: bool, extra=()) -> li
 
 def row(a, precision, k, dp, dpu=False, overflow=False) -> dict:
     # overflow: a loss scale so large that every fp16 step overflows and is skipped
-    extra = ["--initial-loss-scale", 2.0 ** 40, "--hysteresis", 1] if overflow else []
+    extra = ["--initial-loss-scale", 2.0**40, "--hysteresis", 1] if overflow else []
     argv = pretrain_argv(a, precision, k, dp, dpu, extra)
     recs = measure_in_process(argv) if dp == 1 else measure_torchrun(argv, dp, a.threads)
     r0 = recs[0]
     per = lambda b: b / r0["iterations"] / r0["owned"]  # noqa: E731
     e = ELEM_BYTES[precision]
     down, up = per(r0["bytes_down"]), per(r0["bytes_up"])
-    ranks_agree = all(abs(per(r["bytes_down"]) + per(r["bytes_up"]) - down - up) < 1e-9
-                      for r in recs)
+    ranks_agree = all(
+        abs(per(r["bytes_down"]) + per(r["bytes_up"]) - down - up) < 1e-9 for r in recs
+    )
     # k gradient copies per iteration; a parameter copy only for the steps not skipped
     expected = e * k + e * r0["steps"] / r0["iterations"]
-    return dict(precision=precision, micro_batches=k, dp=dp, dpu=dpu, overflow=overflow,
-                down=down, up=up, total=down + up, step_stats=r0["step_stats"],
-                expected=expected,
-                paper_min=PAPER_MIN if e == 2 else 2 * PAPER_MIN, deepspeed_doc=DEEPSPEED_DOC,
-                steps=r0["steps"], iterations=r0["iterations"], skipped=r0["skipped"],
-                owned=r0["owned"], total_params=r0["total_params"], ranks_agree=ranks_agree)
+    return dict(
+        precision=precision,
+        micro_batches=k,
+        dp=dp,
+        dpu=dpu,
+        overflow=overflow,
+        down=down,
+        up=up,
+        total=down + up,
+        step_stats=r0["step_stats"],
+        expected=expected,
+        paper_min=PAPER_MIN if e == 2 else 2 * PAPER_MIN,
+        deepspeed_doc=DEEPSPEED_DOC,
+        steps=r0["steps"],
+        iterations=r0["iterations"],
+        skipped=r0["skipped"],
+        owned=r0["owned"],
+        total_params=r0["total_params"],
+        ranks_agree=ranks_agree,
+    )
 
 
 def print_table(rows):
-    print("\n=== host<->device bytes per parameter per iteration (counted by ZeroOptimizer; "
-          "per owned parameter) ===")
-    hdr = (f"{'precision':9s} {'micro':>5s} {'DP':>3s} {'down':>6s} {'up':>6s} {'total':>6s} "
-           f"{'expected':>9s} {'step_stats':>10s} {'paper min':>9s} {'DeepSpeed':>9s} "
-           f"{'steps/iters':>11s}")
+    print(
+        "\n=== host<->device bytes per parameter per iteration (counted by ZeroOptimizer; "
+        "per owned parameter) ==="
+    )
+    hdr = (
+        f"{'precision':9s} {'micro':>5s} {'DP':>3s} {'down':>6s} {'up':>6s} {'total':>6s} "
+        f"{'expected':>9s} {'step_stats':>10s} {'paper min':>9s} {'DeepSpeed':>9s} "
+        f"{'steps/iters':>11s}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         name = r["precision"] + (" DPU" if r["dpu"] else "") + (" ovf" if r["overflow"] else "")
         exp = f"{r['expected']:.3g} B"
         pm = f"{r['paper_min']:g}" + ("" if r["precision"] != "fp32" else "*")
-        print(f"{name:9s} {r['micro_batches']:5d} {r['dp']:3d} {r['down']:6.2f} {r['up']:6.2f} "
-              f"{r['total']:6.2f} {exp:>9s} {r['step_stats']:10.2f} {pm:>9s} "
-              f"{'~' + format(r['deepspeed_doc'], 'g'):>9s} {r['steps']:>5d}/{r['iterations']:<5d}")
+        print(
+            f"{name:9s} {r['micro_batches']:5d} {r['dp']:3d} {r['down']:6.2f} {r['up']:6.2f} "
+            f"{r['total']:6.2f} {exp:>9s} {r['step_stats']:10.2f} {pm:>9s} "
+            f"{'~' + format(r['deepspeed_doc'], 'g'):>9s} {r['steps']:>5d}/{r['iterations']:<5d}"
+        )
     print(NOTES)
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:  # one rank under torchrun: write this rank's counters
-        prefix, rest = argv[1], argv[argv.index("--") + 1:]
+        prefix, rest = argv[1], argv[argv.index("--") + 1 :]
         rank = int(os.environ.get("RANK", 0))
         rec = measure(rest)
         with open(f"{prefix}.rank{rank}.json", "w") as f:
@@ -212,8 +291,10 @@ def main(argv=None):
         for k in a.micro:
             for dp in a.dp:
                 rows.append(row(a, precision, k, dp))
-                print(f"  {precision} k={k} DP={dp}: {rows[-1]['total']:.2f} B/param/iteration",
-                      flush=True)
+                print(
+                    f"  {precision} k={k} DP={dp}: {rows[-1]['total']:.2f} B/param/iteration",
+                    flush=True,
+                )
     if a.dpu and "bf16" in a.precisions:
         rows.append(row(a, "bf16", 1, 1, dpu=True))
     if a.overflow_row and "fp16" in a.precisions:
@@ -221,14 +302,18 @@ def main(argv=None):
     print_table(rows)
     for r in rows:
         if abs(r["total"] - r["expected"]) > 1e-6:
-            print(f"NOTE: {r['precision']} k={r['micro_batches']} DP={r['dp']}: counted "
-                  f"{r['total']:.3f} B/param, expected {r['expected']:g}")
+            print(
+                f"NOTE: {r['precision']} k={r['micro_batches']} DP={r['dp']}: counted "
+                f"{r['total']:.3f} B/param, expected {r['expected']:g}"
+            )
         if abs(r["step_stats"] - r["total"]) > 1e-6:
-            print(f"NOTE: {r['precision']}{' ovf' if r['overflow'] else ''} "
-                  f"k={r['micro_batches']}: the optimizer's step_stats() says "
-                  f"{r['step_stats']:.2f} B/param but {r['total']:.2f} moved per iteration "
-                  f"({r['skipped']} of {r['iterations']} steps skipped: bytes_down counts every "
-                  f"backward, the divisor only the steps taken)")
+            print(
+                f"NOTE: {r['precision']}{' ovf' if r['overflow'] else ''} "
+                f"k={r['micro_batches']}: the optimizer's step_stats() says "
+                f"{r['step_stats']:.2f} B/param but {r['total']:.2f} moved per iteration "
+                f"({r['skipped']} of {r['iterations']} steps skipped: bytes_down counts every "
+                f"backward, the divisor only the steps taken)"
+            )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(argv=argv, rows=rows), f, indent=2)

@@ -2,6 +2,7 @@
 paired loop that alternates DDP and ours iteration by iteration with timers around the
 ZeRO optimizer's pieces. Kept apart so the launcher stays readable.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,6 +37,7 @@ class Phases:
                 if stack:
                     stack[-1] += elapsed
                 self.total[name] += elapsed - child
+
         timed.__wrapped__ = fn
         return timed
 
@@ -98,7 +100,7 @@ def instrument_zero(ph: Phases) -> None:
 def _split_worker_argv(argv):
     """``--worker KIND [--out FILE] [--warmup N] -- <pretrain flags>``."""
     sep = argv.index("--")
-    head, rest = argv[:sep], argv[sep + 1:]
+    head, rest = argv[:sep], argv[sep + 1 :]
     return dict(zip(head[::2], head[1::2])), rest
 
 
@@ -154,9 +156,13 @@ class DDPTrainer:
         model.to(device)
         self.ddp = DDP(model)
         self.params = list(model.parameters())
-        self.opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr,
-                                     betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-                                     fused=True)
+        self.opt = torch.optim.AdamW(
+            param_groups(model, o.weight_decay),
+            lr=o.lr,
+            betas=(o.adam_beta1, o.adam_beta2),
+            eps=o.adam_eps,
+            fused=True,
+        )
         self.dp = ps.get_data_parallel_world_size()
         self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp)
         self.sched = LRScheduler.from_args(args)
@@ -175,8 +181,10 @@ class DDPTrainer:
         loss_sum = torch.zeros((), device=self.device)
         for k in range(self.num_micro):
             tokens = next(self.batches)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=t.bf16), \
-                    ph.section("forward"):
+            with (
+                torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=t.bf16),
+                ph.section("forward"),
+            ):
                 loss = self.ddp(tokens[:, :-1], tokens[:, 1:]).mean() / self.num_micro
             sync = contextlib.nullcontext() if k == self.num_micro - 1 else self.ddp.no_sync()
             with sync, ph.section("backward (+ overlapped DDP all-reduce)"):
@@ -213,8 +221,9 @@ class OursTrainer:
         from mp_offload.training import train_step
 
         lr = self.sched.get_lr(self.consumed)
-        out = train_step(self.model, self.opt, self.batches, self.num_micro, lr, self.dp,
-                         self.device)
+        out = train_step(
+            self.model, self.opt, self.batches, self.num_micro, lr, self.dp, self.device
+        )
         self.consumed += self.args.train.global_batch_size
         return out.loss
 
@@ -244,9 +253,18 @@ def worker_ddp(pretrain_argv):
         loss = trainer.iteration()
         elapsed = time.perf_counter() - t0
         if log:
-            log.write(json.dumps(dict(iteration=it, loss=loss, elapsed_ms=elapsed * 1e3,
-                                      tokens_per_sec=t.global_batch_size * args.model.seq_length
-                                      / elapsed, phases_ms=ph.cut())) + "\n")
+            log.write(
+                json.dumps(
+                    dict(
+                        iteration=it,
+                        loss=loss,
+                        elapsed_ms=elapsed * 1e3,
+                        tokens_per_sec=t.global_batch_size * args.model.seq_length / elapsed,
+                        phases_ms=ph.cut(),
+                    )
+                )
+                + "\n"
+            )
             log.flush()
     if log:
         log.close()
@@ -281,8 +299,9 @@ def worker_pair(pretrain_argv, out_path):
             loss = trainer.iteration()
             elapsed = time.perf_counter() - t0
             rng[0], rng[1] = torch.get_rng_state(), tracker.get_states()
-            records.append(dict(who=who, iteration=it, elapsed_ms=elapsed * 1e3, loss=loss,
-                                phases_ms=ph.cut()))
+            records.append(
+                dict(who=who, iteration=it, elapsed_ms=elapsed * 1e3, loss=loss, phases_ms=ph.cut())
+            )
     if hasattr(ours.opt, "flush"):
         ours.opt.flush()
     if dist.get_rank() == 0:

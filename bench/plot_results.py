@@ -1,8 +1,9 @@
 """PNG plots from the benches' JSON; without matplotlib each function says so and returns False.
 
-  python bench/plot_results.py cpu-adam results_cpu_adam.json docs/cpu_adam_throughput.png
-  python bench/plot_results.py e2e results_e2e.json docs/e2e_tokens_per_sec.png
+python bench/plot_results.py cpu-adam results_cpu_adam.json docs/cpu_adam_throughput.png
+python bench/plot_results.py e2e results_e2e.json docs/e2e_tokens_per_sec.png
 """
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,10 @@ import sys
 def _pyplot():
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         return plt
     except ImportError:
         print("matplotlib is not installed: no plot written (pip install matplotlib)")
@@ -64,22 +67,39 @@ def plot_e2e(report: dict, path: str) -> bool:
     keys = list(cfgs)
     tps = [cfgs[k]["tokens_per_sec"] for k in keys]
     # the spread of the per-run medians as error bars
-    lo = [cfgs[k]["tokens_per_sec"] * (1 - cfgs[k]["ms_median"] / max(cfgs[k]["ms_run_medians"]))
-          for k in keys]
-    hi = [cfgs[k]["tokens_per_sec"] * (cfgs[k]["ms_median"] / min(cfgs[k]["ms_run_medians"]) - 1)
-          for k in keys]
+    lo = [
+        cfgs[k]["tokens_per_sec"] * (1 - cfgs[k]["ms_median"] / max(cfgs[k]["ms_run_medians"]))
+        for k in keys
+    ]
+    hi = [
+        cfgs[k]["tokens_per_sec"] * (cfgs[k]["ms_median"] / min(cfgs[k]["ms_run_medians"]) - 1)
+        for k in keys
+    ]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     colors = ["tab:gray" if k == "ddp" else "tab:blue" for k in keys]
     bars = ax.bar(range(len(keys)), tps, yerr=[lo, hi], color=colors, capsize=4)
     for b, k in zip(bars, keys):
-        ax.text(b.get_x() + b.get_width() / 2, b.get_height() * 0.5,
-                f"{cfgs[k]['tokens_per_sec']:.0f}\n{cfgs[k]['vs_ddp']:.3f}x DDP",
-                ha="center", va="center", fontsize=8, color="white")
+        ax.text(
+            b.get_x() + b.get_width() / 2,
+            b.get_height() * 0.5,
+            f"{cfgs[k]['tokens_per_sec']:.0f}\n{cfgs[k]['vs_ddp']:.3f}x DDP",
+            ha="center",
+            va="center",
+            fontsize=8,
+            color="white",
+        )
     pair = report.get("pair")
     if pair:
-        ax.text(0.99, 0.02, f"paired run (iteration by iteration): (a)/(b) = "
-                f"{pair['ratio_median']:.3f}", transform=ax.transAxes, ha="right",
-                va="bottom", fontsize=8, bbox=dict(facecolor="white", alpha=0.8, lw=0))
+        ax.text(
+            0.99,
+            0.02,
+            f"paired run (iteration by iteration): (a)/(b) = {pair['ratio_median']:.3f}",
+            transform=ax.transAxes,
+            ha="right",
+            va="bottom",
+            fontsize=8,
+            bbox=dict(facecolor="white", alpha=0.8, lw=0),
+        )
     if "ddp" in cfgs:
         ax.axhline(cfgs["ddp"]["tokens_per_sec"], color="tab:gray", ls="--", lw=1)
     ax.set_xticks(range(len(keys)))
@@ -92,9 +112,12 @@ def plot_e2e(report: dict, path: str) -> bool:
     ax.set_xticklabels([wrap(cfgs[k]["label"]) for k in keys], fontsize=7)
     m, mod = report.get("meta", {}), report.get("model", {})
     ax.set_ylabel("tokens/s (median)")
-    ax.set_title(f"GPT {mod.get('layers')}x{mod.get('hidden')}, seq {mod.get('seq')}, "
-                 f"{mod.get('precision')}, {m.get('nproc')} ranks x {m.get('threads_per_rank')} "
-                 f"thread(s), CPU only", fontsize=10)
+    ax.set_title(
+        f"GPT {mod.get('layers')}x{mod.get('hidden')}, seq {mod.get('seq')}, "
+        f"{mod.get('precision')}, {m.get('nproc')} ranks x {m.get('threads_per_rank')} "
+        f"thread(s), CPU only",
+        fontsize=10,
+    )
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

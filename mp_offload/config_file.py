@@ -3,6 +3,7 @@ flags given on the command line win), and the run's resolved configuration writt
 in the same form (``<--save>/config.yaml``). Every mistake in a file is a ConfigError
 naming the file and the key.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,8 +48,9 @@ def _coerce(where: str, value, tp, choices):
         if tp is int and not isinstance(out, int):
             raise ValueError
     except (TypeError, ValueError):
-        raise ConfigError(f"{where} must be {'an' if tp is int else 'a'} {tp.__name__}, got "
-                          f"{value!r}") from None
+        raise ConfigError(
+            f"{where} must be {'an' if tp is int else 'a'} {tp.__name__}, got {value!r}"
+        ) from None
     if choices and out not in choices:
         raise ConfigError(f"{where} must be one of {', '.join(choices)}, got {out!r}")
     return out
@@ -72,8 +74,10 @@ def load_config_file(path: str) -> dict[str, object]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of flag names to values, got "
-                          f"a {type(data).__name__}")
+        raise ConfigError(
+            f"--config {path}: expected a mapping of flag names to values, got "
+            f"a {type(data).__name__}"
+        )
     fields = _fields_by_name()
     out = {}
     for key, value in data.items():
@@ -81,11 +85,13 @@ def load_config_file(path: str) -> dict[str, object]:
         if name not in fields:
             near = difflib.get_close_matches(name, fields, n=1)
             hint = f"; did you mean {near[0].replace('_', '-')!r}?" if near else ""
-            raise ConfigError(f"--config {path}: unknown key {key!r} (not a flag of "
-                              f"pretrain_gpt.py{hint})")
+            raise ConfigError(
+                f"--config {path}: unknown key {key!r} (not a flag of pretrain_gpt.py{hint})"
+            )
         group, f, tp = fields[name]
-        out[f"{group}.{name}"] = _coerce(f"--config {path}: key {key!r}", value, tp,
-                                         f.metadata.get("choices"))
+        out[f"{group}.{name}"] = _coerce(
+            f"--config {path}: key {key!r}", value, tp, f.metadata.get("choices")
+        )
     return out
 
 
@@ -93,8 +99,11 @@ def dump_config(args: Args) -> str:
     """Every field of ``args`` as YAML that ``--config`` reads back: the run's resolved
     configuration (its --config file, then its flags, then derived values)."""
     import yaml
-    lines = ["# The configuration of this run (its --config file and flags, resolved).",
-             "# Rerun it: pretrain_gpt.py --config <this file> [flags that override it]"]
+
+    lines = [
+        "# The configuration of this run (its --config file and flags, resolved).",
+        "# Rerun it: pretrain_gpt.py --config <this file> [flags that override it]",
+    ]
     for group, cls in CONFIG_CLASSES.items():
         values = {f.name: getattr(getattr(args, group), f.name) for f in dataclasses.fields(cls)}
         if group == "train" and values.get("train_samples") is not None:
@@ -105,6 +114,9 @@ def dump_config(args: Args) -> str:
             if values["max_position_embeddings"] == values["seq_length"]:
                 values["max_position_embeddings"] = None
         lines.append(f"# {group}")
-        lines.append(yaml.safe_dump(values, sort_keys=False, default_flow_style=False,
-                                    allow_unicode=True).rstrip())
+        lines.append(
+            yaml.safe_dump(
+                values, sort_keys=False, default_flow_style=False, allow_unicode=True
+            ).rstrip()
+        )
     return "\n".join(lines) + "\n"

@@ -8,6 +8,7 @@ one rank is raised on every rank instead of leaving the others waiting in the ne
 collective. ``fail`` prints the reason once for the whole job and exits;
 ``comm_failure`` turns a failed collective into a line naming what was waited for.
 """
+
 from __future__ import annotations
 
 import os
@@ -147,9 +148,11 @@ def pick_device(choice: str | None = None) -> torch.device:
     if local_rank >= count:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         seen = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
-        raise DeviceError(f"LOCAL_RANK {local_rank} has no GPU: {count} visible{seen}; start at "
-                          f"most {count} processes per node (torchrun --nproc-per-node {count}) "
-                          f"or run on the CPU with --device cpu or {DEVICE_ENV}=cpu")
+        raise DeviceError(
+            f"LOCAL_RANK {local_rank} has no GPU: {count} visible{seen}; start at "
+            f"most {count} processes per node (torchrun --nproc-per-node {count}) "
+            f"or run on the CPU with --device cpu or {DEVICE_ENV}=cpu"
+        )
     return torch.device("cuda", local_rank)
 
 
@@ -173,10 +176,13 @@ def apply_cpu_threads(n: int) -> str:
     try:
         from .ops.cpu_adam import set_num_threads, simd_level
     except ImportError:
-        return (f"host threads {n}; WARNING: the C++ CPU Adam is not built, the optimizer "
-                f"falls back to torch ops (several times slower): run `pip install -e .`")
+        return (
+            f"host threads {n}; WARNING: the C++ CPU Adam is not built, the optimizer "
+            f"falls back to torch ops (several times slower): run `pip install -e .`"
+        )
     set_num_threads(n)
     from .ops import host_ops
+
     host_ops.set_num_threads(n)
     return f"host threads {n}; CPU Adam {simd_level()}"
 
@@ -195,8 +201,10 @@ def format_minutes(minutes: float) -> str:
 
 def _wait_line(rank: int, world: int, where: str, joined: int | None) -> str:
     have = "" if joined is None else f" ({joined} of {world} joined)"
-    return (f"{PROG}: waiting for {world} ranks at {where}{have}; this is rank {rank} "
-            f"(MASTER_ADDR:MASTER_PORT, RANK, WORLD_SIZE from the launcher)")
+    return (
+        f"{PROG}: waiting for {world} ranks at {where}{have}; this is rank {rank} "
+        f"(MASTER_ADDR:MASTER_PORT, RANK, WORLD_SIZE from the launcher)"
+    )
 
 
 def _wait_for_master(addr: str, port: int, deadline: float, announce) -> None:
@@ -248,8 +256,12 @@ def _rendezvous(rank: int, world: int, timeout: timedelta):
         if not is_master:
             _wait_for_master(addr, port, deadline, announce)
         left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
-        store = dist.PrefixStore(f"attempt_{attempt}", dist.TCPStore(
-            addr, port, world, is_master=is_master, timeout=left, wait_for_workers=False))
+        store = dist.PrefixStore(
+            f"attempt_{attempt}",
+            dist.TCPStore(
+                addr, port, world, is_master=is_master, timeout=left, wait_for_workers=False
+            ),
+        )
         store.add("mp_offload/joined", 1)
         while (joined := store.add("mp_offload/joined", 0)) < world:
             announce(joined)
@@ -259,18 +271,21 @@ def _rendezvous(rank: int, world: int, timeout: timedelta):
         return store
     except (RendezvousError, RuntimeError) as e:  # torch's DistError is a RuntimeError
         if "address already in use" in str(e).lower():
-            raise RendezvousError(f"rank {rank} cannot listen at {where}: the port is in use "
-                                  f"(another job? set MASTER_PORT)") from None
+            raise RendezvousError(
+                f"rank {rank} cannot listen at {where}: the port is in use "
+                f"(another job? set MASTER_PORT)"
+            ) from None
         if not isinstance(e, RendezvousError) and time.monotonic() < deadline:
-            raise RendezvousError(f"rank {rank}: the rendezvous at {where} failed: "
-                                  f"{first_line(e)}") from None
-        who = (f"{joined} of {world} joined" if is_master or joined
-               else "rank 0 never answered")
+            raise RendezvousError(
+                f"rank {rank}: the rendezvous at {where} failed: {first_line(e)}"
+            ) from None
+        who = f"{joined} of {world} joined" if is_master or joined else "rank 0 never answered"
         raise RendezvousError(
             f"timed out after {format_minutes(timeout.total_seconds() / 60)} waiting for "
             f"{world} ranks at {where} ({who}; this is rank {rank}): start all {world} "
             f"processes with the same MASTER_ADDR and MASTER_PORT, or WORLD_SIZE=1 for one "
-            f"process (--distributed-timeout-minutes sets the wait)") from None
+            f"process (--distributed-timeout-minutes sets the wait)"
+        ) from None
 
 
 def init_distributed(device: str | None = None, timeout_minutes: float = 10.0) -> torch.device:
@@ -291,8 +306,7 @@ def init_distributed(device: str | None = None, timeout_minutes: float = 10.0) -
         timeout = timedelta(minutes=timeout_minutes)
         set_phase("the rendezvous")
         store = dist.HashStore() if world == 1 else _rendezvous(rank, world, timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         _STORE = store
     return dev
 
@@ -328,8 +342,15 @@ def agreed(fn, *, active: bool = True):
     return result
 
 
-_COMM_MARKERS = ("gloo", "connection reset by peer", "connection closed by peer",
-                 "pair closure", "nccl", "broken pipe", "timed out waiting")
+_COMM_MARKERS = (
+    "gloo",
+    "connection reset by peer",
+    "connection closed by peer",
+    "pair closure",
+    "nccl",
+    "broken pipe",
+    "timed out waiting",
+)
 
 
 def comm_failure(e: BaseException) -> str | None:
@@ -340,13 +361,21 @@ def comm_failure(e: BaseException) -> str | None:
         return None
     if "timed out" in text or "timeout" in text:
         stalled = ranks_not_waiting(min(10.0, _TIMEOUT_MINUTES * 30.0))
-        who = (f"rank{'s' if len(stalled) > 1 else ''} {', '.join(map(str, stalled))}, "
-               f"which did not reach it" if stalled else "the other ranks")
-        return (f"timed out after {format_minutes(_TIMEOUT_MINUTES)} during {_PHASE} "
-                f"waiting for {who}: a rank stalled or stopped (see its message above, if "
-                f"any); --distributed-timeout-minutes sets the limit")
-    return (f"lost contact with another rank during {_PHASE}: it stopped without a message "
-            f"(killed, out of memory, or crashed?): {_cause(first_line(e))}")
+        who = (
+            f"rank{'s' if len(stalled) > 1 else ''} {', '.join(map(str, stalled))}, "
+            f"which did not reach it"
+            if stalled
+            else "the other ranks"
+        )
+        return (
+            f"timed out after {format_minutes(_TIMEOUT_MINUTES)} during {_PHASE} "
+            f"waiting for {who}: a rank stalled or stopped (see its message above, if "
+            f"any); --distributed-timeout-minutes sets the limit"
+        )
+    return (
+        f"lost contact with another rank during {_PHASE}: it stopped without a message "
+        f"(killed, out of memory, or crashed?): {_cause(first_line(e))}"
+    )
 
 
 _TIMED_OUT = "mp_offload/timed_out/"

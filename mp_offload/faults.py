@@ -8,6 +8,7 @@ Both hooks read an environment variable and do nothing without it:
   MP_OFFLOAD_FAULT_STALL=<rank>:<iteration>:<secs>  stall that global rank (RANK) after
                                                     that iteration, as a hung rank would
 """
+
 from __future__ import annotations
 
 import os

@@ -9,6 +9,7 @@ apart (e.g. through a non-deterministic kernel on one GPU).
     torchrun --nproc-per-node 2 tools/generate.py --tensor-model-parallel-size 2 \
         --load ckpt --prompt "def main(" --max-new-tokens 64 --top-p 0.9
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,9 +35,16 @@ from .tensor_parallel import gather_from_tp_region
 from .tensor_parallel.utils import TP_ATTRIBUTES
 
 
-def sample_token(logits: torch.Tensor, vocab_size: int, *, greedy: bool = False,
-                 top_k: int = 0, top_p: float = 1.0, temperature: float = 1.0,
-                 generator: torch.Generator | None = None) -> int:
+def sample_token(
+    logits: torch.Tensor,
+    vocab_size: int,
+    *,
+    greedy: bool = False,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> int:
     """One token id from full (padded) logits [padded_vocab]; ids >= vocab_size never."""
     logits = logits.detach().float().cpu().clone()
     logits[vocab_size:] = float("-inf")  # padding rows are zero, their logit is not -inf
@@ -66,9 +74,15 @@ def _agree(token: int, group: ps.ParallelGroup, device) -> int:
 
 
 @torch.no_grad()
-def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *,
-             eod: int | None = None, generator: torch.Generator | None = None,
-             **sampling) -> list[int]:
+def generate(
+    model: GPTModel,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    eod: int | None = None,
+    generator: torch.Generator | None = None,
+    **sampling,
+) -> list[int]:
     """The new token ids after ``prompt`` (stops early at ``eod`` when given)."""
     if not prompt:
         raise ValueError("empty prompt (and no end-of-document token to start from)")
@@ -77,19 +91,23 @@ def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *,
     cfg, tokens = model.cfg, list(prompt)
     for _ in range(max_new_tokens):
         # Learned positions stop at max_position_embeddings: keep only the newest tokens.
-        ctx = torch.tensor([tokens[-cfg.max_position_embeddings:]], device=device)
+        ctx = torch.tensor([tokens[-cfg.max_position_embeddings :]], device=device)
         local = model(ctx)[:, -1]  # [1, padded_vocab / tp]
         full = gather_from_tp_region(local, model.tp_group)[0]
-        token = _agree(sample_token(full, cfg.vocab_size, generator=generator, **sampling),
-                       model.tp_group, device)
+        token = _agree(
+            sample_token(full, cfg.vocab_size, generator=generator, **sampling),
+            model.tp_group,
+            device,
+        )
         tokens.append(token)
         if eod is not None and token == eod:
             break
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
-def load_model(ckpt: str, tp_group: ps.ParallelGroup | None = None, dtype=torch.float32,
-               device="cpu") -> GPTModel:
+def load_model(
+    ckpt: str, tp_group: ps.ParallelGroup | None = None, dtype=torch.float32, device="cpu"
+) -> GPTModel:
     """A GPTModel holding the checkpoint's weights, split for ``tp_group`` (default: one
     process)."""
     tp_group = tp_group or ps.ParallelGroup.single()
@@ -107,9 +125,14 @@ def load_model(ckpt: str, tp_group: ps.ParallelGroup | None = None, dtype=torch.
     return model.eval()
 
 
-def tokenizer_for(saved_args: dict, vocab_size: int, tokenizer_type: str | None = None,
-                  tokenizer_model: str | None = None, vocab_file: str | None = None,
-                  merge_file: str | None = None):
+def tokenizer_for(
+    saved_args: dict,
+    vocab_size: int,
+    tokenizer_type: str | None = None,
+    tokenizer_model: str | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+):
     """(tokenizer, stops_at_eod): the flags' tokenizer, else the one the run trained with.
 
     The run's is rebuilt from its recorded data args (``--tokenizer-type``,
@@ -119,29 +142,41 @@ def tokenizer_for(saved_args: dict, vocab_size: int, tokenizer_type: str | None 
     and no EOD to stop at.
     """
     from .data.tokenizer import build_tokenizer
+
     data = saved_args.get("data", {})
     mock = tokenizer_type is None and data.get("mock_data", False)
     tokenizer_type = tokenizer_type or ("NullTokenizer" if mock else data.get("tokenizer_type"))
     if tokenizer_type == "NullTokenizer":
         return build_tokenizer("NullTokenizer", vocab_size=vocab_size - 1), not mock
-    return build_tokenizer(tokenizer_type, tokenizer_model or data.get("tokenizer_model"),
-                           vocab_file=vocab_file or data.get("vocab_file"),
-                           merge_file=merge_file or data.get("merge_file")), True
+    return build_tokenizer(
+        tokenizer_type,
+        tokenizer_model or data.get("tokenizer_model"),
+        vocab_file=vocab_file or data.get("vocab_file"),
+        merge_file=merge_file or data.get("merge_file"),
+    ), True
 
 
 # ------------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Sample text from an mp_offload checkpoint "
-                                            "(single process, or torchrun with TP)",
-                                formatter_class=DefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description="Sample text from an mp_offload checkpoint "
+        "(single process, or torchrun with TP)",
+        formatter_class=DefaultsHelpFormatter,
+    )
     p.add_argument("--load", required=True, help="checkpoint root (or an iter_* directory)")
     p.add_argument("--iteration", type=int, help="default: the latest checkpoint")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES,
-                   help="default: the one saved with the run (an imported Hugging Face "
-                        "model has none: HuggingFaceTokenizer with its directory)")
-    p.add_argument("--tokenizer-model", help="SentencePiece model, or tokenizer.json or a "
-                   "directory holding one (default: the run's)")
+    p.add_argument(
+        "--tokenizer-type",
+        choices=TOKENIZER_TYPES,
+        help="default: the one saved with the run (an imported Hugging Face "
+        "model has none: HuggingFaceTokenizer with its directory)",
+    )
+    p.add_argument(
+        "--tokenizer-model",
+        help="SentencePiece model, or tokenizer.json or a "
+        "directory holding one (default: the run's)",
+    )
     p.add_argument("--vocab-file", help="GPT2BPETokenizer vocab.json (default: the run's)")
     p.add_argument("--merge-file", help="GPT2BPETokenizer merges.txt (default: the run's)")
     p.add_argument("--prompt", default="", help="text to continue (empty: start at EOD)")
@@ -149,8 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--greedy", action="store_true", help="always the most likely token")
     mode.add_argument("--top-k", type=int, default=0, help="sample among the k most likely")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="sample from the smallest set holding this probability mass")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample from the smallest set holding this probability mass",
+    )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--ignore-eod", action="store_true", help="keep going past end-of-document")
@@ -166,8 +205,10 @@ def sampling_problem(a) -> str | None:
     if a.top_k < 0:
         return f"--top-k must be >= 0 (0: no limit), got {a.top_k}"
     if not a.temperature > 0:
-        return (f"--temperature must be > 0, got {a.temperature:g} (--greedy picks the most "
-                f"likely token)")
+        return (
+            f"--temperature must be > 0, got {a.temperature:g} (--greedy picks the most "
+            f"likely token)"
+        )
     if a.max_new_tokens < 0:
         return f"--max-new-tokens must be >= 0, got {a.max_new_tokens}"
     if a.tensor_model_parallel_size < 1:
@@ -178,6 +219,7 @@ def sampling_problem(a) -> str | None:
 def _setup(tp: int):
     """Join torchrun's world when there is one; returns (device, created_group)."""
     from .distributed import DeviceError, pick_device
+
     try:
         device = pick_device()
     except DeviceError as e:
@@ -192,8 +234,10 @@ def _setup(tp: int):
     if dist.is_initialized():
         ps.initialize_model_parallel(tp)
     elif tp != 1:
-        raise SystemExit(f"generate: --tensor-model-parallel-size {tp} needs torchrun with "
-                         f"a multiple of {tp} processes")
+        raise SystemExit(
+            f"generate: --tensor-model-parallel-size {tp} needs torchrun with "
+            f"a multiple of {tp} processes"
+        )
     return device, created
 
 
@@ -211,16 +255,26 @@ def main(argv=None) -> dict:
         try:  # load everywhere, then agree on failure: one bad rank must not hang the rest
             ckpt = resolve_checkpoint(a.load, a.iteration)
             full = FullTensors(ckpt)
-            saved = dict(full.common().get("args", {}),
-                         data=tokenizer_args(ckpt, full.common()))
-            tok, stops = tokenizer_for(saved, full.config.vocab_size, a.tokenizer_type,
-                                       a.tokenizer_model, a.vocab_file, a.merge_file)
+            saved = dict(full.common().get("args", {}), data=tokenizer_args(ckpt, full.common()))
+            tok, stops = tokenizer_for(
+                saved,
+                full.config.vocab_size,
+                a.tokenizer_type,
+                a.tokenizer_model,
+                a.vocab_file,
+                a.merge_file,
+            )
             if tok.vocab_size > full.config.vocab_size:
-                raise CheckpointError(f"the tokenizer has {tok.vocab_size} ids, the model "
-                                      f"only {full.config.vocab_size}")
+                raise CheckpointError(
+                    f"the tokenizer has {tok.vocab_size} ids, the model "
+                    f"only {full.config.vocab_size}"
+                )
             prompt = tok.tokenize(a.prompt) if a.prompt else [tok.eod]
-            tp = ps.get_tensor_model_parallel_group() if dist.is_initialized() \
+            tp = (
+                ps.get_tensor_model_parallel_group()
+                if dist.is_initialized()
                 else ps.ParallelGroup.single()
+            )
             model = load_model(ckpt, tp, getattr(torch, a.dtype), device)
         except (CheckpointError, ValueError, OSError) as e:
             error = f"{type(e).__name__}: {e}"
@@ -228,12 +282,24 @@ def main(argv=None) -> dict:
         if error:
             raise SystemExit(f"generate: {error}")
         gen = torch.Generator().manual_seed(a.seed)  # same stream on every rank
-        new = generate(model, prompt, a.max_new_tokens, generator=gen,
-                       eod=tok.eod if stops and not a.ignore_eod else None,
-                       greedy=a.greedy, top_k=a.top_k, top_p=a.top_p,
-                       temperature=a.temperature)
-        result = {"checkpoint": ckpt, "prompt": a.prompt, "prompt_ids": prompt,
-                  "generated_ids": new, "text": tok.detokenize(new)}
+        new = generate(
+            model,
+            prompt,
+            a.max_new_tokens,
+            generator=gen,
+            eod=tok.eod if stops and not a.ignore_eod else None,
+            greedy=a.greedy,
+            top_k=a.top_k,
+            top_p=a.top_p,
+            temperature=a.temperature,
+        )
+        result = {
+            "checkpoint": ckpt,
+            "prompt": a.prompt,
+            "prompt_ids": prompt,
+            "generated_ids": new,
+            "text": tok.detokenize(new),
+        }
         if rank0:
             # Detokenize prompt and continuation together so pieces join as they should.
             print(tok.detokenize(prompt + new) if a.prompt else result["text"], flush=True)
@@ -246,4 +312,3 @@ def main(argv=None) -> dict:
             ps.destroy_model_parallel()
         if created:
             dist.destroy_process_group()
-

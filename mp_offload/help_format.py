@@ -1,4 +1,5 @@
 """``--help`` that shows defaults, for every command-line entry point of the project."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,13 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action):
         help_ = action.help or ""
         default = action.default
-        if ("default" in help_ or default is None or default is False
-                or default is argparse.SUPPRESS or not action.option_strings):
+        if (
+            "default" in help_
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or not action.option_strings
+        ):
             return help_
         shown = " ".join(map(str, default)) if isinstance(default, list) else "%(default)s"
         return f"{help_} (default: {shown})"

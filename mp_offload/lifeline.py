@@ -12,6 +12,7 @@ request, so a launcher that died in between is noticed too.
 
 No torch here: importing this module must be instant.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -41,6 +42,8 @@ def exit_with_parent(sig: int = signal.SIGTERM) -> str | None:
     except (OSError, AttributeError):
         return None
     if os.getppid() != _PARENT:
-        return (f"the launcher (pid {_PARENT}) exited before this worker started; "
-                f"stopping (nothing trained yet)")
+        return (
+            f"the launcher (pid {_PARENT}) exited before this worker started; "
+            f"stopping (nothing trained yet)"
+        )
     return None

@@ -4,6 +4,7 @@
 only; pass ``extra={"all_ranks": True}`` for a line every rank must print. ``Logger``
 adds one JSON object per iteration/evaluation (``--log-json``) and TensorBoard.
 """
+
 from __future__ import annotations
 
 import json
@@ -84,6 +85,7 @@ class Logger:
         if is_main and cfg.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
+
                 self.tb = SummaryWriter(cfg.tensorboard_dir)
             except ImportError:
                 self.info("--tensorboard-dir given but tensorboard is not installed; skipping")
@@ -92,8 +94,10 @@ class Logger:
             try:
                 import wandb
             except ImportError:
-                self.info(f"warning: --wandb-project {cfg.wandb_project}: wandb is not "
-                          "installed (pip install wandb); not logging to Weights & Biases")
+                self.info(
+                    f"warning: --wandb-project {cfg.wandb_project}: wandb is not "
+                    "installed (pip install wandb); not logging to Weights & Biases"
+                )
             else:
                 self.wandb = wandb.init(project=cfg.wandb_project, config=run_config or {})
 
@@ -123,8 +127,11 @@ class Logger:
                 self.json.flush()
             except OSError as e:  # a full disk: say which file
                 raise OSError(e.errno, f"--log-json {self.json.name}: {e.strerror}") from None
-        numbers = {k: v for k, v in rec.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"}
+        numbers = {
+            k: v
+            for k, v in rec.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"
+        }
         if self.tb:
             for k, v in numbers.items():
                 self.tb.add_scalar(k, v, rec["iteration"])
@@ -142,14 +149,16 @@ class Logger:
             if self.total_iters is not None:
                 it = f"{it}/{self.total_iters}".rjust(2 * len(str(self.total_iters)) + 1)
             eta = f" | ETA {hms(progress['eta_s'])}" if "eta_s" in progress else ""
-            line = (f" iteration {it} | elapsed {hms(progress['elapsed_s'])}"
-                    f"{eta} | consumed samples "
-                    f"{rec['consumed_samples']:10d} | ms/iter {rec['elapsed_ms']:8.1f} | "
-                    f"lr {rec['lr']:.3e} | loss {rec['loss']:.4f} | grad norm "
-                    f"{rec['grad_norm']:.3f} | loss scale {rec['loss_scale']:g} | skipped "
-                    f"{rec['skipped_iterations']} | tokens/s {rec['tokens_per_sec']:.0f} | "
-                    f"TFLOPS/dev {rec['tflops_per_device']:.3f} | peak mem dev/host GB "
-                    f"{rec['peak_device_gb']:.2f}/{rec['peak_host_gb']:.2f}")
+            line = (
+                f" iteration {it} | elapsed {hms(progress['elapsed_s'])}"
+                f"{eta} | consumed samples "
+                f"{rec['consumed_samples']:10d} | ms/iter {rec['elapsed_ms']:8.1f} | "
+                f"lr {rec['lr']:.3e} | loss {rec['loss']:.4f} | grad norm "
+                f"{rec['grad_norm']:.3f} | loss scale {rec['loss_scale']:g} | skipped "
+                f"{rec['skipped_iterations']} | tokens/s {rec['tokens_per_sec']:.0f} | "
+                f"TFLOPS/dev {rec['tflops_per_device']:.3f} | peak mem dev/host GB "
+                f"{rec['peak_device_gb']:.2f}/{rec['peak_host_gb']:.2f}"
+            )
             if "host_device_bytes_per_param" in rec:  # ZeRO-Offload traffic, per owned param
                 line += f" | host<->device B/param {rec['host_device_bytes_per_param']:.2f}"
             log.info(line)

@@ -4,14 +4,21 @@ Linear warmup to ``max_lr``, then constant, linear or cosine decay to ``min_lr``
 past the decay horizon the rate stays at ``min_lr``. Counting samples (not steps)
 keeps the schedule right when the global batch size changes on resume.
 """
+
 from __future__ import annotations
 
 import math
 
 
 class LRScheduler:
-    def __init__(self, max_lr: float, min_lr: float, warmup_samples: int, decay_samples: int,
-                 style: str = "cosine"):
+    def __init__(
+        self,
+        max_lr: float,
+        min_lr: float,
+        warmup_samples: int,
+        decay_samples: int,
+        style: str = "cosine",
+    ):
         if style not in ("constant", "linear", "cosine"):
             raise ValueError(f"--lr-decay-style {style!r} is not one of constant, linear, cosine")
         if min_lr > max_lr:
@@ -34,5 +41,10 @@ class LRScheduler:
     def from_args(cls, args) -> LRScheduler:
         """The run's schedule: Megatron's iteration flags turned into sample counts."""
         o, gbs = args.optim, args.train.global_batch_size
-        return cls(o.lr, o.min_lr, o.lr_warmup_iters * gbs,
-                   (o.lr_decay_iters or args.train.train_iters) * gbs, o.lr_decay_style)
+        return cls(
+            o.lr,
+            o.min_lr,
+            o.lr_warmup_iters * gbs,
+            (o.lr_decay_iters or args.train.train_iters) * gbs,
+            o.lr_decay_style,
+        )

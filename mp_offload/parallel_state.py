@@ -13,6 +13,7 @@ of silently training an unsplit model.
 Pipeline parallelism would add a third axis between TP and DP; the code keeps the
 groups in one place so that it could.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ class ParallelGroup:
     ``group`` is None for a single process and for a *planned* group (a meta-device
     build for the planner), which knows its size and rank but can run no collective.
     """
+
     size: int
     rank: int
     group: object | None = None
@@ -61,8 +63,10 @@ class ParallelGroup:
     def torch_group(self):
         """The process group to pass to a collective (only when ``size > 1``)."""
         if self.group is None and self.size > 1:
-            raise ParallelStateError(f"a planned group of {self.size} ranks cannot communicate "
-                                     f"(it was built for the meta device)")
+            raise ParallelStateError(
+                f"a planned group of {self.size} ranks cannot communicate "
+                f"(it was built for the meta device)"
+            )
         return self.group
 
 
@@ -70,22 +74,30 @@ _TP: ParallelGroup | None = None
 _DP: ParallelGroup | None = None
 
 
-def validate_parallel_sizes(world_size: int, tp: int, *, num_attention_heads: int | None = None,
-                            hidden_size: int | None = None) -> None:
+def validate_parallel_sizes(
+    world_size: int,
+    tp: int,
+    *,
+    num_attention_heads: int | None = None,
+    hidden_size: int | None = None,
+) -> None:
     """Reject layouts that cannot be split evenly, naming the flag at fault."""
     if tp < 1:
         raise ParallelConfigError(f"--tensor-model-parallel-size must be >= 1, got {tp}")
     if world_size % tp != 0:
         raise ParallelConfigError(
             f"--tensor-model-parallel-size {tp} does not divide the world size {world_size} "
-            f"(number of processes)")
+            f"(number of processes)"
+        )
     if num_attention_heads is not None and num_attention_heads % tp != 0:
         raise ParallelConfigError(
             f"--num-attention-heads {num_attention_heads} is not divisible by "
-            f"--tensor-model-parallel-size {tp}")
+            f"--tensor-model-parallel-size {tp}"
+        )
     if hidden_size is not None and hidden_size % tp != 0:
         raise ParallelConfigError(
-            f"--hidden-size {hidden_size} is not divisible by --tensor-model-parallel-size {tp}")
+            f"--hidden-size {hidden_size} is not divisible by --tensor-model-parallel-size {tp}"
+        )
 
 
 def rank_layout(world_size: int, tp: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -100,8 +112,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
     """Create the TP and DP groups of the running job (torch.distributed must be up)."""
     global _TP, _DP
     if not dist.is_initialized():
-        raise ParallelStateError("initialize_model_parallel: torch.distributed is not "
-                                 "initialized")
+        raise ParallelStateError("initialize_model_parallel: torch.distributed is not initialized")
     world, rank = dist.get_world_size(), dist.get_rank()
     tp = tensor_model_parallel_size
     validate_parallel_sizes(world, tp)
@@ -127,7 +138,8 @@ def _need(handle: ParallelGroup | None, what: str) -> ParallelGroup:
         raise ParallelStateError(
             f"the {what} group is not initialised: call "
             f"mp_offload.parallel_state.initialize_model_parallel() first, or pass "
-            f"tp_group=ParallelGroup.single() to build an unsplit model")
+            f"tp_group=ParallelGroup.single() to build an unsplit model"
+        )
     return handle
 
 

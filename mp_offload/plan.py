@@ -12,6 +12,7 @@ The pieces live in mp_offload/planner/: shapes (exact per-rank parameter layout)
 activations (the estimate and its formula), memory (categories, modes, fit), search
 (largest model, paper table), throughput (step-time model), cli.
 """
+
 import sys
 
 from .planner.cli import dry_run, main

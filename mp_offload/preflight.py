@@ -5,6 +5,7 @@ ranks: the --data-path files, the tokenizer files (the tokenizer is loaded here,
 and handed to the data pipeline), and the places the run will write its logs. Every
 problem is one line naming the flag and the fix; the job prints them once and exits 2.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,10 @@ def _output_problems(args: Args) -> list[str]:
     found = []
     if args.log.log_json:
         found.append(_writable_file_problem("--log-json", args.log.log_json))
-    for flag, path in (("--tensorboard-dir", args.log.tensorboard_dir),
-                       ("--data-cache-dir", args.data.data_cache_dir)):
+    for flag, path in (
+        ("--tensorboard-dir", args.log.tensorboard_dir),
+        ("--data-cache-dir", args.data.data_cache_dir),
+    ):
         if path:
             found.append(_directory_problem(flag, path))
     return [p for p in found if p]
@@ -50,6 +53,7 @@ def _output_problems(args: Args) -> list[str]:
 
 def _data_prefixes(args: Args) -> list[str]:
     from .data.gpt_dataset import parse_data_path
+
     return parse_data_path(args.data.data_path)[0]
 
 

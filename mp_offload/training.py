@@ -13,6 +13,7 @@ stalled rank, a full disk). Workers started by a launcher end with it (``lifelin
 ``train_step`` is one optimizer step over a global batch; the loop (``train``) and the
 end-to-end benchmark both call it, so what is measured is what trains.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -79,8 +80,15 @@ class StepOutput:
     optimizer_ms: float = 0.0  # wall time of optimizer.step (the host phase with offload)
 
 
-def train_step(model, optimizer: Optimizer, batches, num_micro: int, lr: float,
-               dp: ps.ParallelGroup, device: torch.device) -> StepOutput:
+def train_step(
+    model,
+    optimizer: Optimizer,
+    batches,
+    num_micro: int,
+    lr: float,
+    dp: ps.ParallelGroup,
+    device: torch.device,
+) -> StepOutput:
     """One optimizer step: ``num_micro`` forward/backward passes, then ``optimizer.step``.
 
     ``batches`` yields [micro, seq+1] token tensors; the loss of each micro-batch is
@@ -133,6 +141,7 @@ class Sampler:
 
     def __init__(self, args: Args, vocab_size: int):
         from .generation import tokenizer_for
+
         self.tok, stops = tokenizer_for({"data": dataclasses.asdict(args.data)}, vocab_size)
         text = args.log.sample_prompt
         try:
@@ -143,9 +152,9 @@ class Sampler:
         self.eod = self.tok.eod if stops else None
         self.tokens = args.log.sample_tokens
 
-    def __call__(self, model, optimizer: Optimizer, device, iteration: int,
-                 logger: Logger) -> str:
+    def __call__(self, model, optimizer: Optimizer, device, iteration: int, logger: Logger) -> str:
         from .generation import generate
+
         with torch.no_grad(), autocast(optimizer, device):
             new = generate(model, self.prompt, self.tokens, eod=self.eod, greedy=True)
         model.train()
@@ -175,21 +184,38 @@ class _StopFlag:
 def _save(args: Args, iteration: int, consumed: int, model, optimizer) -> None:
     set_phase(f"the checkpoint save at iteration {iteration}")
     t0 = time.perf_counter()
-    path = save_checkpoint(args.ckpt.save, iteration, consumed, model, optimizer, args,
-                           keep=args.ckpt.keep_checkpoints)
+    path = save_checkpoint(
+        args.ckpt.save, iteration, consumed, model, optimizer, args, keep=args.ckpt.keep_checkpoints
+    )
     log.info(f"saved checkpoint {path} in {time.perf_counter() - t0:.1f}s")
 
 
-def _record(args: Args, iteration: int, consumed: int, lr: float, out: StepOutput,
-            optimizer: Optimizer, elapsed: float, flops_tok: int) -> dict:
+def _record(
+    args: Args,
+    iteration: int,
+    consumed: int,
+    lr: float,
+    out: StepOutput,
+    optimizer: Optimizer,
+    elapsed: float,
+    flops_tok: int,
+) -> dict:
     """The log record of one iteration (Megatron's fields plus throughput and traffic)."""
     t = args.train
     tokens_per_sec = t.global_batch_size * args.model.seq_length / elapsed
-    rec = dict(iteration=iteration, consumed_samples=consumed, loss=out.loss, lr=lr,
-               grad_norm=out.result.grad_norm, loss_scale=out.result.loss_scale,
-               skipped_iterations=optimizer.skipped_steps, tokens_per_sec=tokens_per_sec,
-               elapsed_ms=elapsed * 1e3, optimizer_ms=out.optimizer_ms,
-               tflops_per_device=flops_tok * tokens_per_sec / dist.get_world_size() / 1e12)
+    rec = dict(
+        iteration=iteration,
+        consumed_samples=consumed,
+        loss=out.loss,
+        lr=lr,
+        grad_norm=out.result.grad_norm,
+        loss_scale=out.result.loss_scale,
+        skipped_iterations=optimizer.skipped_steps,
+        tokens_per_sec=tokens_per_sec,
+        elapsed_ms=elapsed * 1e3,
+        optimizer_ms=out.optimizer_ms,
+        tflops_per_device=flops_tok * tokens_per_sec / dist.get_world_size() / 1e12,
+    )
     rec.update(optimizer.stats())
     return rec
 
@@ -203,12 +229,22 @@ def _check_skipped(in_a_row: int, limit: int, iteration: int, out: StepOutput) -
             f"{iteration - in_a_row + 1}-{iteration}, loss {out.loss:.4g}, loss scale "
             f"{out.result.loss_scale:g}): the run is diverging; stopping without saving (lower "
             f"--lr, check the data, or use --bf16; --max-consecutive-skipped-steps sets the "
-            f"limit)")
+            f"limit)"
+        )
 
 
-def train(args: Args, model, optimizer: Optimizer, train_iter, valid_iter, device,
-          logger: Logger, start_iteration: int = 0, consumed_samples: int = 0,
-          sampler: Sampler | None = None) -> dict:
+def train(
+    args: Args,
+    model,
+    optimizer: Optimizer,
+    train_iter,
+    valid_iter,
+    device,
+    logger: Logger,
+    start_iteration: int = 0,
+    consumed_samples: int = 0,
+    sampler: Sampler | None = None,
+) -> dict:
     """Iterate from ``start_iteration`` to --train-iters (or --exit-interval, or a signal),
     evaluating (and sampling) and saving on their intervals; returns the last iteration's
     record."""
@@ -228,8 +264,9 @@ def train(args: Args, model, optimizer: Optimizer, train_iter, valid_iter, devic
             sampler(model, optimizer, device, 0, logger)
     model.train()
     logger.start_loop(iteration, t.train_iters)
-    flops_tok = flops_per_token(args.model, args.model.recompute_activations,
-                                args.parallel.tensor_model_parallel_size)
+    flops_tok = flops_per_token(
+        args.model, args.model.recompute_activations, args.parallel.tensor_model_parallel_size
+    )
     skipped_in_a_row = 0
     while iteration < end:
         set_phase(f"iteration {iteration + 1}")
@@ -242,17 +279,28 @@ def train(args: Args, model, optimizer: Optimizer, train_iter, valid_iter, devic
         iteration += 1
         consumed_samples += t.global_batch_size
         if not math.isfinite(out.loss) and not t.fp16:
-            raise TrainingError(f"loss is {out.loss} at iteration {iteration}; stopping "
-                                f"(lower --lr, check the data, or use --fp16/--bf16 carefully)")
+            raise TrainingError(
+                f"loss is {out.loss} at iteration {iteration}; stopping "
+                f"(lower --lr, check the data, or use --fp16/--bf16 carefully)"
+            )
         skipped_in_a_row = skipped_in_a_row + 1 if out.result.skipped else 0
         _check_skipped(skipped_in_a_row, t.max_consecutive_skipped_steps, iteration, out)
-        last = _record(args, iteration, consumed_samples, lr, out, optimizer,
-                       time.perf_counter() - t0, flops_tok)
+        last = _record(
+            args,
+            iteration,
+            consumed_samples,
+            lr,
+            out,
+            optimizer,
+            time.perf_counter() - t0,
+            flops_tok,
+        )
         logger.iteration(last, print_line=iteration % args.log.log_interval == 0)
         if t.eval_interval and iteration % t.eval_interval == 0 and iteration < t.train_iters:
             set_phase(f"the evaluation at iteration {iteration}")
-            logger.evaluation(iteration, "valid",
-                              evaluate(model, optimizer, valid_iter, device, t.eval_iters))
+            logger.evaluation(
+                iteration, "valid", evaluate(model, optimizer, valid_iter, device, t.eval_iters)
+            )
             if sampler:
                 sampler(model, optimizer, device, iteration, logger)
         faults.after_iteration(iteration)
@@ -273,13 +321,22 @@ def _maybe_load(args: Args, model, optimizer) -> tuple[int, int]:
     if not c.load:
         return 0, 0
     weights_only = c.finetune or c.no_load_optim
-    res = load_checkpoint(c.load, model, optimizer, args, load_optim=not weights_only,
-                          load_rng=not (c.finetune or c.no_load_rng), log=log.info)
+    res = load_checkpoint(
+        c.load,
+        model,
+        optimizer,
+        args,
+        load_optim=not weights_only,
+        load_rng=not (c.finetune or c.no_load_rng),
+        log=log.info,
+    )
     if res is None:
         log.info(f"no checkpoint in {c.load}: starting from scratch")
         return 0, 0
-    log.info(f"loaded checkpoint from {c.load} at iteration {res[0]}"
-             f"{' (weights only)' if weights_only else ''}")
+    log.info(
+        f"loaded checkpoint from {c.load} at iteration {res[0]}"
+        f"{' (weights only)' if weights_only else ''}"
+    )
     return (0, 0) if c.finetune else res
 
 
@@ -292,8 +349,10 @@ def _checked_args(argv) -> tuple[Args, int]:
     world = env_int("WORLD_SIZE", 1)
     if args.parallel.world_size is not None:  # a dry run plans for any size; a real run
         if not args.train.dry_run and args.parallel.world_size != world:  # must agree
-            fail(f"--world-size {args.parallel.world_size} disagrees with the launcher's "
-                 f"WORLD_SIZE {world} (--world-size is for --dry-run)")
+            fail(
+                f"--world-size {args.parallel.world_size} disagrees with the launcher's "
+                f"WORLD_SIZE {world} (--world-size is for --dry-run)"
+            )
         world = args.parallel.world_size
     try:
         resolve(args, world, given_flags(argv))
@@ -309,10 +368,12 @@ def build_model_and_optimizer(args: Args, device: torch.device):
     model_parallel_seed(args.train.seed, ps.get_tensor_model_parallel_rank(), device.type)
     optimizer = build_optimizer(model, args, device)
     tp = args.parallel.tensor_model_parallel_size
-    log.info(f"GPT: {num_parameters(args.model, tp) / 1e6:.2f}M parameters, "
-             f"TP={tp} DP={ps.get_data_parallel_world_size()} device={device.type} "
-             f"optimizer={args.optim.optimizer}"
-             f"{' (cpu offload)' if args.optim.cpu_offload else ''}")
+    log.info(
+        f"GPT: {num_parameters(args.model, tp) / 1e6:.2f}M parameters, "
+        f"TP={tp} DP={ps.get_data_parallel_world_size()} device={device.type} "
+        f"optimizer={args.optim.optimizer}"
+        f"{' (cpu offload)' if args.optim.cpu_offload else ''}"
+    )
     report = optimizer.memory_report()
     if report:
         log.info(report)
@@ -333,36 +394,45 @@ def _run(args: Args, device, logger: Logger, tokenizer=None) -> dict:
     valid_consumed = (start // t.eval_interval + 1) * per_eval if start and t.eval_interval else 0
     train_iter = batch_iterator(train_ds, args, consumed, device)
     valid_iter = batch_iterator(valid_ds, args, valid_consumed, device)
-    summary = train(args, model, optimizer, train_iter, valid_iter, device, logger, start,
-                    consumed, sampler)
+    summary = train(
+        args, model, optimizer, train_iter, valid_iter, device, logger, start, consumed, sampler
+    )
     if summary.get("iteration", 0) >= t.train_iters:
         set_phase("the final evaluation")
         for name, ds in (("valid", valid_ds), ("test", test_ds)):
-            logger.evaluation(summary["iteration"], name,
-                              evaluate(model, optimizer, batch_iterator(ds, args, 0, device),
-                                       device, t.eval_iters))
+            logger.evaluation(
+                summary["iteration"],
+                name,
+                evaluate(
+                    model, optimizer, batch_iterator(ds, args, 0, device), device, t.eval_iters
+                ),
+            )
     if sampler:
         sampler(model, optimizer, device, summary["iteration"], logger)
     log.info(run_summary(args, logger, summary, start, consumed))
     return summary
 
 
-def run_summary(args: Args, logger: Logger, summary: dict, start_iteration: int,
-                start_consumed: int) -> str:
+def run_summary(
+    args: Args, logger: Logger, summary: dict, start_iteration: int, start_consumed: int
+) -> str:
     """The lines that end a run: time, tokens, final losses and the checkpoint."""
     seq, it = args.model.seq_length, summary["iteration"]
     seconds = time.time() - logger.start
     session = (summary["consumed_samples"] - start_consumed) * seq
     losses = ([f"train {summary['loss']:.4f}"] if "loss" in summary else []) + [
         f"{split} {loss:.4f} (ppl {math.exp(min(loss, 50.0)):.1f})"
-        for split, loss in logger.last_eval.items()]
-    lines = [" run summary:",
-             f"   iterations  {it}/{args.train.train_iters}"
-             f"{f' (resumed at {start_iteration})' if start_iteration else ''}"
-             f" in {hms(seconds)} (start-up, training and evaluation)",
-             f"   tokens      {summary['consumed_samples'] * seq:,} trained on in all; this "
-             f"session {session:,} ({session / max(seconds, 1e-9):,.0f} tokens/s overall)",
-             f"   final loss  {' | '.join(losses) or '-'}"]
+        for split, loss in logger.last_eval.items()
+    ]
+    lines = [
+        " run summary:",
+        f"   iterations  {it}/{args.train.train_iters}"
+        f"{f' (resumed at {start_iteration})' if start_iteration else ''}"
+        f" in {hms(seconds)} (start-up, training and evaluation)",
+        f"   tokens      {summary['consumed_samples'] * seq:,} trained on in all; this "
+        f"session {session:,} ({session / max(seconds, 1e-9):,.0f} tokens/s overall)",
+        f"   final loss  {' | '.join(losses) or '-'}",
+    ]
     if args.ckpt.save:
         lines.append(f"   checkpoint  {args.ckpt.save} (iteration {it})")
     return "\n".join(lines)
@@ -399,6 +469,7 @@ def write_run_config(args: Args) -> str | None:
 def _start(args: Args):
     """Every check that needs no other rank, then the process groups: (device, tokenizer)."""
     from .preflight import check_inputs
+
     stop = lifeline.exit_with_parent()
     if stop:
         fail(stop, code=1, everywhere=False)
@@ -442,13 +513,15 @@ def pretrain(argv=None) -> dict:
     args, world = _checked_args(argv)
     if args.train.dry_run:
         from .plan import dry_run  # deferred: only the planner needs it
+
         dry_run(args, world)
         return {}
     device, tokenizer = _start(args)
     logger, lock = None, None
     try:
-        logger = agreed(lambda: Logger(args.log, is_main=dist.get_rank() == 0,
-                                       run_config=flat_config(args)))
+        logger = agreed(
+            lambda: Logger(args.log, is_main=dist.get_rank() == 0, run_config=flat_config(args))
+        )
         try:  # before anything is built: a bad --save/--load pair must cost nothing
             lock = prepare_save(args.ckpt, log=log.info)
         except CheckpointError as e:

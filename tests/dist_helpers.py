@@ -1,4 +1,5 @@
 """Run a function on N gloo ranks (spawned processes) and surface their errors."""
+
 from __future__ import annotations
 
 import os
@@ -16,15 +17,22 @@ def free_port() -> int:
 
 
 def _entry(rank, world, port, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
     finally:
         from mp_offload import parallel_state
+
         parallel_state.destroy_model_parallel()
         if dist.is_initialized():  # pretrain() tears its own group down
             dist.destroy_process_group()
@@ -32,8 +40,9 @@ def _entry(rank, world, port, fn, args):
 
 def run_distributed(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; re-raise any failure."""
-    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world,
-                       join=True, start_method="spawn")
+    mp.start_processes(
+        _entry, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="spawn"
+    )
 
 
 def loss_and_grads(model, x, y):

@@ -4,11 +4,19 @@ Importable from test modules and from the ranks they spawn (conftest.py puts tes
 sys.path). Tests that need another size pass it as an override, so each test's model
 stays visible at its call site.
 """
+
 from __future__ import annotations
 
-_TINY_GPT = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
-                 vocab_size=96, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
-                 attention_dropout=0.0)
+_TINY_GPT = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=16,
+    vocab_size=96,
+    make_vocab_size_divisible_by=8,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 
 #: ZeroOptimizer keywords (and the torch AdamW reference's) of the optimizer tests.
 ADAM_HP = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, clip_grad=0.5)
@@ -37,10 +45,41 @@ def tiny_model_flags(**overrides) -> list[str]:
 
 #: pretrain_gpt.py flags of the resume/reshard tests: the tiny GPT (vocabulary 100), mock
 #: data, 8 iterations with evaluation every 3, offload, buckets small enough for several.
-CKPT_RUN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--seq-length", "16", "--vocab-size", "100", "--make-vocab-size-divisible-by", "8",
-            "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "8",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-3",
-            "--lr-warmup-iters", "2", "--train-iters", "8", "--eval-interval", "3",
-            "--eval-iters", "1", "--log-interval", "100", "--cpu-offload",
-            "--reduce-bucket-size", "3000"]
+CKPT_RUN = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--vocab-size",
+    "100",
+    "--make-vocab-size-divisible-by",
+    "8",
+    "--mock-data",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--lr",
+    "3e-3",
+    "--lr-warmup-iters",
+    "2",
+    "--train-iters",
+    "8",
+    "--eval-interval",
+    "3",
+    "--eval-iters",
+    "1",
+    "--log-interval",
+    "100",
+    "--cpu-offload",
+    "--reduce-bucket-size",
+    "3000",
+]

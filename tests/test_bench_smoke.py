@@ -1,4 +1,5 @@
 """Smoke tests: every bench runs end to end at tiny sizes and prints its table."""
+
 import json
 import os
 import subprocess
@@ -15,8 +16,14 @@ pytestmark = pytest.mark.slow
 
 def run_bench(script, *args, timeout=120):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    res = subprocess.run([sys.executable, os.path.join(BENCH, script), *map(str, args)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    res = subprocess.run(
+        [sys.executable, os.path.join(BENCH, script), *map(str, args)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return res.stdout
 
@@ -24,10 +31,33 @@ def run_bench(script, *args, timeout=120):
 @pytest.fixture(scope="module")
 def e2e_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e") / "e2e.json"
-    stdout = run_bench("bench_e2e.py", "--layers", 1, "--hidden", 32, "--heads", 2, "--seq", 16,
-                       "--vocab", 64, "--micro-batch", 1, "--iters", 3, "--warmup", 1,
-                       "--repeats", 1, "--pair-iters", 4, "--configs", "ddp,offload",
-                       "--json", out)
+    stdout = run_bench(
+        "bench_e2e.py",
+        "--layers",
+        1,
+        "--hidden",
+        32,
+        "--heads",
+        2,
+        "--seq",
+        16,
+        "--vocab",
+        64,
+        "--micro-batch",
+        1,
+        "--iters",
+        3,
+        "--warmup",
+        1,
+        "--repeats",
+        1,
+        "--pair-iters",
+        4,
+        "--configs",
+        "ddp,offload",
+        "--json",
+        out,
+    )
     return stdout, json.loads(out.read_text())
 
 
@@ -50,21 +80,43 @@ def test_bench_e2e_tiny(e2e_report):
 
 def test_bench_traffic_tiny(tmp_path):
     out = tmp_path / "traffic.json"
-    stdout = run_bench("bench_traffic.py", "--precisions", "bf16,fp32", "--micro", "1,2",
-                       "--dp", "1", "--iters", 2, "--json", out)
+    stdout = run_bench(
+        "bench_traffic.py",
+        "--precisions",
+        "bf16,fp32",
+        "--micro",
+        "1,2",
+        "--dp",
+        "1",
+        "--iters",
+        2,
+        "--json",
+        out,
+    )
     assert "=== host<->device bytes per parameter per iteration" in stdout
     assert "paper min" in stdout and "DeepSpeed" in stdout
     rows = json.loads(out.read_text())["rows"]
     got = {(r["precision"], r["micro_batches"]): r["total"] for r in rows}
     # our step: k compute-dtype gradient copies down + one parameter copy up
-    assert got == pytest.approx({("bf16", 1): 4.0, ("bf16", 2): 6.0, ("fp32", 1): 8.0,
-                                 ("fp32", 2): 12.0})
+    assert got == pytest.approx(
+        {("bf16", 1): 4.0, ("bf16", 2): 6.0, ("fp32", 1): 8.0, ("fp32", 2): 12.0}
+    )
 
 
 def test_bench_cpu_adam_tiny(tmp_path):
     out = tmp_path / "adam.json"
-    stdout = run_bench("bench_cpu_adam.py", "--sizes", "2e4", "--repeats", 1, "--threads", 1,
-                       "--no-deepspeed", "--json", out)
+    stdout = run_bench(
+        "bench_cpu_adam.py",
+        "--sizes",
+        "2e4",
+        "--repeats",
+        1,
+        "--threads",
+        1,
+        "--no-deepspeed",
+        "--json",
+        out,
+    )
     assert "Mparams/s" in stdout and "stream_probe" in stdout
     assert json.loads(out.read_text())["sizes"]
 
@@ -84,11 +136,17 @@ def test_plots(tmp_path, e2e_report):
 def test_plots_without_matplotlib(tmp_path, e2e_report):
     src = tmp_path / "e2e.json"
     src.write_text(json.dumps(e2e_report[1]))
-    code = ("import sys; sys.modules['matplotlib'] = None; sys.path.insert(0, sys.argv[1]);"
-            "import plot_results; sys.exit(plot_results.main(['e2e', sys.argv[2], sys.argv[3]]))")
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; sys.path.insert(0, sys.argv[1]);"
+        "import plot_results; sys.exit(plot_results.main(['e2e', sys.argv[2], sys.argv[3]]))"
+    )
     png = tmp_path / "none.png"
-    res = subprocess.run([sys.executable, "-c", code, BENCH, str(src), str(png)],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-c", code, BENCH, str(src), str(png)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     assert "matplotlib is not installed" in res.stdout
     assert not png.exists()

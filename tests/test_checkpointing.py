@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, resharding, crash-safe saves, named load errors, and the
 guards around them (RNG device, overwrite, writability, lock, manifest checksum)."""
+
 import contextlib
 import errno
 import hashlib
@@ -38,8 +39,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(world, tp, *extra):
-    run_distributed(pretrain_worker, world,
-                    CKPT_RUN + ["--tensor-model-parallel-size", str(tp), *extra])
+    run_distributed(
+        pretrain_worker, world, CKPT_RUN + ["--tensor-model-parallel-size", str(tp), *extra]
+    )
 
 
 def records(path):
@@ -61,9 +63,11 @@ def unbroken(tmp_path_factory):
 
 
 # bf16-moments: Adam's moments stored in bf16 (and in the checkpoint, in their dtype)
-DTYPE_FLAGS = {"fp32": [], "bf16": ["--bf16"],
-               "bf16-moments": ["--bf16", "--exp-avg-dtype", "bf16",
-                                "--exp-avg-sq-dtype", "bf16"]}
+DTYPE_FLAGS = {
+    "fp32": [],
+    "bf16": ["--bf16"],
+    "bf16-moments": ["--bf16", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"],
+}
 
 
 @pytest.mark.parametrize("dtype", list(DTYPE_FLAGS))
@@ -76,12 +80,20 @@ def test_exact_resume_tp2_dp2_offload(unbroken, tmp_path, dtype):
     run(4, 2, "--load", ck, "--save", ck, "--log-json", log, *flags)
     if dtype == "bf16-moments":  # stored in their own dtype, not widened
         from mp_offload.checkpoint.format import iter_dir, optim_file
+
         shard = torch.load(os.path.join(iter_dir(ck, 8), optim_file(1, 1)), weights_only=True)
         assert shard["exp_avg"].dtype == shard["exp_avg_sq"].dtype == torch.bfloat16
         assert shard["master"].dtype == torch.float32
     # Bitwise: losses, grad norms, lr and validation losses, iteration by iteration.
-    drop = ("elapsed_ms", "optimizer_ms", "tokens_per_sec", "tflops_per_device",
-            "peak_device_gb", "peak_host_gb", "host_device_bytes_per_param")
+    drop = (
+        "elapsed_ms",
+        "optimizer_ms",
+        "tokens_per_sec",
+        "tflops_per_device",
+        "peak_device_gb",
+        "peak_host_gb",
+        "host_device_bytes_per_param",
+    )
 
     def clean(rs):
         return [{k: v for k, v in r.items() if k not in drop} for r in rs]
@@ -92,8 +104,9 @@ def test_exact_resume_tp2_dp2_offload(unbroken, tmp_path, dtype):
         assert a == b, (a, b)
 
 
-@pytest.mark.parametrize("save_layout,load_layout", [((2, 4), (1, 4)), ((2, 4), (1, 1)),
-                                                     ((1, 2), (2, 2))])
+@pytest.mark.parametrize(
+    "save_layout,load_layout", [((2, 4), (1, 4)), ((2, 4), (1, 1)), ((1, 2), (2, 2))]
+)
 def test_reshard_continues_like_unbroken(unbroken, tmp_path, save_layout, load_layout):
     """(TP, world): (2,2)->(1,4), (2,2)->(1,1), (1,2)->(2,1)."""
     (tp_a, w_a), (tp_b, w_b) = save_layout, load_layout
@@ -108,12 +121,31 @@ def test_reshard_continues_like_unbroken(unbroken, tmp_path, save_layout, load_l
 
 
 # Every Llama option on (two K/V groups: split over TP=2, whole at TP=1).
-LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-         "--rotary-base", "500000", "--group-query-attention", "--num-query-groups", "2",
-         "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-         "--ffn-hidden-size", "48"]
-_TIMING = ("elapsed_ms", "optimizer_ms", "tokens_per_sec", "tflops_per_device",
-           "peak_device_gb", "peak_host_gb", "host_device_bytes_per_param")
+LLAMA = [
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--position-embedding-type",
+    "rope",
+    "--rotary-base",
+    "500000",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear",
+    "--ffn-hidden-size",
+    "48",
+]
+_TIMING = (
+    "elapsed_ms",
+    "optimizer_ms",
+    "tokens_per_sec",
+    "tflops_per_device",
+    "peak_device_gb",
+    "peak_host_gb",
+    "host_device_bytes_per_param",
+)
 
 
 def _clean(rs):
@@ -129,8 +161,18 @@ def test_llama_exact_resume_and_reshard_across_sequence_parallel(tmp_path):
     logs = {k: str(tmp_path / f"{k}.jsonl") for k in ("unbroken", "resumed", "to14", "to22")}
     cks = {k: str(tmp_path / k) for k in ("sp22", "plain14")}
     run(4, 2, *LLAMA, *sp, "--log-json", logs["unbroken"])
-    run(4, 2, *LLAMA, *sp, "--save", cks["sp22"], "--exit-interval", "4",
-        "--log-json", logs["resumed"])
+    run(
+        4,
+        2,
+        *LLAMA,
+        *sp,
+        "--save",
+        cks["sp22"],
+        "--exit-interval",
+        "4",
+        "--log-json",
+        logs["resumed"],
+    )
     run(4, 2, *LLAMA, *sp, "--load", cks["sp22"], "--log-json", logs["resumed"])
     got, want = _clean(records(logs["resumed"])), _clean(records(logs["unbroken"]))
     assert len(got) == len(want)
@@ -153,8 +195,11 @@ def test_torch_adamw_resumes_exactly(tmp_path):
     logs = {k: str(tmp_path / f"{k}.jsonl") for k in ("unbroken", "resumed")}
     ck = str(tmp_path / "ckpt")
     run_distributed(pretrain_worker, 2, argv + ["--log-json", logs["unbroken"]])
-    run_distributed(pretrain_worker, 2, argv + ["--save", ck, "--exit-interval", "4",
-                                                 "--log-json", logs["resumed"]])
+    run_distributed(
+        pretrain_worker,
+        2,
+        argv + ["--save", ck, "--exit-interval", "4", "--log-json", logs["resumed"]],
+    )
     run_distributed(pretrain_worker, 2, argv + ["--load", ck, "--log-json", logs["resumed"]])
     got, want = losses(logs["resumed"]), losses(logs["unbroken"])
     assert sorted(got) == list(range(1, 9))
@@ -163,17 +208,36 @@ def test_torch_adamw_resumes_exactly(tmp_path):
 
 def test_killed_save_leaves_last_checkpoint_loadable(tmp_path):
     ck = str(tmp_path / "ckpt")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MP_OFFLOAD_CKPT_FAULT="before_rename:4",
-               PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "pretrain_gpt.py"), *CKPT_RUN, "--save", ck, "--save-interval", "2"]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MP_OFFLOAD_CKPT_FAULT="before_rename:4",
+        PYTHONWARNINGS="ignore",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        os.path.join(ROOT, "pretrain_gpt.py"),
+        *CKPT_RUN,
+        "--save",
+        ck,
+        "--save-interval",
+        "2",
+    ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
     assert res.returncode != 0
     assert read_latest(ck) == 2
     # The killed job's lock stays behind (its pid is dead: the next job takes it over).
-    assert sorted(os.listdir(ck)) == [".lock", ".tmp_iter_0000004", "config.yaml",
-                                      "iter_0000002",
-                                      "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(ck)) == [
+        ".lock",
+        ".tmp_iter_0000004",
+        "config.yaml",
+        "iter_0000002",
+        "latest_checkpointed_iteration.txt",
+    ]
     log = str(tmp_path / "log.jsonl")
     run(2, 1, "--load", ck, "--save", ck, "--train-iters", "3", "--log-json", log)
     assert sorted(losses(log)) == [3]
@@ -232,8 +296,11 @@ def _corrupt_worker(rank, world, ck):
     torch.distributed.barrier()
     if rank == 0:  # a hand edit: the TP size the slices are read with
         with open(manifest_path, "w") as f:
-            f.write(saved_manifest.replace('"tensor_model_parallel_size": 2',
-                                           '"tensor_model_parallel_size": 1'))
+            f.write(
+                saved_manifest.replace(
+                    '"tensor_model_parallel_size": 2', '"tensor_model_parallel_size": 1'
+                )
+            )
     torch.distributed.barrier()
     msg = attempt()
     assert "manifest.json: does not match" in msg and "manifest.sha256" in msg, msg
@@ -251,8 +318,14 @@ def test_corrupt_truncated_mismatched_checkpoints_are_refused(tmp_path):
 
 
 # --------------------------------------------------------------- reliability guards
-TINY = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
-                 vocab_size=100, make_vocab_size_divisible_by=8)
+TINY = GPTConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=16,
+    vocab_size=100,
+    make_vocab_size_divisible_by=8,
+)
 
 
 def _tensor(name, key, shape, dim):
@@ -310,8 +383,11 @@ def test_edited_manifest_is_refused_and_version1_still_reads(tmp_path):
     newer["format_version"] = 99
     with open(os.path.join(ckpt, "manifest.json"), "w") as f:
         json.dump(newer, f)
-    with pytest.raises(CheckpointError, match=r"v1/iter_0000003/manifest\.json: format "
-                                              r"version 99, this code reads 1, 2"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"v1/iter_0000003/manifest\.json: format "
+        r"version 99, this code reads 1, 2",
+    ):
         FullTensors(ckpt)
 
 
@@ -323,8 +399,9 @@ class _FakeCuda:
         self.state = torch.zeros(16, dtype=torch.uint8)
 
     def manual_seed(self, seed):
-        self.state = torch.tensor(list(int(seed).to_bytes(8, "little")) + [0] * 8,
-                                  dtype=torch.uint8)
+        self.state = torch.tensor(
+            list(int(seed).to_bytes(8, "little")) + [0] * 8, dtype=torch.uint8
+        )
 
     def get(self, device):
         return self.state.clone() if device == "cuda" else torch.get_rng_state()
@@ -382,8 +459,11 @@ def _rng_worker(rank, world, root):
 
     def now_is(want):
         states, default = tracker.get_states(), torch.get_rng_state()
-        return states.keys() == want[0].keys() and torch.equal(default, want[1]) and \
-            all(torch.equal(states[k], want[0][k]) for k in states)
+        return (
+            states.keys() == want[0].keys()
+            and torch.equal(default, want[1])
+            and all(torch.equal(states[k], want[0][k]) for k in states)
+        )
 
     save(f"{root}/cpu", "cpu")
     with fake.installed():
@@ -436,10 +516,13 @@ def test_overwrite_guard_cases(tmp_path):
     check_no_overwrite(root, os.path.join(root, "iter_0000006") + "/")
     check_no_overwrite(root, str(tmp_path / "typo"), override=True)
     check_no_overwrite(str(tmp_path / "fresh"), str(tmp_path / "typo"))  # nothing to lose
-    refused = [(str(tmp_path / "typo"), {}, "holds no checkpoint"), (None, {}, "no --load"),
-               (os.path.join(root, "iter_0000003"), {}, "resumes iteration 3"),
-               (root, {"finetune": True}, "--finetune restarts at iteration 0"),
-               (other, {}, "is another directory")]
+    refused = [
+        (str(tmp_path / "typo"), {}, "holds no checkpoint"),
+        (None, {}, "no --load"),
+        (os.path.join(root, "iter_0000003"), {}, "resumes iteration 3"),
+        (root, {"finetune": True}, "--finetune restarts at iteration 0"),
+        (other, {}, "is another directory"),
+    ]
     for load, kw, why in refused:
         with pytest.raises(CheckpointError) as err:
             check_no_overwrite(root, load, **kw)
@@ -468,15 +551,18 @@ def test_save_must_be_a_writable_directory(tmp_path, monkeypatch):
         check_writable(str(ro))
 
 
-_HOLD = ("import sys, time\nfrom mp_offload.checkpoint import SaveLock\n"
-         "SaveLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\ntime.sleep(300)\n")
+_HOLD = (
+    "import sys, time\nfrom mp_offload.checkpoint import SaveLock\n"
+    "SaveLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\ntime.sleep(300)\n"
+)
 
 
 @contextlib.contextmanager
 def _held_lock(root):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.Popen([sys.executable, "-c", _HOLD, root], stdout=subprocess.PIPE,
-                            text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, root], stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         assert proc.stdout.readline().strip() == "locked"
         yield proc
@@ -502,29 +588,42 @@ def test_save_lock_refuses_a_second_job_and_takes_over_a_dead_ones(tmp_path):
     assert os.listdir(root) == []
 
 
-@pytest.mark.parametrize("case", ["misspelled_load", "older_iteration", "save_is_a_file",
-                                  "locked"])
+@pytest.mark.parametrize("case", ["misspelled_load", "older_iteration", "save_is_a_file", "locked"])
 def test_bad_save_setup_stops_every_rank_before_training(tmp_path, case):
     root = _two_iterations(tmp_path / "ck")
     before = _snapshot(root)
     afile = tmp_path / "afile"
     afile.write_text("x")
     flags, expect = {
-        "misspelled_load": (["--load", str(tmp_path / "ckk"), "--save", root],
-                            "already holds checkpoints (iterations 3, 6)"),
-        "older_iteration": (["--load", os.path.join(root, "iter_0000003"), "--save", root],
-                            "resumes iteration 3"),
+        "misspelled_load": (
+            ["--load", str(tmp_path / "ckk"), "--save", root],
+            "already holds checkpoints (iterations 3, 6)",
+        ),
+        "older_iteration": (
+            ["--load", os.path.join(root, "iter_0000003"), "--save", root],
+            "resumes iteration 3",
+        ),
         "save_is_a_file": (["--save", str(afile)], "is a file, not a directory"),
         "locked": (["--load", root, "--save", root], "in use by another job"),
     }[case]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "pretrain_gpt.py"), *CKPT_RUN, "--save-interval", "1", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        os.path.join(ROOT, "pretrain_gpt.py"),
+        *CKPT_RUN,
+        "--save-interval",
+        "1",
+        *flags,
+    ]
     with _held_lock(root) if case == "locked" else contextlib.nullcontext():
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240,
-                             check=False)
-    errors = [line for line in res.stderr.splitlines()
-              if line.startswith("pretrain_gpt.py: error:")]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
+    errors = [
+        line for line in res.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")
+    ]
     assert res.returncode != 0
     # printed once for the job, as its first line (distributed.fail)
     assert len(errors) == 1 and res.stderr.startswith(errors[0]), res.stderr[-3000:]
@@ -540,10 +639,23 @@ def test_resume_from_an_iteration_directory(tmp_path):
     first, again = str(tmp_path / "first.jsonl"), str(tmp_path / "again.jsonl")
     run(1, 1, "--save", ck, "--save-interval", "4", "--log-json", first)
     # (config.yaml: the run's resolved configuration, written at start)
-    assert sorted(os.listdir(ck)) == ["config.yaml", "iter_0000004", "iter_0000008",
-                                      "latest_checkpointed_iteration.txt"]
-    run(1, 1, "--load", os.path.join(ck, "iter_0000004"), "--save", ck,
-        "--override-existing-checkpoints", "--log-json", again)
+    assert sorted(os.listdir(ck)) == [
+        "config.yaml",
+        "iter_0000004",
+        "iter_0000008",
+        "latest_checkpointed_iteration.txt",
+    ]
+    run(
+        1,
+        1,
+        "--load",
+        os.path.join(ck, "iter_0000004"),
+        "--save",
+        ck,
+        "--override-existing-checkpoints",
+        "--log-json",
+        again,
+    )
     got, want = losses(again), losses(first)
     assert sorted(got) == [5, 6, 7, 8]
     assert all(got[i] == want[i] for i in got), (got, want)
@@ -557,14 +669,23 @@ def test_model_shape_check_names_a_different_norm_epsilon():
     from mp_offload.checkpoint.format import check_model_shape
     from mp_offload.model.gpt import GPTConfig
 
-    saved = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128,
-                      max_position_embeddings=32, layernorm_epsilon=1e-6)
+    saved = GPTConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=128,
+        max_position_embeddings=32,
+        layernorm_epsilon=1e-6,
+    )
     manifest = {"model_config": dataclasses.asdict(saved)}
     check_model_shape(manifest, "ckpt", saved)  # the same model passes
     here = dataclasses.replace(saved, layernorm_epsilon=1e-5)
     with pytest.raises(CheckpointError, match="--layernorm-epsilon is 1e-05 here but 1e-06"):
         check_model_shape(manifest, "ckpt", here)
     # A checkpoint written before the field existed means the default (1e-5).
-    old = {"model_config": {k: v for k, v in manifest["model_config"].items()
-                            if k != "layernorm_epsilon"}}
+    old = {
+        "model_config": {
+            k: v for k, v in manifest["model_config"].items() if k != "layernorm_epsilon"
+        }
+    }
     check_model_shape(old, "ckpt", here)

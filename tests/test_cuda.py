@@ -3,6 +3,7 @@
 Each test is small enough that ``pytest -m cuda`` runs in well under a minute on one
 H100/H200-class GPU; ``scripts/device_check.sh`` runs them first.
 """
+
 import math
 import threading
 
@@ -19,8 +20,16 @@ from mp_offload.tensor_parallel import model_parallel_seed
 
 pytestmark = pytest.mark.cuda
 
-CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=200,
-           make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0)
+CFG = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    seq_length=32,
+    vocab_size=200,
+    make_vocab_size_divisible_by=8,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 HP = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, clip_grad=0.5)
 SINGLE = ps.ParallelGroup.single()
 DATA = MockGPTDataset(4096, 32, 200, seed=5)
@@ -60,8 +69,9 @@ def _run(opt, model, steps):
 def test_offload_fp32_tracks_torch_adamw():
     """The race detector: any missing stream/event wait shows up as a wrong gradient."""
     ref = _model().cuda()
-    adamw = torch.optim.AdamW(param_groups(ref, HP["weight_decay"]), lr=HP["lr"],
-                              betas=HP["betas"], eps=HP["eps"])
+    adamw = torch.optim.AdamW(
+        param_groups(ref, HP["weight_decay"]), lr=HP["lr"], betas=HP["betas"], eps=HP["eps"]
+    )
     ref_losses = []
     for step in range(10):
         x, y = _batch(step)
@@ -111,18 +121,23 @@ def test_dpu_keeps_the_warmup_steps_and_converges():
 
 def test_fp16_overflow_skips_and_lowers_the_scale():
     model = _model()
-    opt = _zero(model, dtype=torch.float16, cpu_offload=True,
-                loss_scale=dict(initial=2.0 ** 60, min=1.0, window=1000, hysteresis=1))
+    opt = _zero(
+        model,
+        dtype=torch.float16,
+        cpu_offload=True,
+        loss_scale=dict(initial=2.0**60, min=1.0, window=1000, hysteresis=1),
+    )
     _, results = _run(opt, model, 3)
-    assert results[0].skipped and opt.scaler.scale < 2.0 ** 60
+    assert results[0].skipped and opt.scaler.scale < 2.0**60
     assert torch.isfinite(opt.master).all()
 
 
 def test_recompute_with_dropout_gives_identical_gradients():
     grads = []
     for recompute in (False, True):
-        model = _model(hidden_dropout=0.1, attention_dropout=0.1,
-                       recompute_activations=recompute).cuda()
+        model = _model(
+            hidden_dropout=0.1, attention_dropout=0.1, recompute_activations=recompute
+        ).cuda()
         model_parallel_seed(7, 0, "cuda")
         x, y = _batch(0)
         loss = model(x, y).mean()
@@ -159,6 +174,7 @@ def test_staging_is_pinned_at_its_exact_size():
 
 def test_gradient_copies_leave_the_compute_stream():
     from torch.profiler import ProfilerActivity, profile
+
     model = _model()
     opt = _zero(model, dtype=torch.bfloat16, cpu_offload=True)
     _run(opt, model, 1)  # warm-up: buffers, streams, kernels chosen
@@ -179,14 +195,23 @@ def test_worker_threads_run_on_the_rank_device():
     torch.cuda.set_device(index)
     try:
         model = _model()
-        opt = ZeroOptimizer(model, **HP, dp=SINGLE, tp=SINGLE, device=f"cuda:{index}",
-                            dtype=torch.bfloat16, cpu_offload=True, dpu_warmup_steps=0)
+        opt = ZeroOptimizer(
+            model,
+            **HP,
+            dp=SINGLE,
+            tp=SINGLE,
+            device=f"cuda:{index}",
+            dtype=torch.bfloat16,
+            cpu_offload=True,
+            dpu_warmup_steps=0,
+        )
         seen = []
         inner = opt._adam_pass
 
         def spy(*a):
             seen.append((threading.current_thread().name, torch.cuda.current_device()))
             return inner(*a)
+
         opt._adam_pass = spy
         _run(opt, model, 2)
         assert seen and all(d == index for _, d in seen), seen
@@ -197,12 +222,19 @@ def test_worker_threads_run_on_the_rank_device():
 
 @pytest.mark.parametrize("recompute", [False, True])
 def test_activation_estimate_within_15_percent(recompute):
-    cfg = GPTConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=1024,
-                    vocab_size=50257, recompute_activations=recompute)
+    cfg = GPTConfig(
+        num_layers=4,
+        hidden_size=1024,
+        num_attention_heads=16,
+        seq_length=1024,
+        vocab_size=50257,
+        recompute_activations=recompute,
+    )
     model_parallel_seed(1234, 0, "cuda")
     model = GPTModel(cfg, tp_group=SINGLE)
-    opt = ZeroOptimizer(model, **HP, dp=SINGLE, tp=SINGLE, device="cuda", dtype=torch.bfloat16,
-                        cpu_offload=True)
+    opt = ZeroOptimizer(
+        model, **HP, dp=SINGLE, tp=SINGLE, device="cuda", dtype=torch.bfloat16, cpu_offload=True
+    )
     micro = 4
     x = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_length + 1), device="cuda")
     for _ in range(2):  # the first pass allocates the bucket buffers; measure the second
@@ -214,19 +246,48 @@ def test_activation_estimate_within_15_percent(recompute):
         torch.cuda.synchronize()
         measured = torch.cuda.max_memory_allocated() - base
     est = estimate_activations(cfg, 1, micro, 2, recompute=recompute, flash=True)
-    assert abs(measured - est.peak) <= 0.15 * measured, \
+    assert abs(measured - est.peak) <= 0.15 * measured, (
         f"measured {measured / 2**20:.0f} MiB, estimated {est.peak / 2**20:.0f} MiB ({est.phase})"
+    )
 
 
 def test_resume_on_cuda_from_a_cpu_saved_checkpoint(tmp_path, monkeypatch):
     from mp_offload.training import pretrain
+
     monkeypatch.setenv("MASTER_PORT", "29517")
-    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--seq-length", "32", "--vocab-size", "200", "--mock-data",
-            "--tokenizer-type", "NullTokenizer", "--micro-batch-size", "4",
-            "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-interval", "100",
-            "--eval-iters", "1", "--save", str(tmp_path), "--load", str(tmp_path),
-            "--save-interval", "2", "--bf16", "--cpu-offload"]
+    base = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--vocab-size",
+        "200",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--micro-batch-size",
+        "4",
+        "--hidden-dropout",
+        "0.1",
+        "--attention-dropout",
+        "0.1",
+        "--eval-interval",
+        "100",
+        "--eval-iters",
+        "1",
+        "--save",
+        str(tmp_path),
+        "--load",
+        str(tmp_path),
+        "--save-interval",
+        "2",
+        "--bf16",
+        "--cpu-offload",
+    ]
     first = pretrain(base + ["--train-iters", "2", "--device", "cpu"])
     second = pretrain(base + ["--train-iters", "4", "--device", "cuda"])
     assert first["iteration"] == 2 and second["iteration"] == 4

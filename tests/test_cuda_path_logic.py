@@ -1,5 +1,6 @@
 """The CUDA path's logic, shown on the CPU: which device threads bind, exact pinned sizes,
 the copy stream's order, nothing crossing to the host without offload, DPU failures."""
+
 import threading
 
 import pytest
@@ -14,8 +15,16 @@ from mp_offload.optimizer.layout import FlatLayout
 from mp_offload.optimizer.reducer import GradientReducer, GradTargets
 from mp_offload.optimizer.zero import ZeroOptimizer
 
-CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=96,
-           make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0)
+CFG = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=16,
+    vocab_size=96,
+    make_vocab_size_divisible_by=8,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 HP = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, clip_grad=0.5)
 SINGLE = ps.ParallelGroup.single()
 
@@ -37,8 +46,9 @@ def _loss(model, step=0):
 
 def test_accumulator_thread_binds_the_rank_device(monkeypatch):
     seen = []
-    monkeypatch.setattr(torch.cuda, "set_device",
-                        lambda d: seen.append((threading.current_thread().name, d)))
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda d: seen.append((threading.current_thread().name, d))
+    )
     acc = HostAccumulator(torch.device("cuda", 3))
     dst = torch.zeros(4)
     acc.add(dst, torch.ones(4))
@@ -50,6 +60,7 @@ def test_accumulator_thread_binds_the_rank_device(monkeypatch):
 def test_accumulator_thread_that_cannot_bind_fails_wait_not_hangs(monkeypatch):
     def refuse(d):
         raise RuntimeError("invalid device ordinal")
+
     monkeypatch.setattr(torch.cuda, "set_device", refuse)
     acc = HostAccumulator(torch.device("cuda", 9))
     acc.add(torch.zeros(2), torch.ones(2))
@@ -59,11 +70,20 @@ def test_accumulator_thread_that_cannot_bind_fails_wait_not_hangs(monkeypatch):
 
 def test_dpu_thread_binds_the_optimizer_device(monkeypatch):
     seen = []
-    monkeypatch.setattr(zero, "set_thread_device",
-                        lambda d: seen.append((threading.current_thread().name, d)))
+    monkeypatch.setattr(
+        zero, "set_thread_device", lambda d: seen.append((threading.current_thread().name, d))
+    )
     model = _model()
-    opt = ZeroOptimizer(model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", dtype=torch.bfloat16,
-                        cpu_offload=True, dpu_warmup_steps=0)
+    opt = ZeroOptimizer(
+        model,
+        **HP,
+        dp=SINGLE,
+        tp=SINGLE,
+        device="cpu",
+        dtype=torch.bfloat16,
+        cpu_offload=True,
+        dpu_warmup_steps=0,
+    )
     opt.zero_grad()
     opt.backward(_loss(model))
     opt.step(1e-3)
@@ -73,27 +93,39 @@ def test_dpu_thread_binds_the_optimizer_device(monkeypatch):
 
 def test_dpu_failure_stops_the_run_and_publishes_nothing():
     model = _model()
-    opt = ZeroOptimizer(model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", dtype=torch.bfloat16,
-                        cpu_offload=True, dpu_warmup_steps=1)
+    opt = ZeroOptimizer(
+        model,
+        **HP,
+        dp=SINGLE,
+        tp=SINGLE,
+        device="cpu",
+        dtype=torch.bfloat16,
+        cpu_offload=True,
+        dpu_warmup_steps=1,
+    )
     for step in range(2):  # one synchronous step, then the first delayed one
         if step == 1:
+
             def broken(*a, **k):
                 raise ValueError("kernel exploded")
+
             opt._adam = broken
         opt.zero_grad()
         opt.backward(_loss(model, step))
         opt.step(1e-3)
     before = opt.flat.clone()
-    with pytest.raises(RuntimeError, match="delayed \\(DPU\\) optimizer step failed: "
-                                           "ValueError: kernel exploded"):
+    with pytest.raises(
+        RuntimeError, match="delayed \\(DPU\\) optimizer step failed: ValueError: kernel exploded"
+    ):
         opt.flush()
     assert torch.equal(opt.flat, before), "a failed delayed step must publish nothing"
 
 
 def test_without_offload_nothing_crosses_to_the_host():
     model = _model()
-    opt = ZeroOptimizer(model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", dtype=torch.bfloat16,
-                        cpu_offload=False)
+    opt = ZeroOptimizer(
+        model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", dtype=torch.bfloat16, cpu_offload=False
+    )
     for step in range(2):
         opt.zero_grad()
         opt.backward(_loss(model, step))
@@ -102,8 +134,9 @@ def test_without_offload_nothing_crosses_to_the_host():
     assert opt.param_staging is None and not opt.grad_staging
     assert opt.memory_bytes()["host"] == {"staging": 0}
     # and the published params are the fp32 master rounded to bf16, as with offload
-    with_offload = ZeroOptimizer(_model(), **HP, dp=SINGLE, tp=SINGLE, device="cpu",
-                                 dtype=torch.bfloat16, cpu_offload=True)
+    with_offload = ZeroOptimizer(
+        _model(), **HP, dp=SINGLE, tp=SINGLE, device="cpu", dtype=torch.bfloat16, cpu_offload=True
+    )
     m2 = with_offload.model
     for step in range(2):
         with_offload.zero_grad()
@@ -115,8 +148,9 @@ def test_without_offload_nothing_crosses_to_the_host():
 
 def test_pinned_staging_is_requested_at_its_exact_size():
     asked = []
-    t = host_memory.host_empty(3_000_001, torch.bfloat16, pin=True,
-                               register=lambda t, n: asked.append(n))
+    t = host_memory.host_empty(
+        3_000_001, torch.bfloat16, pin=True, register=lambda t, n: asked.append(n)
+    )
     assert asked == [6_000_002] and t.numel() == 3_000_001 and not t.is_pinned()
     host_memory.host_empty(5, torch.bfloat16, pin=False, register=lambda t, n: asked.append(n))
     assert asked == [6_000_002]
@@ -158,11 +192,21 @@ def test_copy_stream_order_and_buffer_reuse_through_a_fake():
     for copier in (fake, None):  # the CUDA wiring (staging + copy stream) vs on-device sums
         model = _model()
         layout = FlatLayout(list(model.named_parameters()), 1, 0, 0, 600)
-        reducer = GradientReducer(layout, SINGLE, torch.device("cpu"), torch.float32,
-                                  offload=copier is not None, micro_batches=2, copier=copier)
+        reducer = GradientReducer(
+            layout,
+            SINGLE,
+            torch.device("cpu"),
+            torch.float32,
+            offload=copier is not None,
+            micro_batches=2,
+            copier=copier,
+        )
         n = layout.host_numel
-        reducer.start_step(GradTargets(staging=torch.empty(n) if copier else None,
-                                       grads=torch.full((n,), float("nan"))))
+        reducer.start_step(
+            GradTargets(
+                staging=torch.empty(n) if copier else None, grads=torch.full((n,), float("nan"))
+            )
+        )
         for micro in range(2):
             _loss(model, micro).backward()
             reducer.finish()

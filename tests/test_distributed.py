@@ -1,4 +1,5 @@
 """Start-up choices that differ between a GPU machine and this one, shown with mocks."""
+
 import sys
 
 import pytest
@@ -10,9 +11,11 @@ from mp_offload import distributed as d
 @pytest.fixture
 def fake_gpus(monkeypatch):
     """A machine with ``n`` visible GPUs, as far as pick_device can tell."""
+
     def make(n: int):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
     monkeypatch.delenv(d.DEVICE_ENV, raising=False)
     return make
 
@@ -21,8 +24,11 @@ def test_more_ranks_than_gpus_names_local_rank_and_count(fake_gpus, monkeypatch)
     fake_gpus(1)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    with pytest.raises(d.DeviceError, match=r"LOCAL_RANK 1 has no GPU: 1 visible "
-                                            r"\(CUDA_VISIBLE_DEVICES=3\).*--device cpu"):
+    with pytest.raises(
+        d.DeviceError,
+        match=r"LOCAL_RANK 1 has no GPU: 1 visible "
+        r"\(CUDA_VISIBLE_DEVICES=3\).*--device cpu",
+    ):
         d.pick_device()
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert d.pick_device() == torch.device("cuda", 0)
@@ -61,6 +67,7 @@ def test_threads_per_rank_shares_cores_and_ignores_torchrun_omp(monkeypatch):
 
 def test_apply_cpu_threads_reaches_the_cpu_adam_despite_omp_num_threads(monkeypatch):
     from mp_offload.ops import cpu_adam
+
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     before = (torch.get_num_threads(), cpu_adam.get_num_threads())
     try:

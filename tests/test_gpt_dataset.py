@@ -42,7 +42,7 @@ def test_samples_cover_stream(data, tmp_path):
     epochs = len(ds.doc_idx) // len(docs)
     assert epochs > 1 and len(ds.doc_idx) == epochs * len(docs)
     for e in range(epochs):  # each epoch is a permutation of the documents
-        assert sorted(ds.doc_idx[e * len(docs):(e + 1) * len(docs)]) == list(docs)
+        assert sorted(ds.doc_idx[e * len(docs) : (e + 1) * len(docs)]) == list(docs)
     stream = _stream(indexed, ds.doc_idx)
     assert len(stream) >= n * seq + 1
     seen = set()
@@ -52,7 +52,7 @@ def test_samples_cover_stream(data, tmp_path):
         j = int(ds.shuffle_idx[i])
         seen.add(j)
         # Sample j is stream[j*seq : j*seq+seq+1]: neighbours share one token.
-        np.testing.assert_array_equal(text, stream[j * seq: j * seq + seq + 1])
+        np.testing.assert_array_equal(text, stream[j * seq : j * seq + seq + 1])
     assert seen == set(range(n))
     assert ds[-1]["text"].shape == (seq + 1,)
     with pytest.raises(IndexError):
@@ -66,9 +66,11 @@ def test_deterministic_and_cached(data, tmp_path):
     b = GPTDataset("train", indexed, docs, 500, 8, seed=3, cache_dir=str(tmp_path / "c2"))
     c = GPTDataset("train", indexed, docs, 500, 8, seed=3, cache_dir=str(tmp_path / "c1"))
     assert not a.cache_hit and not b.cache_hit and c.cache_hit
-    for x, y, z in zip((a.doc_idx, a.sample_idx, a.shuffle_idx),
-                       (b.doc_idx, b.sample_idx, b.shuffle_idx),
-                       (c.doc_idx, c.sample_idx, c.shuffle_idx)):
+    for x, y, z in zip(
+        (a.doc_idx, a.sample_idx, a.shuffle_idx),
+        (b.doc_idx, b.sample_idx, b.shuffle_idx),
+        (c.doc_idx, c.sample_idx, c.shuffle_idx),
+    ):
         np.testing.assert_array_equal(x, y)
         np.testing.assert_array_equal(x, z)
     for i in (0, 17, 499):
@@ -83,13 +85,15 @@ def test_split_ranges(data, tmp_path):
     assert split_bounds("969,30,1", 1000) == [0, 969, 999, 1000]
     assert split_bounds("0.8/0.2", 10) == [0, 8, 10, 10]
     train, valid, test = build_train_valid_test_datasets(
-        [data], "80,10,10", (200, 50, 0), 8, seed=1, cache_dir=str(tmp_path / "c"))
+        [data], "80,10,10", (200, 50, 0), 8, seed=1, cache_dir=str(tmp_path / "c")
+    )
     assert test is None  # 0 samples requested
     assert set(train.doc_idx.tolist()) == set(range(0, 48))
     assert set(valid.doc_idx.tolist()) == set(range(48, 54))
     assert len(train) == 200 and len(valid) == 50
     _, valid, _ = build_train_valid_test_datasets(
-        [data], "100,0,0", (10, 10, 10), 8, seed=1, cache_dir=str(tmp_path / "c"))
+        [data], "100,0,0", (10, 10, 10), 8, seed=1, cache_dir=str(tmp_path / "c")
+    )
     assert valid is None  # empty split
 
 
@@ -98,7 +102,8 @@ def test_blend_follows_weights(tmp_path):
     b = _make(str(tmp_path / "b"), 40, 50, 100, seed=2)
     size = 301
     train, valid, _ = build_train_valid_test_datasets(
-        ["2", a, "1", b], "90,10,0", (size, 20, 0), 8, seed=5, cache_dir=str(tmp_path / "c"))
+        ["2", a, "1", b], "90,10,0", (size, 20, 0), 8, seed=5, cache_dir=str(tmp_path / "c")
+    )
     assert isinstance(train, BlendedDataset) and len(train) == size
     counts = np.bincount(train.dataset_index, minlength=2)
     for c, w in zip(counts, (2 / 3, 1 / 3)):

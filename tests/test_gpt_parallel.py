@@ -1,4 +1,5 @@
 """The whole GPT at TP=k equals TP=1, and DP=2 x m equals DP=1 x 2m (fp32, gloo)."""
+
 import pytest
 import torch
 import torch.distributed as dist

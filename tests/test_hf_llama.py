@@ -4,6 +4,7 @@ Every model here is a random LlamaForCausalLM made in the test (nothing download
 with its norms and biases perturbed so that every tensor counts. Import it (any TP),
 run it: the logits are transformers'; export it again: the files are bitwise the same.
 """
+
 import json
 import os
 import subprocess
@@ -29,20 +30,31 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, HIDDEN, HEADS, POS = 100, 64, 8, 32
 # name -> LlamaConfig overrides: GQA (G < a), MHA (G = a), one K/V head (G = 1), a tied
 # head with biases, and Llama 3's rope base.
-CASES = {"gqa": dict(num_key_value_heads=2),
-         "mha": dict(num_key_value_heads=HEADS),
-         "one_kv_head": dict(num_key_value_heads=1),
-         "tied_biased": dict(num_key_value_heads=4, tie_word_embeddings=True,
-                             attention_bias=True, mlp_bias=True),
-         "theta_500k": dict(num_key_value_heads=2, rope_theta=500000.0)}
+CASES = {
+    "gqa": dict(num_key_value_heads=2),
+    "mha": dict(num_key_value_heads=HEADS),
+    "one_kv_head": dict(num_key_value_heads=1),
+    "tied_biased": dict(
+        num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True, mlp_bias=True
+    ),
+    "theta_500k": dict(num_key_value_heads=2, rope_theta=500000.0),
+}
 
 
 def make_hf_llama(path, seed=0, **overrides) -> "transformers.LlamaForCausalLM":
     """A random LlamaForCausalLM saved at ``path`` (safetensors + config.json)."""
-    kw = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96,
-              num_hidden_layers=2, num_attention_heads=HEADS, max_position_embeddings=POS,
-              rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None,
-              eos_token_id=None)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        max_position_embeddings=POS,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     kw.update(overrides)
     theta = kw.pop("rope_theta", 10000.0)
     kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
@@ -59,8 +71,10 @@ def make_hf_llama(path, seed=0, **overrides) -> "transformers.LlamaForCausalLM":
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_llama")
-    return {name: (str(root / name), make_hf_llama(root / name, seed=i, **kw))
-            for i, (name, kw) in enumerate(CASES.items())}
+    return {
+        name: (str(root / name), make_hf_llama(root / name, seed=i, **kw))
+        for i, (name, kw) in enumerate(CASES.items())
+    }
 
 
 def _tokens(n=3, s=20, seed=1):
@@ -68,8 +82,21 @@ def _tokens(n=3, s=20, seed=1):
 
 
 def _import(hf_dir, save, tp):
-    assert convert(["--hf-in", hf_dir, "--save", save, "--tensor-model-parallel-size",
-                    str(tp), "--make-vocab-size-divisible-by", "16"]) == 0
+    assert (
+        convert(
+            [
+                "--hf-in",
+                hf_dir,
+                "--save",
+                save,
+                "--tensor-model-parallel-size",
+                str(tp),
+                "--make-vocab-size-divisible-by",
+                "16",
+            ]
+        )
+        == 0
+    )
     return resolve_checkpoint(save)
 
 
@@ -90,11 +117,21 @@ def test_round_trip_is_bitwise_and_loads_cleanly(hf_models, tmp_path, case):
     for n in a.names:
         assert torch.equal(a.get(n), b.get(n)), n
     loaded, info = transformers.LlamaForCausalLM.from_pretrained(
-        out, dtype=torch.float32, output_loading_info=True)
+        out, dtype=torch.float32, output_loading_info=True
+    )
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
-    for key in ("num_key_value_heads", "tie_word_embeddings", "attention_bias", "mlp_bias",
-                "rms_norm_eps", "intermediate_size", "max_position_embeddings", "vocab_size",
-                "rope_parameters", "head_dim"):
+    for key in (
+        "num_key_value_heads",
+        "tie_word_embeddings",
+        "attention_bias",
+        "mlp_bias",
+        "rms_norm_eps",
+        "intermediate_size",
+        "max_position_embeddings",
+        "vocab_size",
+        "rope_parameters",
+        "head_dim",
+    ):
         assert getattr(loaded.config, key) == getattr(model.config, key), key
     with open(os.path.join(out, "config.json")) as f:
         written = json.load(f)
@@ -121,7 +158,8 @@ def _tp2_logits_worker(rank, world, hf_dir, ckpt, case):
     with torch.no_grad():
         got = gather_from_tp_region(model(tokens), model.tp_group)[..., :VOCAB]
         want = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)(
-            tokens).logits
+            tokens
+        ).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=lambda m: f"{case}: {m}")
     dist.barrier()
 
@@ -142,23 +180,47 @@ def test_generate_tp2_under_torchrun_equals_transformers_greedy(tmp_path):
     tokens."""
     from mp_offload.data.tokenizer import build_tokenizer
     from mp_offload.data.tokenizer_training import train_bpe_bytelevel
+
     text = "def parse(text):\n    for line in text.splitlines():\n        yield line\n"
-    train_bpe_bytelevel([text.replace("line", w) for w in ("row", "item", "ln")] * 20,
-                        str(tmp_path / "tok"), vocab_size=300)
+    train_bpe_bytelevel(
+        [text.replace("line", w) for w in ("row", "item", "ln")] * 20,
+        str(tmp_path / "tok"),
+        vocab_size=300,
+    )
     tok = build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "tok"))
     # Weights 15x the usual init: at 0.02 a random model repeats one token whatever
     # its MLP does; here the 16 tokens vary and each step's top-2 logits lie far
     # further apart than the two implementations differ.
     hf_dir = str(tmp_path / "hf")
-    model = make_hf_llama(hf_dir, vocab_size=tok.vocab_size, initializer_range=0.3,
-                          num_key_value_heads=2)
+    model = make_hf_llama(
+        hf_dir, vocab_size=tok.vocab_size, initializer_range=0.3, num_key_value_heads=2
+    )
     ckpt = _import(hf_dir, str(tmp_path / "ck"), 2)
     out = str(tmp_path / "gen.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=2", os.path.join(ROOT, "tools", "generate.py"), "--load", ckpt,
-           "--tensor-model-parallel-size", "2", "--tokenizer-type", "HuggingFaceTokenizer",
-           "--tokenizer-model", str(tmp_path / "tok"), "--prompt", "def parse(",
-           "--max-new-tokens", "16", "--greedy", "--ignore-eod", "--output-json", out]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        os.path.join(ROOT, "tools", "generate.py"),
+        "--load",
+        ckpt,
+        "--tensor-model-parallel-size",
+        "2",
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        str(tmp_path / "tok"),
+        "--prompt",
+        "def parse(",
+        "--max-new-tokens",
+        "16",
+        "--greedy",
+        "--ignore-eod",
+        "--output-json",
+        out,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -167,22 +229,32 @@ def test_generate_tp2_under_torchrun_equals_transformers_greedy(tmp_path):
     prompt = tok.tokenize("def parse(")
     assert result["prompt_ids"] == prompt and len(prompt) > 1
     with torch.no_grad():
-        theirs = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        theirs = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
     assert len(theirs) == 16 and len(set(theirs)) > 8
     assert result["generated_ids"] == theirs
 
 
 # --------------------------------------------------------------------- refusals
-@pytest.mark.parametrize("edit,needle", [
-    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
-     "rope_type 'llama3'"),
-    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-    (dict(attention_bias=True), "attention_bias != mlp_bias"),
-    (dict(head_dim=16), "head_dim 16"),
-    (dict(rope_theta=10000.5, rope_parameters=None), "rope_theta 10000.5"),
-    (dict(model_type="mistral", architectures=["MistralForCausalLM"]), "'mistral'"),
-])
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        (
+            dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
+            "rope_type 'llama3'",
+        ),
+        (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+        (dict(attention_bias=True), "attention_bias != mlp_bias"),
+        (dict(head_dim=16), "head_dim 16"),
+        (dict(rope_theta=10000.5, rope_parameters=None), "rope_theta 10000.5"),
+        (dict(model_type="mistral", architectures=["MistralForCausalLM"]), "'mistral'"),
+    ],
+)
 def test_import_refuses_what_gptmodel_does_not_implement(hf_models, tmp_path, edit, needle):
     src, _ = hf_models["gqa"]
     with open(os.path.join(src, "config.json")) as f:
@@ -193,6 +265,7 @@ def test_import_refuses_what_gptmodel_does_not_implement(hf_models, tmp_path, ed
     (d / "config.json").write_text(json.dumps(cfg))
     os.symlink(os.path.join(src, "model.safetensors"), d / "model.safetensors")
     from mp_offload.checkpoint import import_hf
+
     with pytest.raises(ConversionError, match=needle.replace("(", r"\(")) as e:
         import_hf(str(d), str(tmp_path / "ck"), 1)
     assert "\n" not in str(e.value)
@@ -200,22 +273,37 @@ def test_import_refuses_what_gptmodel_does_not_implement(hf_models, tmp_path, ed
 
 def test_import_refuses_a_tp_size_that_splits_a_kv_head(hf_models, tmp_path, capsys):
     hf_dir, _ = hf_models["one_kv_head"]
-    assert convert(["--hf-in", hf_dir, "--save", str(tmp_path / "ck"),
-                    "--tensor-model-parallel-size", "2"]) == 1
+    assert (
+        convert(
+            ["--hf-in", hf_dir, "--save", str(tmp_path / "ck"), "--tensor-model-parallel-size", "2"]
+        )
+        == 1
+    )
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--num-query-groups 1" in err, err
 
 
-LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100,
-             normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-             disable_bias_linear=True, untie_embeddings_and_output_weights=True)
+LLAMA = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    vocab_size=100,
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    disable_bias_linear=True,
+    untie_embeddings_and_output_weights=True,
+)
 
 
-@pytest.mark.parametrize("change,needle", [
-    (dict(rotary_percent=0.5), "--rotary-percent 0.5"),
-    (dict(normalization=None), "--normalization LayerNorm"),
-    (dict(swiglu=False), "no --swiglu"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (dict(rotary_percent=0.5), "--rotary-percent 0.5"),
+        (dict(normalization=None), "--normalization LayerNorm"),
+        (dict(swiglu=False), "no --swiglu"),
+    ],
+)
 def test_export_refuses_what_llama_cannot_express(change, needle):
     names = list(llama_name_map(GPTConfig(**LLAMA)))
     check_llama_compatible(dict(LLAMA, sequence_parallel=True, rotary_percent=1.0), names)
@@ -231,8 +319,10 @@ def test_gpt2_export_ignores_training_choices_and_names_flags():
     named by its flag."""
     names = list(gpt2_name_map(2))
     cfg = {"num_layers": 2, "hidden_size": 32, "vocab_size": 100}
-    check_gpt2_compatible(dict(cfg, sequence_parallel=True, recompute_activations=True,
-                               normalization="LayerNorm"), names)
+    check_gpt2_compatible(
+        dict(cfg, sequence_parallel=True, recompute_activations=True, normalization="LayerNorm"),
+        names,
+    )
     with pytest.raises(ConversionError, match="--position-embedding-type rope"):
         check_gpt2_compatible(dict(cfg, position_embedding_type="rope"), names)
 
@@ -240,6 +330,7 @@ def test_gpt2_export_ignores_training_choices_and_names_flags():
 # ------------------------------------------------------------------ fine-tuning
 def _finetune_worker(rank, world, argv):
     from mp_offload.training import pretrain
+
     pretrain(argv)
 
 
@@ -251,17 +342,45 @@ def test_finetune_from_an_import_with_the_printed_flags(hf_models, tmp_path):
     on the first global batch."""
     from mp_offload.checkpoint.hf_common import model_flags
     from mp_offload.data.loader import MockGPTDataset
+
     hf_dir, _ = hf_models["gqa"]
     save = str(tmp_path / "ck")
     ckpt = _import(hf_dir, save, 2)
     log = str(tmp_path / "ft.jsonl")
     argv = model_flags(FullTensors(ckpt).config) + [
-        "--rotary-base", "10000", "--rotary-percent", "1", "--vocab-size", str(VOCAB),
-        "--seq-length", "16", "--mock-data", "--micro-batch-size", "2",
-        "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--train-iters", "1", "--lr", "1e-3", "--cpu-offload", "--load", save, "--finetune",
-        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--log-json", log,
-        "--eval-iters", "0"]
+        "--rotary-base",
+        "10000",
+        "--rotary-percent",
+        "1",
+        "--vocab-size",
+        str(VOCAB),
+        "--seq-length",
+        "16",
+        "--mock-data",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--train-iters",
+        "1",
+        "--lr",
+        "1e-3",
+        "--cpu-offload",
+        "--load",
+        save,
+        "--finetune",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--log-json",
+        log,
+        "--eval-iters",
+        "0",
+    ]
     run_distributed(_finetune_worker, 2, argv)
     ds = MockGPTDataset(8, 16, VOCAB, 1234)
     batch = torch.stack([torch.from_numpy(ds[i]["text"]) for i in range(8)])

@@ -1,5 +1,6 @@
 """export_tokenizer: AutoTokenizer.from_pretrained on the written files encodes text to
 exactly the ids of the project's tokenizer, for each tokenizer type."""
+
 import json
 import os
 
@@ -10,10 +11,12 @@ from mp_offload.data.hf_tokenizer import export_tokenizer
 from mp_offload.data.tokenizer import build_tokenizer
 from mp_offload.data.tokenizer_training import train_bpe_bytelevel, train_sentencepiece
 
-CODE = ('def parse(text, *, strict=False):\n    """Split ``text``."""\n'
-        '    for i, line in enumerate(text.splitlines()):\n'
-        '        if not line.strip():\n            continue  # blank\n'
-        '        yield i, line.split("=", 1)\n\nclass Parser:\n\tpass\n')
+CODE = (
+    'def parse(text, *, strict=False):\n    """Split ``text``."""\n'
+    "    for i, line in enumerate(text.splitlines()):\n"
+    "        if not line.strip():\n            continue  # blank\n"
+    '        yield i, line.split("=", 1)\n\nclass Parser:\n\tpass\n'
+)
 STRINGS = [
     "def parse(",
     CODE,
@@ -42,8 +45,11 @@ def _data_args(kind, d, sp):
     return {
         "SentencePieceTokenizer": dict(tokenizer_type=kind, tokenizer_model=sp),
         "HuggingFaceTokenizer": dict(tokenizer_type=kind, tokenizer_model=str(d / "bbpe")),
-        "GPT2BPETokenizer": dict(tokenizer_type=kind, vocab_file=str(d / "bbpe" / "vocab.json"),
-                                 merge_file=str(d / "bbpe" / "merges.txt")),
+        "GPT2BPETokenizer": dict(
+            tokenizer_type=kind,
+            vocab_file=str(d / "bbpe" / "vocab.json"),
+            merge_file=str(d / "bbpe" / "merges.txt"),
+        ),
     }[kind]
 
 
@@ -56,13 +62,17 @@ def test_auto_tokenizer_gives_the_projects_ids(trained, tmp_path, kind):
     data = dict(_data_args(kind, d, sp), mock_data=False, data_path=["x"])  # as recorded
     out = str(tmp_path / "hf")
     files = export_tokenizer(data, out, model_max_length=256)
-    model_files = ["vocab.json", "merges.txt"] if kind == "GPT2BPETokenizer" \
-        else ["tokenizer.json"]
+    model_files = ["vocab.json", "merges.txt"] if kind == "GPT2BPETokenizer" else ["tokenizer.json"]
     assert sorted(os.path.basename(f) for f in files) == sorted(
-        model_files + ["special_tokens_map.json", "tokenizer_config.json"])
+        model_files + ["special_tokens_map.json", "tokenizer_config.json"]
+    )
     assert all(os.path.isfile(f) and os.path.dirname(f) == out for f in files)
-    ours = build_tokenizer(kind, data.get("tokenizer_model"), vocab_file=data.get("vocab_file"),
-                           merge_file=data.get("merge_file"))
+    ours = build_tokenizer(
+        kind,
+        data.get("tokenizer_model"),
+        vocab_file=data.get("vocab_file"),
+        merge_file=data.get("merge_file"),
+    )
     hf = transformers.AutoTokenizer.from_pretrained(out)
     eod_name = "</s>" if kind == "SentencePieceTokenizer" else "<|endoftext|>"
     assert hf.eos_token == hf.bos_token == eod_name and hf.eos_token_id == ours.eod
@@ -81,21 +91,27 @@ def test_a_post_processor_that_adds_tokens_is_dropped(trained, tmp_path):
     d, _ = trained
     with open(d / "bbpe" / "tokenizer.json") as f:
         spec = json.load(f)
-    spec["post_processor"] = {"type": "TemplateProcessing",
-                              "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
-                                         {"Sequence": {"id": "A", "type_id": 0}}],
-                              "pair": [{"Sequence": {"id": "A", "type_id": 0}},
-                                       {"Sequence": {"id": "B", "type_id": 1}}],
-                              "special_tokens": {"<|endoftext|>": {
-                                  "id": "<|endoftext|>", "ids": [0],
-                                  "tokens": ["<|endoftext|>"]}}}
-    spec["truncation"] = {"direction": "Right", "max_length": 3, "strategy": "LongestFirst",
-                          "stride": 0}
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [
+            {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+        ],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {
+            "<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}
+        },
+    }
+    spec["truncation"] = {
+        "direction": "Right",
+        "max_length": 3,
+        "strategy": "LongestFirst",
+        "stride": 0,
+    }
     src = tmp_path / "with_bos.json"
     src.write_text(json.dumps(spec))
     out = str(tmp_path / "hf")
-    export_tokenizer({"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(src)},
-                     out)
+    export_tokenizer({"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(src)}, out)
     hf = transformers.AutoTokenizer.from_pretrained(out)
     ours = build_tokenizer("HuggingFaceTokenizer", str(src))
     assert hf.encode(CODE) == ours.tokenize(CODE) and len(ours.tokenize(CODE)) > 3
@@ -103,10 +119,16 @@ def test_a_post_processor_that_adds_tokens_is_dropped(trained, tmp_path):
 
 def test_no_text_tokenizer_writes_nothing(tmp_path):
     out = str(tmp_path / "hf")
-    assert export_tokenizer({"tokenizer_type": "SentencePieceTokenizer", "mock_data": True},
-                            out) == []
+    assert (
+        export_tokenizer({"tokenizer_type": "SentencePieceTokenizer", "mock_data": True}, out) == []
+    )
     assert export_tokenizer({"tokenizer_type": "NullTokenizer"}, out) == []
     assert not os.path.exists(out)
     with pytest.raises(FileNotFoundError, match="nope.model"):
-        export_tokenizer({"tokenizer_type": "SentencePieceTokenizer",
-                          "tokenizer_model": str(tmp_path / "nope.model")}, out)
+        export_tokenizer(
+            {
+                "tokenizer_type": "SentencePieceTokenizer",
+                "tokenizer_model": str(tmp_path / "nope.model"),
+            },
+            out,
+        )

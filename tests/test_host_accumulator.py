@@ -1,6 +1,7 @@
 """The worker that accumulates gradient chunks on the host (used on CUDA with offload).
 
 The C++ accumulation it runs is tested in test_host_ops.py."""
+
 import threading
 
 import pytest
@@ -25,14 +26,14 @@ def test_adds_land_after_their_event_and_wait_blocks_until_done():
     chunks = [torch.randn(100) for _ in range(10)]
     events = [_Event() for _ in chunks]
     for k, (c, e) in enumerate(zip(chunks, events)):
-        acc.add(grad[k * 100:(k + 1) * 100], c, e)
+        acc.add(grad[k * 100 : (k + 1) * 100], c, e)
     assert grad.abs().sum() == 0, "nothing may be added before its copy has landed"
     for e in reversed(events):
         e.flag.set()
     acc.wait()
     assert torch.equal(grad, torch.cat(chunks))
     for k, c in enumerate(chunks):  # a second micro-batch accumulates on top
-        acc.add(grad[k * 100:(k + 1) * 100], c)
+        acc.add(grad[k * 100 : (k + 1) * 100], c)
     acc.wait()
     assert torch.equal(grad, 2 * torch.cat(chunks))
 

@@ -5,6 +5,7 @@ the converted source. The sum of squares has one documented order (pieces of PIE
 each range's start, LANES double lanes, a fixed fold, pieces in order): every path and
 thread count must give the bits of that order restated in torch below.
 """
+
 import os
 import subprocess
 import sys
@@ -60,15 +61,15 @@ def reference_sum_squares(x: torch.Tensor, ranges) -> float:
     total = 0.0
     for a, z in ranges:
         for b in range(a, z, piece):
-            d = x[b:min(z, b + piece)].double()
+            d = x[b : min(z, b + piece)].double()
             sq = torch.zeros(-(-d.numel() // lanes_n) * lanes_n, dtype=torch.float64)
-            sq[:d.numel()] = d * d  # zero padding adds nothing: squares are >= +0
+            sq[: d.numel()] = d * d  # zero padding adds nothing: squares are >= +0
             lanes = torch.zeros(lanes_n, dtype=torch.float64)
             for row in sq.view(-1, lanes_n):
                 lanes = lanes + row
             w = lanes_n // 2
             while w >= 1:
-                lanes[:w] = lanes[:w] + lanes[w:2 * w]
+                lanes[:w] = lanes[:w] + lanes[w : 2 * w]
                 w //= 2
             total += float(lanes[0])
     return total
@@ -118,7 +119,7 @@ def test_fused_norm_equals_sum_squares_of_the_result(level, dtype):
         for overwrite in (False, True):
             for ranges in _range_sets(n):
                 base, src = views(n, dtype, 1, 2)
-                src[:min(n, 6)] = 1.5  # no inf/NaN: the sums are compared as numbers
+                src[: min(n, 6)] = 1.5  # no inf/NaN: the sums are compared as numbers
                 dst = base.clone()
                 got = host_ops.accumulate_(dst, src, overwrite=overwrite, norm_ranges=ranges)
                 want = base.clone().copy_(src) if overwrite else base + src.float()
@@ -213,10 +214,17 @@ def test_simd_level_controls(threads):
 def test_env_var_forces_level_at_import():
     code = "from mp_offload import _host_ops as c; print(c.simd_level())"
     env = dict(os.environ, MP_OFFLOAD_HOST_OPS_SIMD="scalar")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     assert out.stdout.strip() == "scalar"
     env["MP_OFFLOAD_HOST_OPS_SIMD"] = "bogus"
-    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode != 0 and "MP_OFFLOAD_HOST_OPS_SIMD" in bad.stderr

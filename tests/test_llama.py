@@ -6,6 +6,7 @@ against repeated K/V heads), the whole Llama-style model against HF transformers
 LlamaForCausalLM, and (gloo, CPU) TP=2/4 with and without --sequence-parallel against
 TP=1; the bytes autograd saves for a block against the planner's activation formula.
 """
+
 import dataclasses
 import math
 
@@ -30,12 +31,26 @@ from mp_offload.planner import estimate_activations
 from mp_offload.tensor_parallel import model_parallel_seed
 
 SINGLE = ps.ParallelGroup.single()
-LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-             group_query_attention=True, num_query_groups=4,
-             untie_embeddings_and_output_weights=True, disable_bias_linear=True)
-TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=8, ffn_hidden_size=96,
-            seq_length=16, vocab_size=100, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
-            attention_dropout=0.0)
+LLAMA = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    group_query_attention=True,
+    num_query_groups=4,
+    untie_embeddings_and_output_weights=True,
+    disable_bias_linear=True,
+)
+TINY = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=8,
+    ffn_hidden_size=96,
+    seq_length=16,
+    vocab_size=100,
+    make_vocab_size_divisible_by=8,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 
 
 def _cfg(**kw) -> GPTConfig:
@@ -65,7 +80,8 @@ def test_rope_is_the_rotation_of_channel_pairs(percent):
     cos, sin = rope(s, torch.float64, None)
 
     def at(v, p):
-        return apply_rotary(v.view(1, 1, 1, d), cos[p:p + 1], sin[p:p + 1]).flatten()
+        return apply_rotary(v.view(1, 1, 1, d), cos[p : p + 1], sin[p : p + 1]).flatten()
+
     assert torch.allclose(at(q, 5) @ at(k, 2), at(q, 4) @ at(k, 1))
 
 
@@ -92,8 +108,9 @@ def test_rmsnorm_is_its_definition():
 @pytest.mark.parametrize("bias", [True, False])
 def test_swiglu_mlp_is_silu_gate_times_up(bias):
     torch.manual_seed(0)
-    mlp = ParallelMLP(_cfg(swiglu=True, disable_bias_linear=not bias), SINGLE, False,
-                      torch.float64, None)
+    mlp = ParallelMLP(
+        _cfg(swiglu=True, disable_bias_linear=not bias), SINGLE, False, torch.float64, None
+    )
     assert mlp.fc1.weight.shape == (2 * 96, 64) and mlp.fc1.weight.partition_stride == 2
     x = torch.randn(2, 5, 64, dtype=torch.float64)
     w_gate, w_up = mlp.fc1.weight.chunk(2)  # fused [gate; up]
@@ -136,6 +153,7 @@ def test_gqa_without_a_grouped_kernel_repeats_kv_heads(monkeypatch):
     """Where SDPA has no fused grouped kernel (CUDA before sm80, fp32) the K/V heads are
     repeated before the call; same result."""
     import mp_offload.model.layers as layers
+
     monkeypatch.setattr(layers, "sdpa_takes_groups", lambda q: False)
     torch.manual_seed(1)
     cfg = _cfg(group_query_attention=True, num_query_groups=2, disable_bias_linear=True)
@@ -147,12 +165,16 @@ def test_gqa_without_a_grouped_kernel_repeats_kv_heads(monkeypatch):
 
 def test_untied_head_and_no_biases():
     torch.manual_seed(2)
-    model = GPTModel(_cfg(untie_embeddings_and_output_weights=True, disable_bias_linear=True),
-                     tp_group=SINGLE)
+    model = GPTModel(
+        _cfg(untie_embeddings_and_output_weights=True, disable_bias_linear=True), tp_group=SINGLE
+    )
     names = dict(model.named_parameters())
     head = names["output_layer.weight"]
-    assert head.shape == (104, 64) and (head.tensor_model_parallel, head.partition_dim,
-                                        head.partition_stride) == (True, 0, 1)
+    assert head.shape == (104, 64) and (
+        head.tensor_model_parallel,
+        head.partition_dim,
+        head.partition_stride,
+    ) == (True, 0, 1)
     assert head[100:].abs().max() == 0, "vocabulary padding rows start at zero"
     assert not torch.equal(head[:100], names["wte.weight"][:100])
     assert not [n for n in names if n.endswith(".bias") and (".attn." in n or ".mlp." in n)]
@@ -160,11 +182,16 @@ def test_untied_head_and_no_biases():
     assert torch.equal(model.head(x), F.linear(x, head))
 
 
-OPTION_SETS = [{}, dict(normalization="RMSNorm"), dict(swiglu=True),
-               dict(position_embedding_type="rope"),
-               dict(group_query_attention=True, num_query_groups=2),
-               dict(untie_embeddings_and_output_weights=True), dict(disable_bias_linear=True),
-               LLAMA]
+OPTION_SETS = [
+    {},
+    dict(normalization="RMSNorm"),
+    dict(swiglu=True),
+    dict(position_embedding_type="rope"),
+    dict(group_query_attention=True, num_query_groups=2),
+    dict(untie_embeddings_and_output_weights=True),
+    dict(disable_bias_linear=True),
+    LLAMA,
+]
 
 
 @pytest.mark.parametrize("opts", OPTION_SETS)
@@ -173,35 +200,65 @@ def test_parameter_count_and_flops_follow_the_options(opts):
     model = GPTModel(cfg, tp_group=SINGLE, device="meta")
     assert num_parameters(cfg) == sum(p.numel() for p in model.parameters())
     # FLOPs: 2 per weight element of the blocks' linear layers, attention, the head.
-    matrices = sum(p.numel() for n, p in model.named_parameters()
-                   if n.startswith("blocks.") and p.ndim == 2)
+    matrices = sum(
+        p.numel() for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2
+    )
     s, h, V = cfg.seq_length, cfg.hidden_size, cfg.padded_vocab_size(1)
     fwd = 2 * matrices + cfg.num_layers * 4 * s * h + 2 * h * V
     assert flops_per_token(cfg) == 3 * fwd and flops_per_token(cfg, recompute=True) == 4 * fwd
 
 
 def test_default_model_keeps_the_gpt2_names_and_shapes():
-    names = {n: tuple(p.shape) for n, p in
-             GPTModel(_cfg(), tp_group=SINGLE, device="meta").named_parameters()}
+    names = {
+        n: tuple(p.shape)
+        for n, p in GPTModel(_cfg(), tp_group=SINGLE, device="meta").named_parameters()
+    }
     assert names["wpe.weight"] == (16, 64) and names["blocks.0.attn.qkv.weight"] == (192, 64)
     assert names["blocks.0.ln1.bias"] == (64,) and names["blocks.1.mlp.fc2.bias"] == (64,)
     assert "output_layer.weight" not in names and len(names) == 2 + 2 * 12 + 2
 
 
-@pytest.mark.parametrize("argv,world,needle", [
-    (["--group-query-attention", "--num-query-groups", "3"], 1,
-     "--num-attention-heads 8 is not divisible by --num-query-groups 3"),
-    (["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size",
-      "4"], 4, "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
-    (["--num-query-groups", "2"], 1, "--num-query-groups needs --group-query-attention"),
-    (["--sequence-parallel", "--tensor-model-parallel-size", "4", "--seq-length", "18",
-      "--max-position-embeddings", "32"], 4, "--seq-length 18 is not divisible"),
-    (["--position-embedding-type", "rope", "--rotary-percent", "0.1"], 1, "--rotary-percent"),
-    (["--rotary-percent", "1.5"], 1, "--rotary-percent must be > 0 and <= 1"),
-])
+@pytest.mark.parametrize(
+    "argv,world,needle",
+    [
+        (
+            ["--group-query-attention", "--num-query-groups", "3"],
+            1,
+            "--num-attention-heads 8 is not divisible by --num-query-groups 3",
+        ),
+        (
+            [
+                "--group-query-attention",
+                "--num-query-groups",
+                "2",
+                "--tensor-model-parallel-size",
+                "4",
+            ],
+            4,
+            "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4",
+        ),
+        (["--num-query-groups", "2"], 1, "--num-query-groups needs --group-query-attention"),
+        (
+            [
+                "--sequence-parallel",
+                "--tensor-model-parallel-size",
+                "4",
+                "--seq-length",
+                "18",
+                "--max-position-embeddings",
+                "32",
+            ],
+            4,
+            "--seq-length 18 is not divisible",
+        ),
+        (["--position-embedding-type", "rope", "--rotary-percent", "0.1"], 1, "--rotary-percent"),
+        (["--rotary-percent", "1.5"], 1, "--rotary-percent must be > 0 and <= 1"),
+    ],
+)
 def test_bad_llama_flags_name_the_flag(argv, world, needle):
-    args = parse_args(["--train-iters", "1", "--num-attention-heads", "8", "--hidden-size", "64",
-                       *argv])
+    args = parse_args(
+        ["--train-iters", "1", "--num-attention-heads", "8", "--hidden-size", "64", *argv]
+    )
     with pytest.raises(ConfigError, match=needle.replace("-", r"\-")):
         validate(args, world)
 
@@ -209,16 +266,43 @@ def test_bad_llama_flags_name_the_flag(argv, world, needle):
 def test_llama_flags_parse_and_default_to_gpt2():
     args = parse_args(["--train-iters", "1"])
     m = args.model
-    assert (m.normalization, m.position_embedding_type, m.swiglu, m.num_query_groups,
-            m.sequence_parallel, m.rotary) == (None, None, False, None, False, (10000, 1.0))
+    assert (
+        m.normalization,
+        m.position_embedding_type,
+        m.swiglu,
+        m.num_query_groups,
+        m.sequence_parallel,
+        m.rotary,
+    ) == (None, None, False, None, False, (10000, 1.0))
     # GPT-2's choices are recorded as None: a plain GPT-2 names no option in a checkpoint.
-    m = parse_args(["--train-iters", "1", "--normalization", "LayerNorm",
-                    "--position-embedding-type", "learned_absolute"]).model
+    m = parse_args(
+        [
+            "--train-iters",
+            "1",
+            "--normalization",
+            "LayerNorm",
+            "--position-embedding-type",
+            "learned_absolute",
+        ]
+    ).model
     assert (m.normalization, m.position_embedding_type) == (None, None)
-    args = parse_args(["--train-iters", "1", "--normalization", "RMSNorm", "--swiglu",
-                       "--position-embedding-type", "rope", "--rotary-base", "500000",
-                       "--group-query-attention", "--untie-embeddings-and-output-weights",
-                       "--disable-bias-linear", "--sequence-parallel"])
+    args = parse_args(
+        [
+            "--train-iters",
+            "1",
+            "--normalization",
+            "RMSNorm",
+            "--swiglu",
+            "--position-embedding-type",
+            "rope",
+            "--rotary-base",
+            "500000",
+            "--group-query-attention",
+            "--untie-embeddings-and-output-weights",
+            "--disable-bias-linear",
+            "--sequence-parallel",
+        ]
+    )
     m = args.model
     assert m.num_query_groups == 1 and m.kv_groups == 1 and m.rotary == (500000, 1.0)
     validate(args, 2)
@@ -232,14 +316,24 @@ def test_tp1_llama_equals_transformers_llama(rotary_base):
     moved over with the layout rules an HF converter needs: the per-group fused QKV
     split into q/k/v, fc1 into gate/up, the vocabulary padding cut."""
     import transformers
+
     cfg = _cfg(**LLAMA, rotary_base=rotary_base, layernorm_epsilon=1e-6)
     torch.manual_seed(3)
     ours = GPTModel(cfg, tp_group=SINGLE).eval()
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=16,
-        rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=rotary_base),
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=16,
+        rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_type="default", rope_theta=rotary_base),
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+    )
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     sd, a, g, d = {}, 8, 4, 8
     w = dict(ours.named_parameters())
@@ -258,8 +352,7 @@ def test_tp1_llama_equals_transformers_llama(rotary_base):
         sd[q + "mlp.down_proj.weight"] = w[p + "mlp.fc2.weight"]
         sd[q + "input_layernorm.weight"] = w[p + "ln1.weight"]
         sd[q + "post_attention_layernorm.weight"] = w[p + "ln2.weight"]
-    missing, unexpected = hf.load_state_dict({k: v.detach() for k, v in sd.items()},
-                                             strict=False)
+    missing, unexpected = hf.load_state_dict({k: v.detach() for k, v in sd.items()}, strict=False)
     assert not unexpected and not [k for k in missing if "rotary" not in k], missing
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -316,8 +409,13 @@ def _check_recompute_replays_sp_dropout(group):
     x, y = _batch()
     runs = []
     for recompute in (False, True):
-        cfg = _cfg(**LLAMA, sequence_parallel=True, hidden_dropout=0.2, attention_dropout=0.2,
-                   recompute_activations=recompute)
+        cfg = _cfg(
+            **LLAMA,
+            sequence_parallel=True,
+            hidden_dropout=0.2,
+            attention_dropout=0.2,
+            recompute_activations=recompute,
+        )
         runs.append(loss_and_grads(_model(cfg, group), x, y))
     assert torch.equal(runs[0][0], runs[1][0])
     for name, g in runs[0][1].items():
@@ -334,6 +432,7 @@ def _saved_bytes(block, x, rope):
         if storage.data_ptr() not in params:
             seen[storage.data_ptr()] = storage.nbytes()
         return t
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block(x, rope)
     return sum(seen.values())
@@ -364,8 +463,7 @@ def _tp_worker(rank, world, tp):
     group = ps.get_tensor_model_parallel_group()
     for sp in (False, True):
         _check_equal_to_tp1(_cfg(**LLAMA, sequence_parallel=sp), group)
-    _check_equal_to_tp1(_cfg(**LLAMA, sequence_parallel=True, recompute_activations=True),
-                        group)
+    _check_equal_to_tp1(_cfg(**LLAMA, sequence_parallel=True, recompute_activations=True), group)
     _check_equal_to_tp1(_cfg(sequence_parallel=True), group)  # GPT-2 + SP
     _check_sp_dropout_masks_differ_across_ranks(group)
     _check_recompute_replays_sp_dropout(group)
@@ -407,8 +505,14 @@ def test_activation_formula_under_sp_is_megatrons_and_falls_with_tp():
     """e=2, f=4h, no GQA, dropouts on, the unfused attention kernel: per layer
     sbh(34 + 5as/h)/t with --sequence-parallel (plus the norms' statistics), and the
     per-rank peak falls with TP."""
-    cfg = GPTConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=2048,
-                    vocab_size=32000, sequence_parallel=True)
+    cfg = GPTConfig(
+        num_layers=4,
+        hidden_size=1024,
+        num_attention_heads=16,
+        seq_length=2048,
+        vocab_size=32000,
+        sequence_parallel=True,
+    )
     s, b, h, a = 2048, 2, 1024, 16
     peaks = []
     for t in (1, 2, 4, 8):
@@ -416,9 +520,10 @@ def test_activation_formula_under_sp_is_megatrons_and_falls_with_tp():
         megatron = s * b * h * (34 + 5 * a * s // h) // t
         assert est.per_layer == megatron + 2 * 8 * s * b // t
         peaks.append(est.peak)
-        plain = estimate_activations(dataclasses.replace(cfg, sequence_parallel=False), t, b, 2,
-                                     recompute=False, flash=False)
-        assert plain.per_layer == s * b * h * (10 + 24 // t) + 5 * a * s * s * b // t + \
-            2 * 8 * s * b
+        plain = estimate_activations(
+            dataclasses.replace(cfg, sequence_parallel=False), t, b, 2, recompute=False, flash=False
+        )
+        assert (
+            plain.per_layer == s * b * h * (10 + 24 // t) + 5 * a * s * s * b // t + 2 * 8 * s * b
+        )
     assert all(x > y for x, y in zip(peaks, peaks[1:])), peaks
-

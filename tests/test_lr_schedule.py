@@ -1,4 +1,5 @@
 """The learning-rate schedule at chosen points (counted in samples, as Megatron does)."""
+
 import math
 
 import pytest

@@ -5,6 +5,7 @@ plain, with micro-batches and with DPU; F = 1 and F = 0 are today's paths exactl
 split, the buffers and the traffic; the fused device Adam against the torch restatement;
 the planner's choice of F and its buffers against the real ones.
 """
+
 import dataclasses
 
 import pytest
@@ -69,8 +70,18 @@ def _single(fraction=1.0, offload=True, dtype=torch.float32, bucket=2000, **kw):
     single = ps.ParallelGroup.single()
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**CFG), tp_group=single)
-    opt = ZeroOptimizer(model, **HP, dp=single, tp=single, device="cpu", dtype=dtype,
-                        cpu_offload=offload, bucket_size=bucket, offload_fraction=fraction, **kw)
+    opt = ZeroOptimizer(
+        model,
+        **HP,
+        dp=single,
+        tp=single,
+        device="cpu",
+        dtype=dtype,
+        cpu_offload=offload,
+        bucket_size=bucket,
+        offload_fraction=fraction,
+        **kw,
+    )
     return model, opt
 
 
@@ -106,12 +117,13 @@ def test_device_share_holds_the_first_buckets_and_only_the_rest_crosses():
     model, opt = _single(0.5, dtype=torch.bfloat16)
     n, split = opt.layout.host_numel, opt.split
     assert 0 < opt.device_buckets < len(opt.layout.buckets)
-    assert split == sum(b.chunk for b in opt.layout.buckets[:opt.device_buckets])
+    assert split == sum(b.chunk for b in opt.layout.buckets[: opt.device_buckets])
     assert opt.actual_offload_fraction == pytest.approx(1 - split / n)
     assert abs(opt.actual_offload_fraction - 0.5) < max(b.chunk for b in opt.layout.buckets) / n
     rep = opt.memory_bytes()
-    assert {k: rep["device"][k] for k in ("master", "exp_avg", "exp_avg_sq", "grads")} == \
-        {k: 4 * split for k in ("master", "exp_avg", "exp_avg_sq", "grads")}
+    assert {k: rep["device"][k] for k in ("master", "exp_avg", "exp_avg_sq", "grads")} == {
+        k: 4 * split for k in ("master", "exp_avg", "exp_avg_sq", "grads")
+    }
     assert rep["host"]["master"] == 4 * (n - split)
     assert rep["host"]["staging"] == 2 * (n - split) * 2  # bf16 params up, grads down
     # The checkpoint holds the slice unsplit, device share first, in the host's dtypes.
@@ -142,14 +154,22 @@ def test_fused_device_adam_equals_the_torch_restatement():
         g = torch.randn(1024)
         share.grads.copy_(g)
         share.step(step=step, grad_scale=0.25, **hp)
-        torch_adam_step(p, g, m, v, step=step, grad_scale=0.25,
-                        decay_runs=[(a, z) for a, z, d in runs if d], **hp)
+        torch_adam_step(
+            p,
+            g,
+            m,
+            v,
+            step=step,
+            grad_scale=0.25,
+            decay_runs=[(a, z) for a, z, d in runs if d],
+            **hp,
+        )
     assert (share.master - p).abs().max() < 1e-6
     assert (share.exp_avg - m).abs().max() < 1e-6 and (share.exp_avg_sq - v).abs().max() < 1e-6
 
 
 def test_fp16_overflow_skips_both_parts():
-    scale = dict(initial=2.0 ** 120, min=1.0, window=1000, hysteresis=1)
+    scale = dict(initial=2.0**120, min=1.0, window=1000, hysteresis=1)
     model, opt = _single(0.5, dtype=torch.float16, loss_scale=scale)
     before = (opt.share.master.clone(), opt.master.clone())
     x, y = _batch(0)
@@ -166,18 +186,26 @@ def _ours(steps, fraction, *, micro=None, dpu=None):
     micro = micro or per_rank
     torch.manual_seed(42)
     model = GPTModel(GPTConfig(**NO_BIAS))
-    opt = ZeroOptimizer(model, **HP, dp=ps.get_data_parallel_group(),
-                        tp=ps.get_tensor_model_parallel_group(), device="cpu", cpu_offload=True,
-                        bucket_size=500, dpu_warmup_steps=dpu, micro_batches=per_rank // micro,
-                        offload_fraction=fraction)
+    opt = ZeroOptimizer(
+        model,
+        **HP,
+        dp=ps.get_data_parallel_group(),
+        tp=ps.get_tensor_model_parallel_group(),
+        device="cpu",
+        cpu_offload=True,
+        bucket_size=500,
+        dpu_warmup_steps=dpu,
+        micro_batches=per_rank // micro,
+        offload_fraction=fraction,
+    )
     losses, norms = [], []
     for step in range(steps):
         x, y = _batch(step)
-        x, y = x[dp_rank * per_rank:][:per_rank], y[dp_rank * per_rank:][:per_rank]
+        x, y = x[dp_rank * per_rank :][:per_rank], y[dp_rank * per_rank :][:per_rank]
         opt.zero_grad()
         total = torch.zeros(())
         for k in range(0, per_rank, micro):
-            loss = model(x[k:k + micro], y[k:k + micro]).mean() * (micro / per_rank)
+            loss = model(x[k : k + micro], y[k : k + micro]).mean() * (micro / per_rank)
             opt.backward(loss)
             total += loss.detach()
         norms.append(opt.step(HP["lr"]).grad_norm)
@@ -237,12 +265,21 @@ def test_tp2_dp2_fraction_half_equals_one_and_zero_fp32():
 def test_cuda_device_share_runs_fused_beside_the_cpu_adam():
     """On a GPU: the share is on the device and steps with the fused kernel; F=0.5 tracks
     F=1 in fp32 within 1e-5 (bf16 params: the publish rounds both sides alike)."""
+
     def run(fraction, dtype):
         torch.manual_seed(0)
         model = GPTModel(GPTConfig(**NO_BIAS), tp_group=ps.ParallelGroup.single())
-        opt = ZeroOptimizer(model, **HP, dp=ps.ParallelGroup.single(),
-                            tp=ps.ParallelGroup.single(), device="cuda", dtype=dtype,
-                            cpu_offload=True, bucket_size=2000, offload_fraction=fraction)
+        opt = ZeroOptimizer(
+            model,
+            **HP,
+            dp=ps.ParallelGroup.single(),
+            tp=ps.ParallelGroup.single(),
+            device="cuda",
+            dtype=dtype,
+            cpu_offload=True,
+            bucket_size=2000,
+            offload_fraction=fraction,
+        )
         losses = []
         for step in range(4):
             x, y = (t.cuda() for t in _batch(step))
@@ -253,6 +290,7 @@ def test_cuda_device_share_runs_fused_beside_the_cpu_adam():
             losses.append(loss.item())
         opt.flush()
         return losses, opt
+
     half, opt = run(0.5, torch.float32)
     assert opt.share.fused and opt.share.master.is_cuda and not opt.master.is_cuda
     one, _ = run(1.0, torch.float32)
@@ -264,14 +302,26 @@ def test_cuda_device_share_runs_fused_beside_the_cpu_adam():
 # ------------------------------------------------------------------ the planner
 def test_plan_equals_real_buffers_with_a_device_share():
     cfg = GPTConfig(**CFG)
-    for dtype, k, dpu in ((torch.bfloat16, 1, False), (torch.float32, 2, False),
-                          (torch.bfloat16, 1, True)):
-        model, opt = _single(0.5, dtype=dtype, bucket=3000, micro_batches=k,
-                             dpu_warmup_steps=0 if dpu else None)
+    for dtype, k, dpu in (
+        (torch.bfloat16, 1, False),
+        (torch.float32, 2, False),
+        (torch.bfloat16, 1, True),
+    ):
+        model, opt = _single(
+            0.5, dtype=dtype, bucket=3000, micro_batches=k, dpu_warmup_steps=0 if dpu else None
+        )
         assert opt.share is not None
         real = opt.memory_bytes()
-        run = Run(cfg, mode="offload", elem_bytes=torch.empty((), dtype=dtype).element_size(),
-                  bucket_size=3000, cuda=False, micro_batches=k, dpu=dpu, offload_fraction=0.5)
+        run = Run(
+            cfg,
+            mode="offload",
+            elem_bytes=torch.empty((), dtype=dtype).element_size(),
+            bucket_size=3000,
+            cuda=False,
+            micro_batches=k,
+            dpu=dpu,
+            offload_fraction=0.5,
+        )
         shapes = rank_shapes(spec_named_params(cfg, 1), 1, 3000)
         device, host, _ = plan_rank(run, shapes, Hardware())
         assert {k2: v for k2, v in host.items() if k2 in EXACT} == real["host"]
@@ -282,8 +332,14 @@ def test_plan_equals_real_buffers_with_a_device_share():
 def test_planner_picks_the_largest_device_share_that_fits():
     """A 1.3B-class GPT on one 24 GiB device: all of the state does not fit there, none of
     it is not needed; the picked F fits and one more bucket on the device does not."""
-    cfg = GPTConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=1024,
-                    vocab_size=50257, recompute_activations=True)
+    cfg = GPTConfig(
+        num_layers=24,
+        hidden_size=2048,
+        num_attention_heads=16,
+        seq_length=1024,
+        vocab_size=50257,
+        recompute_activations=True,
+    )
     hw = Hardware(device_memory_gb=24, host_memory_gb=256, devices_per_node=1)
     run = Run(cfg, micro_batch=1, bucket_size=20_000_000)
     f, plan = pick_offload_fraction(run, hw)
@@ -292,13 +348,17 @@ def test_planner_picks_the_largest_device_share_that_fits():
     j = split_buckets(chunks, f)
     more = plan_job(dataclasses.replace(run, offload_fraction=fraction_for(chunks, j + 1)), hw)
     assert not more.fits_device
-    assert plan_job(dataclasses.replace(run, offload_fraction=1.0), hw).device_peak < \
-        plan.device_peak <= 24 * 2**30
+    assert (
+        plan_job(dataclasses.replace(run, offload_fraction=1.0), hw).device_peak
+        < plan.device_peak
+        <= 24 * 2**30
+    )
     assert not plan_job(dataclasses.replace(run, mode="zero2"), hw).fits_device
 
 
 def test_plan_cli_prints_the_fraction_it_would_use(capsys):
     from mp_offload.plan import main
+
     argv = ["--model", "llama3-8b", "--device-memory-gb", "141", "--adam-rate-per-core", "8e7"]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -308,6 +368,7 @@ def test_plan_cli_prints_the_fraction_it_would_use(capsys):
     assert f"--cpu-offload --optimizer-offload-fraction {f:g}" in out  # in the launch command
     assert "beside device Adam" in out  # the throughput model's gain line
     import json
+
     assert main([*argv, "--json"]) == 0
     rec = json.loads(capsys.readouterr().out)
     assert rec["offload_fraction"] == f and rec["fits"]
@@ -316,15 +377,26 @@ def test_plan_cli_prints_the_fraction_it_would_use(capsys):
 
 # ------------------------------------------------------------------ checkpoints
 
+
 def _run(world, tp, fraction, *extra):
-    run_distributed(pretrain_worker, world,
-                    [*CKPT_RUN, "--tensor-model-parallel-size", str(tp),
-                     "--optimizer-offload-fraction", fraction, *extra])
+    run_distributed(
+        pretrain_worker,
+        world,
+        [
+            *CKPT_RUN,
+            "--tensor-model-parallel-size",
+            str(tp),
+            "--optimizer-offload-fraction",
+            fraction,
+            *extra,
+        ],
+    )
 
 
 def _records(path):
     """The numbers of each record that must continue: losses, grad norms, lr."""
     import json
+
     keep = ("iteration", "loss", "grad_norm", "lr", "valid_loss", "test_loss")
     with open(path) as f:
         return [{k: v for k, v in json.loads(line).items() if k in keep} for line in f]
@@ -339,6 +411,7 @@ def test_checkpoint_saved_at_one_fraction_loads_at_another(tmp_path, capfd):
 
     from mp_offload.checkpoint import FullTensors, read_latest
     from mp_offload.checkpoint.format import iter_dir, model_file, optim_file
+
     unbroken, ck = str(tmp_path / "unbroken.jsonl"), str(tmp_path / "ckpt")
     _run(4, 2, "0.5", "--log-json", unbroken)
     report = [ln for ln in capfd.readouterr().out.splitlines() if "offload fraction" in ln]
@@ -354,8 +427,12 @@ def test_checkpoint_saved_at_one_fraction_loads_at_another(tmp_path, capfd):
     w0 = torch.load(os.path.join(iter_dir(ck, 4), model_file(0)), weights_only=True)
     assert torch.equal(full.get("ln_f.weight"), w0["ln_f.weight"])
     want = [r for r in _records(unbroken) if r["iteration"] > 4]
-    for fraction, world, tp, tol in (("0.5", 4, 2, 0.0), ("1", 4, 2, 1e-5), ("0", 4, 2, 1e-5),
-                                     ("0.5", 2, 1, 1e-4)):
+    for fraction, world, tp, tol in (
+        ("0.5", 4, 2, 0.0),
+        ("1", 4, 2, 1e-5),
+        ("0", 4, 2, 1e-5),
+        ("0.5", 2, 1, 1e-4),
+    ):
         log = str(tmp_path / f"resumed_{fraction}_{tp}.jsonl")
         _run(world, tp, fraction, "--load", ck, "--log-json", log)
         got = _records(log)

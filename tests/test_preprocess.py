@@ -20,14 +20,17 @@ def _write_jsonl(path, rows):
 @pytest.fixture
 def messy_jsonl(tmp_path):
     path = tmp_path / "in.jsonl"
-    _write_jsonl(path, [
-        {"text": "1 2 3"},
-        "{not json",             # line 2: bad JSON
-        {"text": "   "},         # line 3: empty document
-        {"other": "4 5"},        # line 4: missing key
-        "",                      # line 5: blank line, silently ignored
-        {"text": "6 7"},
-    ])
+    _write_jsonl(
+        path,
+        [
+            {"text": "1 2 3"},
+            "{not json",  # line 2: bad JSON
+            {"text": "   "},  # line 3: empty document
+            {"other": "4 5"},  # line 4: missing key
+            "",  # line 5: blank line, silently ignored
+            {"text": "6 7"},
+        ],
+    )
     return str(path)
 
 
@@ -37,8 +40,17 @@ def _read(path):
 
 
 def _null_args(inp, out, *extra):
-    return ["--input", inp, "--output-prefix", out, "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", "100", *extra]
+    return [
+        "--input",
+        inp,
+        "--output-prefix",
+        out,
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "100",
+        *extra,
+    ]
 
 
 def test_skip_bad_lines(messy_jsonl, tmp_path, capsys):
@@ -75,30 +87,54 @@ def test_no_documents_is_an_error_naming_input_and_key(messy_jsonl, tmp_path, ca
     out = str(tmp_path / "out")
     assert main(_null_args(messy_jsonl, out, "--json-keys", "content")) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (f"error: no documents in {messy_jsonl} under --json-keys content: all 5 "
-                       f"lines were skipped (the first: {messy_jsonl}:1: missing key "
-                       f"'content'); nothing written"), err[-1]
+    assert err[-1] == (
+        f"error: no documents in {messy_jsonl} under --json-keys content: all 5 "
+        f"lines were skipped (the first: {messy_jsonl}:1: missing key "
+        f"'content'); nothing written"
+    ), err[-1]
     assert not any(n.startswith("out") for n in os.listdir(tmp_path))
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     assert main(_null_args(str(empty), out)) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"error: no documents in {empty} (the input is empty); nothing written")
+        f"error: no documents in {empty} (the input is empty); nothing written"
+    )
 
 
 @pytest.mark.slow  # --workers 2: a spawned process pool
 def test_workers_identical(tmp_path):
     rng = np.random.RandomState(0)
     path = str(tmp_path / "big.jsonl")
-    _write_jsonl(path, [
-        {"text": " ".join(map(str, rng.randint(0, 100, rng.randint(1, 30)))), "title": str(i % 100)}
-        for i in range(500)
-    ])
+    _write_jsonl(
+        path,
+        [
+            {
+                "text": " ".join(map(str, rng.randint(0, 100, rng.randint(1, 30)))),
+                "title": str(i % 100),
+            }
+            for i in range(500)
+        ],
+    )
     outs = []
     for workers in (1, 2):
         out = str(tmp_path / f"w{workers}")
-        assert main(_null_args(path, out, "--workers", str(workers), "--chunksize", "7",
-                               "--json-keys", "text", "title", "--append-eod")) == 0
+        assert (
+            main(
+                _null_args(
+                    path,
+                    out,
+                    "--workers",
+                    str(workers),
+                    "--chunksize",
+                    "7",
+                    "--json-keys",
+                    "text",
+                    "title",
+                    "--append-eod",
+                )
+            )
+            == 0
+        )
         outs.append(out)
     for key in ("text", "title"):
         for ext in (".bin", ".idx"):
@@ -112,8 +148,22 @@ def test_plain_text_is_one_document_per_file(tmp_path):
     a.write_text("1 2\n\n3\n")
     b.write_text("4")
     out = str(tmp_path / "pt")
-    assert main(["--input", str(a), str(b), "--output-prefix", out, "--tokenizer-type",
-                 "NullTokenizer", "--vocab-size", "10"]) == 0
+    assert (
+        main(
+            [
+                "--input",
+                str(a),
+                str(b),
+                "--output-prefix",
+                out,
+                "--tokenizer-type",
+                "NullTokenizer",
+                "--vocab-size",
+                "10",
+            ]
+        )
+        == 0
+    )
     ds = MMapIndexedDataset(out + "_text_document")
     assert [x.tolist() for x in ds[0:2]] == [[1, 2, 3], [4]]
 
@@ -127,8 +177,10 @@ def test_sentencepiece_path(tmp_path):
     path = str(tmp_path / "d.jsonl")
     _write_jsonl(path, [{"text": text}, {"text": "x = 1\n"}])
     out = str(tmp_path / "sp_out")
-    assert main(["--input", path, "--output-prefix", out, "--tokenizer-model", model,
-                 "--append-eod"]) == 0
+    assert (
+        main(["--input", path, "--output-prefix", out, "--tokenizer-model", model, "--append-eod"])
+        == 0
+    )
     tok = build_tokenizer("SentencePieceTokenizer", model)
     ds = MMapIndexedDataset(out + "_text_document")
     assert ds[1][-1] == tok.eod
@@ -178,15 +230,20 @@ def hf_files(tmp_path_factory):
     sentencepiece_to_tokenizer_json(sp, str(d / "sp.tokenizer.json"))
     path = str(d / "docs.jsonl")
     rng = np.random.RandomState(0)
-    _write_jsonl(path, [{"text": CODE[rng.randint(0, 20):] * rng.randint(1, 4)}
-                        for _ in range(300)])
+    _write_jsonl(
+        path, [{"text": CODE[rng.randint(0, 20) :] * rng.randint(1, 4)} for _ in range(300)]
+    )
     return d, path
 
 
 TOKENIZER_FLAGS = {
     "HuggingFaceTokenizer": lambda d: ["--tokenizer-model", str(d / "bbpe")],
-    "GPT2BPETokenizer": lambda d: ["--vocab-file", str(d / "bbpe" / "vocab.json"),
-                                   "--merge-file", str(d / "bbpe" / "merges.txt")],
+    "GPT2BPETokenizer": lambda d: [
+        "--vocab-file",
+        str(d / "bbpe" / "vocab.json"),
+        "--merge-file",
+        str(d / "bbpe" / "merges.txt"),
+    ],
 }
 
 
@@ -199,9 +256,25 @@ def test_hf_types_workers_identical(hf_files, tmp_path, kind):
     outs = []
     for workers in (1, 2):
         out = str(tmp_path / f"w{workers}")
-        assert main(["--input", path, "--output-prefix", out, "--tokenizer-type", kind,
-                     *TOKENIZER_FLAGS[kind](d), "--workers", str(workers), "--chunksize", "9",
-                     "--append-eod"]) == 0
+        assert (
+            main(
+                [
+                    "--input",
+                    path,
+                    "--output-prefix",
+                    out,
+                    "--tokenizer-type",
+                    kind,
+                    *TOKENIZER_FLAGS[kind](d),
+                    "--workers",
+                    str(workers),
+                    "--chunksize",
+                    "9",
+                    "--append-eod",
+                ]
+            )
+            == 0
+        )
         outs.append(out + "_text_document")
     for ext in (".bin", ".idx"):
         assert _read(outs[0] + ext) == _read(outs[1] + ext)
@@ -218,23 +291,66 @@ def test_converted_sentencepiece_gives_the_same_dataset(hf_files, tmp_path):
     """The SentencePiece model and its tokenizer.json write byte-identical datasets."""
     d, path = hf_files
     sp_out, hf_out = str(tmp_path / "sp"), str(tmp_path / "hf")
-    assert main(["--input", path, "--output-prefix", sp_out, "--tokenizer-model",
-                 str(d / "sp.model"), "--append-eod"]) == 0
-    assert main(["--input", path, "--output-prefix", hf_out, "--tokenizer-type",
-                 "HuggingFaceTokenizer", "--tokenizer-model", str(d / "sp.tokenizer.json"),
-                 "--append-eod", "--workers", "2"]) == 0
+    assert (
+        main(
+            [
+                "--input",
+                path,
+                "--output-prefix",
+                sp_out,
+                "--tokenizer-model",
+                str(d / "sp.model"),
+                "--append-eod",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "--input",
+                path,
+                "--output-prefix",
+                hf_out,
+                "--tokenizer-type",
+                "HuggingFaceTokenizer",
+                "--tokenizer-model",
+                str(d / "sp.tokenizer.json"),
+                "--append-eod",
+                "--workers",
+                "2",
+            ]
+        )
+        == 0
+    )
     for ext in (".bin", ".idx"):
         assert _read(f"{sp_out}_text_document{ext}") == _read(f"{hf_out}_text_document{ext}")
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json"],
-     "GPT2BPETokenizer needs --vocab-file and --merge-file"),
-    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json", "--merge-file", "m.txt"],
-     "--vocab-file v.json: file not found"),
-    (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "nowhere"],
-     "--tokenizer-model nowhere: no tokenizer.json"),
-])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (
+            ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json"],
+            "GPT2BPETokenizer needs --vocab-file and --merge-file",
+        ),
+        (
+            [
+                "--tokenizer-type",
+                "GPT2BPETokenizer",
+                "--vocab-file",
+                "v.json",
+                "--merge-file",
+                "m.txt",
+            ],
+            "--vocab-file v.json: file not found",
+        ),
+        (
+            ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "nowhere"],
+            "--tokenizer-model nowhere: no tokenizer.json",
+        ),
+    ],
+)
 def test_hf_types_flag_errors(messy_jsonl, tmp_path, capsys, flags, needle):
     assert main(["--input", messy_jsonl, "--output-prefix", str(tmp_path / "o"), *flags]) == 1
     err = capsys.readouterr().err.strip()
@@ -247,12 +363,21 @@ def test_progress_bar_shows_rate_and_eta(messy_jsonl, tmp_path):
     import io
 
     from mp_offload.data.preprocess import preprocess
+
     outs = {}
     for mode in ("bar", "lines"):
         log = io.StringIO()
         prefix = str(tmp_path / mode)
-        stats = preprocess([messy_jsonl], prefix, "NullTokenizer", vocab_size=100,
-                           append_eod=True, log=log, log_interval=1, progress=mode)
+        stats = preprocess(
+            [messy_jsonl],
+            prefix,
+            "NullTokenizer",
+            vocab_size=100,
+            append_eod=True,
+            log=log,
+            log_interval=1,
+            progress=mode,
+        )
         assert stats.documents == 2 and stats.skipped == 3
         outs[mode] = (log.getvalue(), _read(prefix + "_text_document.bin"))
     bar, lines = outs["bar"][0], outs["lines"][0]

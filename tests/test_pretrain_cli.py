@@ -1,4 +1,5 @@
 """pretrain_gpt.py under torchrun: bad configs fail fast on every rank; TP=1 == TP=2."""
+
 import json
 import os
 import subprocess
@@ -9,18 +10,33 @@ from helpers import tiny_model_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = dict(hidden_size=64, seq_length=32, vocab_size=128, make_vocab_size_divisible_by=None)
-RUN = ["--mock-data", "--micro-batch-size", "2", "--lr", "3e-3", "--log-interval", "5",
-       "--eval-interval", "1000"]
+RUN = [
+    "--mock-data",
+    "--micro-batch-size",
+    "2",
+    "--lr",
+    "3e-3",
+    "--log-interval",
+    "5",
+    "--eval-interval",
+    "1000",
+]
 TINY = tiny_model_flags(**MODEL) + RUN
 pytestmark = pytest.mark.slow  # every test runs pretrain_gpt.py under torchrun
 
 
 def torchrun(nproc, *args, timeout=240):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", os.path.join(ROOT, "pretrain_gpt.py"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=ROOT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        os.path.join(ROOT, "pretrain_gpt.py"),
+        *args,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -29,33 +45,57 @@ def dataset(tmp_path_factory):
     import io
 
     from mp_offload.data.preprocess import preprocess
+
     d = tmp_path_factory.mktemp("data")
     with open(d / "docs.jsonl", "w") as f:
         for i in range(40):
             f.write(json.dumps({"text": " ".join(str((i * 7 + k) % 90) for k in range(40))}))
             f.write("\n")
-    preprocess([str(d / "docs.jsonl")], str(d / "x"), "NullTokenizer", vocab_size=96,
-               log=io.StringIO())
+    preprocess(
+        [str(d / "docs.jsonl")], str(d / "x"), "NullTokenizer", vocab_size=96, log=io.StringIO()
+    )
     return str(d / "x_text_document")
 
 
-@pytest.mark.parametrize("extra,line", [
-    (["--hiden-size", "64"], "unrecognized argument --hiden-size: did you mean --hidden-size?"),
-    (["--data-path", "{data}", "--tokenizer-model", "{data}.model"],
-     "--tokenizer-model {data}.model: no such file"),
-    (["--tokenizer-type", "NullTokenizer", "--data-path", "{data}.bin"],
-     "--data-path {data}.bin: give the prefix {data} (without .bin)"),
-    (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size 3 does not divide"
-                                            "|--ffn-hidden-size 256 is not divisible"),
-    (["--tensor-model-parallel-size", "4", "--num-attention-heads", "6", "--hidden-size", "96"],
-     "--num-attention-heads 6 is not divisible"),
-    (["--global-batch-size", "6"], "--global-batch-size 6 is not a multiple"),
-    (["--cpu-offload", "--optimizer-offload-fraction", "1.5"],
-     "--optimizer-offload-fraction must be >= 0 and <= 1, got 1.5"),
-    (["--config", "{cfg}", "--hiden-size", "64"],
-     "unrecognized argument --hiden-size: did you mean --hidden-size?"),
-    (["--config", "{cfg}x"], "--config {cfg}x: No such file or directory"),
-])
+@pytest.mark.parametrize(
+    "extra,line",
+    [
+        (["--hiden-size", "64"], "unrecognized argument --hiden-size: did you mean --hidden-size?"),
+        (
+            ["--data-path", "{data}", "--tokenizer-model", "{data}.model"],
+            "--tokenizer-model {data}.model: no such file",
+        ),
+        (
+            ["--tokenizer-type", "NullTokenizer", "--data-path", "{data}.bin"],
+            "--data-path {data}.bin: give the prefix {data} (without .bin)",
+        ),
+        (
+            ["--tensor-model-parallel-size", "3"],
+            "--tensor-model-parallel-size 3 does not divide|--ffn-hidden-size 256 is not divisible",
+        ),
+        (
+            [
+                "--tensor-model-parallel-size",
+                "4",
+                "--num-attention-heads",
+                "6",
+                "--hidden-size",
+                "96",
+            ],
+            "--num-attention-heads 6 is not divisible",
+        ),
+        (["--global-batch-size", "6"], "--global-batch-size 6 is not a multiple"),
+        (
+            ["--cpu-offload", "--optimizer-offload-fraction", "1.5"],
+            "--optimizer-offload-fraction must be >= 0 and <= 1, got 1.5",
+        ),
+        (
+            ["--config", "{cfg}", "--hiden-size", "64"],
+            "unrecognized argument --hiden-size: did you mean --hidden-size?",
+        ),
+        (["--config", "{cfg}x"], "--config {cfg}x: No such file or directory"),
+    ],
+)
 def test_bad_input_is_one_line_first_and_once(extra, line, dataset, tmp_path):
     """Under torchrun with 4 ranks a user mistake prints its reason as the first line, once
     (one line per problem, ``|`` above): no usage text, no traceback from any rank
@@ -86,8 +126,17 @@ def test_tp2_equals_tp1_and_loss_falls(tmp_path):
     runs = {}
     for tp, nproc in ((1, 2), (2, 4)):  # DP=2 in both
         log = tmp_path / f"tp{tp}.jsonl"
-        res = torchrun(nproc, *TINY, "--train-iters", "20", "--cpu-offload",
-                       "--tensor-model-parallel-size", str(tp), "--log-json", str(log))
+        res = torchrun(
+            nproc,
+            *TINY,
+            "--train-iters",
+            "20",
+            "--cpu-offload",
+            "--tensor-model-parallel-size",
+            str(tp),
+            "--log-json",
+            str(log),
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         runs[tp] = _losses(log)
     assert len(runs[1]) == 20
@@ -103,16 +152,37 @@ def test_recompute_with_dropout_matches_exactly(tmp_path):
         log = tmp_path / f"run{len(runs)}.jsonl"
         # TINY without its "--*-dropout 0" flags: dropout stays on (0.1)
         args = tiny_model_flags(**MODEL, hidden_dropout=None, attention_dropout=None) + RUN
-        res = torchrun(4, *args, "--train-iters", "5", "--cpu-offload",
-                       "--tensor-model-parallel-size", "2", "--log-json", str(log), *extra)
+        res = torchrun(
+            4,
+            *args,
+            "--train-iters",
+            "5",
+            "--cpu-offload",
+            "--tensor-model-parallel-size",
+            "2",
+            "--log-json",
+            str(log),
+            *extra,
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         runs.append(_losses(log))
     assert runs[0] == runs[1]
 
 
-LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-               "--rotary-base", "500000", "--group-query-attention", "--num-query-groups", "2",
-               "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+LLAMA_FLAGS = [
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--position-embedding-type",
+    "rope",
+    "--rotary-base",
+    "500000",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear",
+]
 
 
 @pytest.mark.slow
@@ -122,8 +192,19 @@ def test_llama_flags_tp2_sequence_parallel_equals_tp1(tmp_path):
     runs = {}
     for tp, extra in ((1, []), (2, ["--sequence-parallel", "--save", str(tmp_path / "ck")])):
         log = tmp_path / f"tp{tp}.jsonl"
-        res = torchrun(tp, *TINY, *LLAMA_FLAGS, "--train-iters", "20", "--cpu-offload",
-                       "--tensor-model-parallel-size", str(tp), "--log-json", str(log), *extra)
+        res = torchrun(
+            tp,
+            *TINY,
+            *LLAMA_FLAGS,
+            "--train-iters",
+            "20",
+            "--cpu-offload",
+            "--tensor-model-parallel-size",
+            str(tp),
+            "--log-json",
+            str(log),
+            *extra,
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         runs[tp] = _losses(log)
     assert len(runs[1]) == 20

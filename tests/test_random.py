@@ -1,4 +1,5 @@
 """RNG tracker streams and activation checkpointing."""
+
 import pytest
 import torch
 import torch.distributed as dist

@@ -4,6 +4,7 @@ One test per promise of docs/RELIABILITY.md (the flag checks are in test_config.
 torchrun output in test_pretrain_cli.py, preprocessing in test_preprocess.py);
 ``python tools/reliability_probe.py`` runs the full table of cases.
 """
+
 import io
 import json
 import os
@@ -25,23 +26,44 @@ from mp_offload.preflight import check_inputs
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
 # vocabulary 96 (NullTokenizer: 97 ids with its EOD)
-TINY = tiny_model_flags() + ["--micro-batch-size", "2", "--log-interval", "1",
-                             "--eval-interval", "1000", "--eval-iters", "1"]
+TINY = tiny_model_flags() + [
+    "--micro-batch-size",
+    "2",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "1000",
+    "--eval-iters",
+    "1",
+]
 ERROR = "pretrain_gpt.py: error: "
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-                "TORCHELASTIC_USE_AGENT_STORE")
+LAUNCHER_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
 
 
 def _env(**extra):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    return dict(env, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MP_OFFLOAD_DEVICE="cpu",
-                **extra)
+    return dict(env, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MP_OFFLOAD_DEVICE="cpu", **extra)
 
 
 def run_pretrain(*args, timeout=240, **env):
-    return subprocess.run([sys.executable, PRETRAIN, *args], capture_output=True, text=True,
-                          timeout=timeout, env=_env(**env), cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, PRETRAIN, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(**env),
+        cwd=ROOT,
+    )
 
 
 def assert_one_line(res, needle: str, code: int) -> str:
@@ -61,8 +83,14 @@ def wide_ids(tmp_path_factory):
     with open(d / "docs.jsonl", "w") as f:
         for _ in range(60):
             f.write(json.dumps({"text": " ".join(map(str, rng.integers(0, 1000, 40)))}) + "\n")
-    preprocess([str(d / "docs.jsonl")], str(d / "wide"), "NullTokenizer", vocab_size=1000,
-               append_eod=True, log=io.StringIO())
+    preprocess(
+        [str(d / "docs.jsonl")],
+        str(d / "wide"),
+        "NullTokenizer",
+        vocab_size=1000,
+        append_eod=True,
+        log=io.StringIO(),
+    )
     return str(d / "wide_text_document")
 
 
@@ -73,23 +101,37 @@ def test_input_files_are_checked_before_start(wide_ids, tmp_path):
     os.makedirs(tmp_path / "d")
     with open(tmp_path / "half.bin", "wb"):
         pass
-    argv = ["--train-iters", "2", "--tokenizer-type", "NullTokenizer", "--data-path",
-            "1", f"{wide_ids}.bin", "1", str(tmp_path / "d"), "1", wide_ids[:-9],
-            "1", str(tmp_path / "half"), "--log-json", str(tmp_path / "half.bin" / "log.jsonl")]
+    argv = [
+        "--train-iters",
+        "2",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--data-path",
+        "1",
+        f"{wide_ids}.bin",
+        "1",
+        str(tmp_path / "d"),
+        "1",
+        wide_ids[:-9],
+        "1",
+        str(tmp_path / "half"),
+        "--log-json",
+        str(tmp_path / "half.bin" / "log.jsonl"),
+    ]
     args = resolve(parse_args(argv), 1)
     with pytest.raises(ConfigError) as e:
         check_inputs(args)
     lines = str(e.value).splitlines()
     assert lines == [
-        f"--log-json {tmp_path}/half.bin/log.jsonl: {tmp_path}/half.bin is a file, not a "
-        f"directory",
+        f"--log-json {tmp_path}/half.bin/log.jsonl: {tmp_path}/half.bin is a file, not a directory",
         f"--data-path {wide_ids}.bin: give the prefix {wide_ids} (without .bin)",
         f"--data-path {tmp_path}/d: is a directory; give the prefix of a .bin/.idx pair; "
         f"it holds no .idx files",
         f"--data-path {wide_ids[:-9]}: no {wide_ids[:-9]}.bin or {wide_ids[:-9]}.idx "
         f"(tools/preprocess_data.py writes them): did you mean {wide_ids}?",
         f"--data-path {tmp_path}/half: {tmp_path}/half.idx is missing (the .bin and .idx of "
-        f"tools/preprocess_data.py belong together)"], lines
+        f"tools/preprocess_data.py belong together)",
+    ], lines
     args.data.data_path, args.log.log_json = [wide_ids], None
     assert check_inputs(args).vocab_size == 4097  # NullTokenizer: --vocab-size, plus EOD
     args.data.tokenizer_type, args.data.tokenizer_model = "SentencePieceTokenizer", "nope.model"
@@ -110,11 +152,24 @@ def test_input_files_are_checked_before_start(wide_ids, tmp_path):
 def test_fp16_divergence_stops_before_saving(tmp_path):
     """Every step overflows (a loss scale fp16 cannot hold): the run stops with the reason
     after --max-consecutive-skipped-steps and saves no checkpoint of the diverged run."""
-    res = run_pretrain(*TINY, "--mock-data", "--train-iters", "8", "--fp16",
-                       "--initial-loss-scale", "1e30", "--min-loss-scale", "1e30",
-                       "--max-consecutive-skipped-steps", "3", "--save", str(tmp_path / "ck"))
-    assert_one_line(res, "3 consecutive steps skipped for fp16 gradient overflow "
-                         "(iterations 1-3", code=1)
+    res = run_pretrain(
+        *TINY,
+        "--mock-data",
+        "--train-iters",
+        "8",
+        "--fp16",
+        "--initial-loss-scale",
+        "1e30",
+        "--min-loss-scale",
+        "1e30",
+        "--max-consecutive-skipped-steps",
+        "3",
+        "--save",
+        str(tmp_path / "ck"),
+    )
+    assert_one_line(
+        res, "3 consecutive steps skipped for fp16 gradient overflow (iterations 1-3", code=1
+    )
     assert not os.path.exists(tmp_path / "ck" / "latest_checkpointed_iteration.txt")
 
 
@@ -134,10 +189,23 @@ def test_token_range_is_cached_by_size_and_mtime(wide_ids, tmp_path):
 def test_token_ids_beyond_the_vocabulary_are_refused(wide_ids, tmp_path):
     """Data made with a bigger tokenizer: refused at start-up naming the file and both
     numbers (before: an IndexError traceback at TP=1, silent zero embeddings at TP=2)."""
-    res = run_pretrain(*TINY, "--tokenizer-type", "NullTokenizer", "--data-path", wide_ids,
-                       "--train-iters", "2", "--data-cache-dir", str(tmp_path))
-    assert_one_line(res, f"{wide_ids}.bin: token id 1000 is outside the vocabulary of 97 ids "
-                         f"of --tokenizer-type NullTokenizer --vocab-size 96", code=2)
+    res = run_pretrain(
+        *TINY,
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--data-path",
+        wide_ids,
+        "--train-iters",
+        "2",
+        "--data-cache-dir",
+        str(tmp_path),
+    )
+    assert_one_line(
+        res,
+        f"{wide_ids}.bin: token id 1000 is outside the vocabulary of 97 ids "
+        f"of --tokenizer-type NullTokenizer --vocab-size 96",
+        code=2,
+    )
 
 
 # --------------------------------------------------------------------- 5. rendezvous
@@ -147,11 +215,25 @@ def test_lone_rank_times_out_with_a_line():
     after --distributed-timeout-minutes instead of waiting forever."""
     port = free_port()
     t0 = time.time()
-    res = run_pretrain(*TINY, "--mock-data", "--train-iters", "2",
-                       "--distributed-timeout-minutes", "0.05", timeout=120,
-                       WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    line = assert_one_line(res, f"timed out after 3 s waiting for 2 ranks at 127.0.0.1:{port} "
-                                f"(1 of 2 joined; this is rank 0)", code=1)
+    res = run_pretrain(
+        *TINY,
+        "--mock-data",
+        "--train-iters",
+        "2",
+        "--distributed-timeout-minutes",
+        "0.05",
+        timeout=120,
+        WORLD_SIZE="2",
+        RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    line = assert_one_line(
+        res,
+        f"timed out after 3 s waiting for 2 ranks at 127.0.0.1:{port} "
+        f"(1 of 2 joined; this is rank 0)",
+        code=1,
+    )
     assert f"pretrain_gpt.py: waiting for 2 ranks at 127.0.0.1:{port}" in res.stderr, line
     assert time.time() - t0 < 100
 
@@ -162,16 +244,34 @@ def test_a_stalled_rank_is_named_by_the_ranks_that_waited_for_it():
     --distributed-timeout-minutes, and the one line names rank 1 (gloo does not)."""
     t0 = time.time()
     res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", PRETRAIN, *TINY, "--mock-data", "--train-iters", "6",
-         "--distributed-timeout-minutes", "0.1"], capture_output=True, text=True, timeout=200,
-        env=_env(MP_OFFLOAD_FAULT_STALL="1:3:90"), cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            PRETRAIN,
+            *TINY,
+            "--mock-data",
+            "--train-iters",
+            "6",
+            "--distributed-timeout-minutes",
+            "0.1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=_env(MP_OFFLOAD_FAULT_STALL="1:3:90"),
+        cwd=ROOT,
+    )
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith(ERROR)]
     assert res.returncode != 0 and len(errors) == 1, (res.returncode, res.stderr[-3000:])
-    assert ("timed out after 6 s during iteration 3 waiting for rank 1, which did not reach "
-            "it") in errors[0], errors[0]
+    assert (
+        "timed out after 6 s during iteration 3 waiting for rank 1, which did not reach it"
+    ) in errors[0], errors[0]
     # torchrun's own failure report (with its traceback) may follow; none of ours
-    assert "mp_offload/" not in res.stderr and "pretrain_gpt.py\", line" not in res.stderr
+    assert "mp_offload/" not in res.stderr and 'pretrain_gpt.py", line' not in res.stderr
     assert time.time() - t0 < 80  # not the stalled rank's 90 s
 
 
@@ -199,12 +299,27 @@ def _gone(pid: int) -> bool:
 def test_worker_exits_when_its_launcher_is_killed(tmp_path):
     """kill -9 of the launcher: the worker gets SIGTERM, finishes its step, saves, exits."""
     from mp_offload.checkpoint import read_latest
+
     log, ck = tmp_path / "log.jsonl", tmp_path / "ck"
-    cmd = [sys.executable, PRETRAIN, *TINY, "--mock-data", "--train-iters", "100000",
-           "--log-json", str(log), "--save", str(ck)]
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "out"), *cmd],
-                                env=_env(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1"), cwd=ROOT,
-                                stdout=subprocess.PIPE, text=True)
+    cmd = [
+        sys.executable,
+        PRETRAIN,
+        *TINY,
+        "--mock-data",
+        "--train-iters",
+        "100000",
+        "--log-json",
+        str(log),
+        "--save",
+        str(ck),
+    ]
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(tmp_path / "out"), *cmd],
+        env=_env(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1"),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     worker = int(launcher.stdout.readline())
     try:
         deadline = time.time() + 180
@@ -233,13 +348,31 @@ def _data_error_worker(rank, world, prefix, out_dir):
     from mp_offload.data import gpt_dataset
     from mp_offload.data.build import build_datasets
     from mp_offload.distributed import StartupError
+
     if rank == 1:  # only this rank's disk is full
+
         def full(*args, **kwargs):
             raise OSError(28, "No space left on device", "/cache/train_doc_idx.npy")
+
         gpt_dataset.build_train_valid_test_datasets = full
-    args = resolve(parse_args(TINY + ["--train-iters", "2", "--tokenizer-type", "NullTokenizer",
-                                      "--vocab-size", "1000", "--data-path", prefix,
-                                      "--data-cache-dir", out_dir]), world)
+    args = resolve(
+        parse_args(
+            TINY
+            + [
+                "--train-iters",
+                "2",
+                "--tokenizer-type",
+                "NullTokenizer",
+                "--vocab-size",
+                "1000",
+                "--data-path",
+                prefix,
+                "--data-cache-dir",
+                out_dir,
+            ]
+        ),
+        world,
+    )
     ps.initialize_model_parallel(1)
     try:
         build_datasets(args)
@@ -257,15 +390,19 @@ def test_a_data_error_on_one_rank_reaches_every_rank(wide_ids, tmp_path):
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == [want, want]
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--top-p", "0"], "--top-p must be > 0 and <= 1, got 0"),
-    (["--top-p", "1.5"], "--top-p must be > 0 and <= 1, got 1.5"),
-    (["--top-k", "-1"], "--top-k must be >= 0 (0: no limit), got -1"),
-    (["--temperature", "0"], "--temperature must be > 0, got 0"),
-    (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 0, got -3"),
-])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--top-p", "0"], "--top-p must be > 0 and <= 1, got 0"),
+        (["--top-p", "1.5"], "--top-p must be > 0 and <= 1, got 1.5"),
+        (["--top-k", "-1"], "--top-k must be >= 0 (0: no limit), got -1"),
+        (["--temperature", "0"], "--temperature must be > 0, got 0"),
+        (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 0, got -3"),
+    ],
+)
 def test_generate_rejects_bad_sampling_flags(flags, needle, tmp_path):
     from mp_offload.generation import main
+
     with pytest.raises(SystemExit) as e:  # before any checkpoint is read
         main(["--load", str(tmp_path / "none"), *flags])
     assert str(e.value).startswith(f"generate: {needle}"), str(e.value)

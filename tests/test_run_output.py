@@ -1,5 +1,6 @@
 """What a user sees of a run: progress with ETA, greedy samples, the closing summary, and
 the README's main job (scripts/pretrain_gpt_tiny_cpu.sh) leaving something to use."""
+
 import json
 import os
 import re
@@ -15,10 +16,27 @@ from helpers import tiny_model_flags
 from mp_offload.training import pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUN = [*tiny_model_flags(vocab_size=100), "--mock-data", "--micro-batch-size", "2",
-       "--lr", "1e-2", "--train-iters", "6", "--eval-interval", "3", "--eval-iters", "1",
-       "--log-interval", "2", "--cpu-offload", "--sample-prompt", "3 5 7",
-       "--sample-tokens", "5"]
+RUN = [
+    *tiny_model_flags(vocab_size=100),
+    "--mock-data",
+    "--micro-batch-size",
+    "2",
+    "--lr",
+    "1e-2",
+    "--train-iters",
+    "6",
+    "--eval-interval",
+    "3",
+    "--eval-iters",
+    "1",
+    "--log-interval",
+    "2",
+    "--cpu-offload",
+    "--sample-prompt",
+    "3 5 7",
+    "--sample-tokens",
+    "5",
+]
 
 
 def pretrain_here(argv):
@@ -56,14 +74,18 @@ def test_progress_samples_and_summary(tmp_path, capsys):
     assert sorted(samples) == [0, 3, 6]
     assert all(s.startswith("3 5 7") and len(s.split()) <= 8 for s in samples.values())
     assert len([r for r in recs if "loss" in r]) == 6
-    summary = out[out.index(" run summary:"):]
+    summary = out[out.index(" run summary:") :]
     assert " iterations  6/6 in " in summary
     assert " tokens      192 trained on in all; this session 192 " in summary  # 6 x 2 x 16
-    assert re.search(r"final loss  train \d\.\d{4} \| valid \d\.\d{4} \(ppl [\d.]+\) \| "
-                     r"test \d\.\d{4}", summary), summary
+    assert re.search(
+        r"final loss  train \d\.\d{4} \| valid \d\.\d{4} \(ppl [\d.]+\) \| "
+        r"test \d\.\d{4}",
+        summary,
+    ), summary
     assert f"checkpoint  {tmp_path / 'ck'} (iteration 6)" in summary
     # The resolved configuration next to the checkpoints, readable by --config.
     from mp_offload.config import parse_args
+
     again = parse_args(["--config", str(tmp_path / "ck" / "config.yaml")])
     assert again.log.sample_prompt == "3 5 7" and again.model.hidden_size == 32
     assert again.train.train_iters == 6 and again.ckpt.save == str(tmp_path / "ck")
@@ -84,29 +106,54 @@ def test_sampling_at_tp2_dp2_matches_generation_from_the_checkpoint(tmp_path):
     """Every rank takes part in sampling (TP=2 x DP=2, nothing hangs); the last sample is
     what tools/generate.py --greedy gives from the saved checkpoint (fp32)."""
     from mp_offload.generation import main as generate_main
+
     log, ck = tmp_path / "log.jsonl", tmp_path / "ck"
-    run_distributed(_tp2_worker, 4, [*RUN, "--tensor-model-parallel-size", "2",
-                                     "--log-json", str(log), "--save", str(ck)])
+    run_distributed(
+        _tp2_worker,
+        4,
+        [*RUN, "--tensor-model-parallel-size", "2", "--log-json", str(log), "--save", str(ck)],
+    )
     samples = {r["iteration"]: r["sample"] for r in records(log) if "sample" in r}
     assert sorted(samples) == [0, 3, 6]
-    got = generate_main(["--load", str(ck), "--prompt", "3 5 7", "--max-new-tokens", "5",
-                         "--greedy"])
+    got = generate_main(
+        ["--load", str(ck), "--prompt", "3 5 7", "--max-new-tokens", "5", "--greedy"]
+    )
     assert samples[6] == "3 5 7" + (" " + got["text"] if got["text"] else "")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,arch", [("gpt", "GPT2LMHeadModel"),
-                                        ("llama", "LlamaForCausalLM")])
-def test_main_job_leaves_a_checkpoint_samples_a_plot_and_next_commands(tmp_path, model,
-                                                                         arch):
+@pytest.mark.parametrize("model,arch", [("gpt", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM")])
+def test_main_job_leaves_a_checkpoint_samples_a_plot_and_next_commands(tmp_path, model, arch):
     """scripts/pretrain_gpt_tiny_cpu.sh from scratch (a few iterations of a smaller model
     through extra flags), then the commands it prints: generate and the HF export."""
     run = tmp_path / "run"
-    env = dict(os.environ, SKIP_SETUP="1", RUN_DIR=str(run), TRAIN_ITERS="4", MODEL=model,
-               PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    res = subprocess.run(["bash", "scripts/pretrain_gpt_tiny_cpu.sh", "--num-layers", "2",
-                          "--hidden-size", "64", "--eval-iters", "2"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        SKIP_SETUP="1",
+        RUN_DIR=str(run),
+        TRAIN_ITERS="4",
+        MODEL=model,
+        PYTHONPATH=ROOT,
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+    )
+    res = subprocess.run(
+        [
+            "bash",
+            "scripts/pretrain_gpt_tiny_cpu.sh",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--eval-iters",
+            "2",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
     assert " iteration 4/4 | elapsed" not in out  # logs every 10 iterations
@@ -118,22 +165,28 @@ def test_main_job_leaves_a_checkpoint_samples_a_plot_and_next_commands(tmp_path,
     with open(run / "loss.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert f"loss curve: {run}/loss.png" in out
-    nxt = out[out.index("Next:"):].splitlines()
+    nxt = out[out.index("Next:") :].splitlines()
     resume = next(ln.strip() for ln in nxt if "pretrain_gpt_tiny_cpu.sh" in ln)
     assert resume.startswith("TRAIN_ITERS=8 ") and resume.endswith(
-        "bash scripts/pretrain_gpt_tiny_cpu.sh --num-layers 2 --hidden-size 64 --eval-iters 2")
+        "bash scripts/pretrain_gpt_tiny_cpu.sh --num-layers 2 --hidden-size 64 --eval-iters 2"
+    )
     assert f"RUN_DIR={run}" in resume and "SKIP_SETUP=1" in resume
     assert f"MODEL={model}" in resume
-    for tool, check in (("tools/generate.py", "def parse("),
-                        ("tools/convert_checkpoint.py", arch)):
+    for tool, check in (("tools/generate.py", "def parse("), ("tools/convert_checkpoint.py", arch)):
         line = next(ln.strip() for ln in nxt if tool in ln)
         argv = shlex.split(line)
         assert argv[0] == "python3" and argv[1] == tool
         if tool == "tools/generate.py":
             assert argv[argv.index("--prompt") + 1] == "def parse("
             argv[argv.index("--max-new-tokens") + 1] = "4"  # the same command, shorter
-        res = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=300)
+        res = subprocess.run(
+            [sys.executable, *argv[1:]],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert res.returncode == 0 and check in res.stdout, res.stderr[-3000:]
     assert os.path.exists(run / "hf" / "model.safetensors")
     _export_loads_in_transformers(str(run / "hf"), str(run / "ckpt"))
@@ -147,14 +200,16 @@ def _export_loads_in_transformers(hf_dir, ckpt):
 
     from mp_offload.checkpoint import resolve_checkpoint
     from mp_offload.generation import load_model
+
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float32, output_loading_info=True)
+        hf_dir, dtype=torch.float32, output_loading_info=True
+    )
     assert not any(info.values()), info
     ours = load_model(resolve_checkpoint(ckpt))
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     ids = torch.tensor([tok("def parse(self, text):\n    return")["input_ids"]])
     with torch.no_grad():
-        want = ours(ids)[..., :ours.cfg.vocab_size]
+        want = ours(ids)[..., : ours.cfg.vocab_size]
         torch.testing.assert_close(model(ids).logits, want, atol=1e-4, rtol=0)
 
 
@@ -178,6 +233,7 @@ class _FakeWandb:
 def test_wandb_project_logs_when_installed_and_warns_once_when_not(monkeypatch, capsys):
     from mp_offload.config import LoggingConfig
     from mp_offload.logger import Logger
+
     fake = _FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     logger = Logger(LoggingConfig(wandb_project="p"), is_main=True, run_config={"lr": 0.1})

@@ -4,6 +4,7 @@ Every layout sees the same global batch, so the loss curves must agree (fp32: on
 order of reductions differs); the real buffers shrink as 1/(TP*DP) on the host and as
 ~1/TP on the device.
 """
+
 import json
 
 import pytest
@@ -13,8 +14,21 @@ from helpers import tiny_model_flags
 from mp_offload.training import pretrain
 
 ARGS = tiny_model_flags(hidden_size=64, seq_length=32, vocab_size=128) + [
-    "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "3e-3",
-    "--train-iters", "10", "--eval-interval", "1000", "--log-interval", "100", "--cpu-offload"]
+    "--mock-data",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "4",
+    "--lr",
+    "3e-3",
+    "--train-iters",
+    "10",
+    "--eval-interval",
+    "1000",
+    "--log-interval",
+    "100",
+    "--cpu-offload",
+]
 LAYOUTS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]  # (TP, DP)
 pytestmark = pytest.mark.slow  # trains on up to 4 spawned gloo ranks
 
@@ -29,8 +43,11 @@ def curves(tmp_path_factory):
     out = {}
     for tp, dp in LAYOUTS:
         log = d / f"tp{tp}_dp{dp}.jsonl"
-        run_distributed(_worker, tp * dp, ARGS + ["--tensor-model-parallel-size", str(tp),
-                                                  "--log-json", str(log)])
+        run_distributed(
+            _worker,
+            tp * dp,
+            ARGS + ["--tensor-model-parallel-size", str(tp), "--log-json", str(log)],
+        )
         out[(tp, dp)] = [json.loads(line)["loss"] for line in open(log) if '"loss"' in line]
     return out
 

@@ -1,4 +1,5 @@
 """Tensor-parallel primitives and layers equal their unsplit counterparts (gloo, CPU)."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -90,8 +91,9 @@ def _check_layers(rank, tp, group):
 
     for input_is_parallel in (False, True):
         torch.manual_seed(12)
-        ref = RowParallelLinear(16, 12, input_is_parallel=input_is_parallel,
-                                tp_group=ps.ParallelGroup.single())
+        ref = RowParallelLinear(
+            16, 12, input_is_parallel=input_is_parallel, tp_group=ps.ParallelGroup.single()
+        )
         torch.manual_seed(12)
         par = RowParallelLinear(16, 12, input_is_parallel=input_is_parallel, tp_group=group)
         xr = x.clone().requires_grad_()
@@ -150,8 +152,9 @@ def _check_sequence_primitives(rank, tp, group):
     y = gather_sequence_to_tp_region(shard, group)
     assert torch.equal(y, expect)
     y.backward(full * (rank + 1))
-    assert torch.equal(shard.grad, _seq(full, tp, rank) * total), \
+    assert torch.equal(shard.grad, _seq(full, tp, rank) * total), (
         "gather to TP: backward must reduce-scatter"
+    )
 
 
 def _check_sequence_parallel_layers(rank, tp, group):
@@ -246,11 +249,16 @@ def test_tp1_layers_and_loss_single_process():
 def test_layers_before_initialisation_raise():
     """No silent unsplit model: without initialize_model_parallel a layer must be told."""
     from mp_offload.model.gpt import GPTConfig, GPTModel
+
     ps.destroy_model_parallel()
-    for build in (lambda: ColumnParallelLinear(16, 8), lambda: RowParallelLinear(16, 8),
-                  lambda: VocabParallelEmbedding(32, 6),
-                  lambda: GPTModel(GPTConfig(num_layers=1, hidden_size=16,
-                                             num_attention_heads=2, vocab_size=32))):
+    for build in (
+        lambda: ColumnParallelLinear(16, 8),
+        lambda: RowParallelLinear(16, 8),
+        lambda: VocabParallelEmbedding(32, 6),
+        lambda: GPTModel(
+            GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32)
+        ),
+    ):
         with pytest.raises(ps.ParallelStateError, match="initialize_model_parallel"):
             build()
     with pytest.raises(ps.ParallelStateError):
@@ -285,6 +293,5 @@ def test_invalid_layouts_name_the_flag():
         ps.validate_parallel_sizes(4, 4, num_attention_heads=6)
     with pytest.raises(ValueError, match="--hidden-size 30"):
         ps.validate_parallel_sizes(4, 4, hidden_size=30)
-    assert ps.rank_layout(8, 2) == ([[0, 1], [2, 3], [4, 5], [6, 7]],
-                                    [[0, 2, 4, 6], [1, 3, 5, 7]])
+    assert ps.rank_layout(8, 2) == ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]])
     assert dist.is_available()

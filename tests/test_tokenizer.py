@@ -20,7 +20,7 @@ from mp_offload.data.tokenizer_training import train_bpe_bytelevel, train_senten
 
 TEXT = (
     "def greet(name):\n"
-    "    \"\"\"Say hello.\"\"\"\n"
+    '    """Say hello."""\n'
     "    return f'Hello, {name}!'\n\n"
     "class Counter:\n"
     "    def __init__(self):\n"
@@ -36,8 +36,9 @@ def sp_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("sp")
     path = d / "corpus.jsonl"
     with open(path, "w") as f:
-        f.writelines(json.dumps({"text": TEXT.replace("name", f"name{i}")}) + "\n"
-                     for i in range(40))  # a few KB
+        f.writelines(
+            json.dumps({"text": TEXT.replace("name", f"name{i}")}) + "\n" for i in range(40)
+        )  # a few KB
     return train_sentencepiece([str(path)], str(d / "tok"), vocab_size=400, model_type="bpe")
 
 
@@ -59,8 +60,9 @@ def test_sentencepiece_eod(sp_model):
 
 
 def test_unigram_trains(tmp_path):
-    path = train_sentencepiece([TEXT * 20], str(tmp_path / "uni"), vocab_size=350,
-                               model_type="unigram")
+    path = train_sentencepiece(
+        [TEXT * 20], str(tmp_path / "uni"), vocab_size=350, model_type="unigram"
+    )
     tok = build_tokenizer("SentencePieceTokenizer", path)
     assert tok.detokenize(tok.tokenize(TEXT)) == TEXT
 
@@ -101,11 +103,26 @@ def test_cli(tmp_path):
     src = tmp_path / "a.txt"
     src.write_text(TEXT * 10)
     train = _load_tool("train_tokenizer")
-    assert train.main(["--input", str(src), "--model-prefix", str(tmp_path / "m"),
-                       "--vocab-size", "380"]) == 0
+    assert (
+        train.main(
+            ["--input", str(src), "--model-prefix", str(tmp_path / "m"), "--vocab-size", "380"]
+        )
+        == 0
+    )
     assert (tmp_path / "m.model").exists() and (tmp_path / "m.vocab").exists()
-    assert train.main(["--input", str(tmp_path / "missing.txt"), "--model-prefix",
-                       str(tmp_path / "m2"), "--vocab-size", "380"]) == 1
+    assert (
+        train.main(
+            [
+                "--input",
+                str(tmp_path / "missing.txt"),
+                "--model-prefix",
+                str(tmp_path / "m2"),
+                "--vocab-size",
+                "380",
+            ]
+        )
+        == 1
+    )
 
 
 # ----------------------------------------------- Hugging Face tokenizer.json / GPT-2 BPE
@@ -165,7 +182,7 @@ def _word_level_json(path, words):
 
 @pytest.mark.parametrize("eod_name", EOD_TOKEN_NAMES)
 def test_huggingface_eod_names(tmp_path, eod_name):
-    later = list(EOD_TOKEN_NAMES[EOD_TOKEN_NAMES.index(eod_name) + 1:])
+    later = list(EOD_TOKEN_NAMES[EOD_TOKEN_NAMES.index(eod_name) + 1 :])
     path = _word_level_json(tmp_path / "t.json", ["<unk>", "a", "<pad>", *later, eod_name])
     tok = build_tokenizer("HuggingFaceTokenizer", path)
     assert tok.eod == 3 + len(later)  # the first name in the list wins
@@ -197,8 +214,10 @@ def test_huggingface_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="not a tokenizer.json"):
         build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "bad.json"))
     monkeypatch.setitem(__import__("sys").modules, "tokenizers", None)  # not installed
-    for kind, kw in (("HuggingFaceTokenizer", {"tokenizer_model": no_eod}),
-                     ("GPT2BPETokenizer", {"vocab_file": no_eod, "merge_file": no_eod})):
+    for kind, kw in (
+        ("HuggingFaceTokenizer", {"tokenizer_model": no_eod}),
+        ("GPT2BPETokenizer", {"vocab_file": no_eod, "merge_file": no_eod}),
+    ):
         with pytest.raises(ValueError, match=f"--tokenizer-type {kind} needs .*tokenizers"):
             build_tokenizer(kind, **kw)
 
@@ -214,14 +233,17 @@ def _gpt2_reference(vocab_file, merge_file):
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     extra = [b for b in range(256) if b not in printable]
     byte_char = {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(extra)}
-    split = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+"""
-                          r"""| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+    split = regex.compile(
+        r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+"""
+        r"""| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    )
 
     def bpe(word):
         parts = list(word)
         while len(parts) > 1:
-            pairs = [(ranks.get(p, float("inf")), i)
-                     for i, p in enumerate(itertools.pairwise(parts))]
+            pairs = [
+                (ranks.get(p, float("inf")), i) for i, p in enumerate(itertools.pairwise(parts))
+            ]
             best = min(pairs)[0]
             if best == float("inf"):
                 break
@@ -237,8 +259,12 @@ def _gpt2_reference(vocab_file, merge_file):
         return parts
 
     def encode(text):
-        return [vocab[p] for w in split.findall(text)
-                for p in bpe("".join(byte_char[b] for b in w.encode("utf-8")))]
+        return [
+            vocab[p]
+            for w in split.findall(text)
+            for p in bpe("".join(byte_char[b] for b in w.encode("utf-8")))
+        ]
+
     return encode
 
 
@@ -250,8 +276,9 @@ def test_gpt2_bpe_matches_reference_and_tokenizer_json(bbpe_dir):
     assert tok.vocab_size == 330 and tok.eod == 0 and tok.pad is None
     rng = random.Random(0)
     alphabet = list("abcdefg XYZ_019\t\n'.,(){}=-#✓é数😀") + ["'s", "'ll", "  ", "\n\n"]
-    texts = VARIED + ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
-                      for _ in range(200)]
+    texts = VARIED + [
+        "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(200)
+    ]
     for text in texts:
         ids = tok.tokenize(text)
         assert ids == reference(text) == hf.tokenize(text), text
@@ -270,12 +297,17 @@ def test_gpt2_bpe_errors(bbpe_dir, tmp_path):
     del entries["<|endoftext|>"]
     (tmp_path / "vocab.json").write_text(json.dumps(entries))
     with pytest.raises(ValueError, match="--vocab-file .*<\\|endoftext\\|>"):
-        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
-                        merge_file=merges)
+        build_tokenizer(
+            "GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"), merge_file=merges
+        )
     with pytest.raises(ValueError, match="unknown tokenizer type"):
         build_tokenizer("BertWordPieceLowerCase")
-    assert set(TOKENIZER_TYPES) == {"SentencePieceTokenizer", "HuggingFaceTokenizer",
-                                    "GPT2BPETokenizer", "NullTokenizer"}
+    assert set(TOKENIZER_TYPES) == {
+        "SentencePieceTokenizer",
+        "HuggingFaceTokenizer",
+        "GPT2BPETokenizer",
+        "NullTokenizer",
+    }
 
 
 def test_cli_bpe_bytelevel(tmp_path):
@@ -283,32 +315,86 @@ def test_cli_bpe_bytelevel(tmp_path):
     src.write_text(TEXT * 10)
     train = _load_tool("train_tokenizer")
     out = tmp_path / "bb"
-    assert train.main(["--type", "bpe-bytelevel", "--input", str(src), "--model-prefix",
-                       str(out), "--vocab-size", "300"]) == 0
+    assert (
+        train.main(
+            [
+                "--type",
+                "bpe-bytelevel",
+                "--input",
+                str(src),
+                "--model-prefix",
+                str(out),
+                "--vocab-size",
+                "300",
+            ]
+        )
+        == 0
+    )
     tok = build_tokenizer("HuggingFaceTokenizer", str(out))
     assert tok.vocab_size == 300 and tok.detokenize(tok.tokenize(TEXT)) == TEXT
     assert (out / "vocab.json").exists() and (out / "merges.txt").exists()
-    assert train.main(["--type", "bpe-bytelevel", "--input", str(src), "--model-prefix",
-                       str(tmp_path / "b2"), "--vocab-size", "200"]) == 1  # < 256 bytes
+    assert (
+        train.main(
+            [
+                "--type",
+                "bpe-bytelevel",
+                "--input",
+                str(src),
+                "--model-prefix",
+                str(tmp_path / "b2"),
+                "--vocab-size",
+                "200",
+            ]
+        )
+        == 1
+    )  # < 256 bytes
 
 
 def test_cli_sentencepiece_with_tokenizer_json(tmp_path):
     src = tmp_path / "a.txt"
     src.write_text(TEXT * 10)
     train = _load_tool("train_tokenizer")
-    assert train.main(["--input", str(src), "--model-prefix", str(tmp_path / "m"),
-                       "--vocab-size", "380", "--tokenizer-json"]) == 0
+    assert (
+        train.main(
+            [
+                "--input",
+                str(src),
+                "--model-prefix",
+                str(tmp_path / "m"),
+                "--vocab-size",
+                "380",
+                "--tokenizer-json",
+            ]
+        )
+        == 0
+    )
     sp = build_tokenizer("SentencePieceTokenizer", str(tmp_path / "m.model"))
     hf = build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "m.tokenizer.json"))
     for text in VARIED:
         assert hf.tokenize(text) == sp.tokenize(text)
-    assert train.main(["--input", str(src), "--model-prefix", str(tmp_path / "u"),
-                       "--vocab-size", "380", "--model-type", "unigram", "--tokenizer-json"]) == 1
+    assert (
+        train.main(
+            [
+                "--input",
+                str(src),
+                "--model-prefix",
+                str(tmp_path / "u"),
+                "--vocab-size",
+                "380",
+                "--model-type",
+                "unigram",
+                "--tokenizer-json",
+            ]
+        )
+        == 1
+    )
 
 
 # ------------------------------------------------------ SentencePiece -> tokenizer.json
-PROSE = ("Zoë's café serves crème brûlée — naïve façades, ½ price! 数字と日本語のテキスト。"
-         " Ελληνικά κείμενα. Привет, мир! ﬁne ①②  ＡＢＣ\u3000full\u00a0width.\n")
+PROSE = (
+    "Zoë's café serves crème brûlée — naïve façades, ½ price! 数字と日本語のテキスト。"
+    " Ελληνικά κείμενα. Привет, мир! ﬁne ①②  ＡＢＣ\u3000full\u00a0width.\n"
+)
 
 
 def _corpus():
@@ -326,23 +412,31 @@ def _varied_strings(corpus, n, seed=0):
     rng = random.Random(seed)
     text = "".join(corpus)
     soup = list("abcxyzABC_019 \t\n\r(){}[]=+-*/#\"'.,:;<>!@$%^&|~`\\") + list(
-        "éüß数字日本€✓😀Ωж\u200b\u00a0\u3000\x00\x07\x1b\u0301ﬁ①ＡＢ𝔘")
+        "éüß数字日本€✓😀Ωж\u200b\u00a0\u3000\x00\x07\x1b\u0301ﬁ①ＡＢ𝔘"
+    )
     specials = ["</s>", "<s>", "<unk>", "<pad>", "<0x41>", "\n", "  ", "\t\t"]
     out = ["", " ", "   ", "\n", "\t", "a", "</s>", "x  </s>  y"]
     while len(out) < n:
         kind = rng.randrange(6)
         start = rng.randrange(len(text) - 400)
-        frag = text[start:start + rng.randint(1, 400)]
+        frag = text[start : start + rng.randint(1, 400)]
         if kind == 0:
             out.append(frag)
         elif kind == 1:
             out.append("".join(rng.choice(soup) for _ in range(rng.randint(1, 60))))
         elif kind == 2:
-            out.append(" " * rng.randint(1, 40) + frag[:80] + " " * rng.randint(0, 9)
-                       + "\n" * rng.randint(0, 3))
+            out.append(
+                " " * rng.randint(1, 40)
+                + frag[:80]
+                + " " * rng.randint(0, 9)
+                + "\n" * rng.randint(0, 3)
+            )
         elif kind == 3:
-            out.append("".join(rng.choice([frag[:15], *specials, " " * rng.randint(1, 24)])
-                               for _ in range(8)))
+            out.append(
+                "".join(
+                    rng.choice([frag[:15], *specials, " " * rng.randint(1, 24)]) for _ in range(8)
+                )
+            )
         elif kind == 4:
             out.append(rng.choice("= -#*\t0a") * rng.randint(1, 70) + frag[:30])
         else:
@@ -406,14 +500,20 @@ def test_converted_merge_order_within_a_piece_does_not_matter(sp_converted):
     spec["model"]["merges"] = [m for _, g in groups for m in reversed(list(g))]
     reordered = Tokenizer.from_str(json.dumps(spec))
     sp = spm.SentencePieceProcessor(model_file=model)
-    runs = [p + c * n + q for c in " =-#\t0a" for n in range(1, 41)
-            for p in ("", "x", "\n", "    def") for q in ("", "y", "\n", "self")]
+    runs = [
+        p + c * n + q
+        for c in " =-#\t0a"
+        for n in range(1, 41)
+        for p in ("", "x", "\n", "    def")
+        for q in ("", "y", "\n", "self")
+    ]
     for text in runs + _varied_strings(_corpus(), 200, seed=1):
         assert reordered.encode(text).ids == sp.encode(text), text
 
 
 def test_converted_json_in_transformers_and_as_tokenizer_type(sp_converted):
     import transformers
+
     model, out = sp_converted
     fast = transformers.PreTrainedTokenizerFast(tokenizer_file=out)
     sp_tok = build_tokenizer("SentencePieceTokenizer", model)
@@ -440,8 +540,10 @@ def test_converted_plain_text_normalization(tmp_path):
 
     import sentencepiece as spm
     from tokenizers import Tokenizer
-    model = train_sentencepiece(_corpus(), str(tmp_path / "plain"), vocab_size=800,
-                                code_friendly=False)
+
+    model = train_sentencepiece(
+        _corpus(), str(tmp_path / "plain"), vocab_size=800, code_friendly=False
+    )
     hf = Tokenizer.from_file(sentencepiece_to_tokenizer_json(model, str(tmp_path / "p.json")))
     sp = spm.SentencePieceProcessor(model_file=model)
     for text in _varied_strings(_corpus(), 300, seed=3):
@@ -458,8 +560,9 @@ def test_converted_plain_text_normalization(tmp_path):
 
 
 def test_conversion_refuses_what_it_cannot_match(tmp_path):
-    unigram = train_sentencepiece([TEXT * 20], str(tmp_path / "uni"), vocab_size=350,
-                                  model_type="unigram")
+    unigram = train_sentencepiece(
+        [TEXT * 20], str(tmp_path / "uni"), vocab_size=350, model_type="unigram"
+    )
     with pytest.raises(ValueError, match="only BPE models convert"):
         sentencepiece_to_tokenizer_json(unigram, str(tmp_path / "u.json"))
     (tmp_path / "junk.model").write_bytes(b"\xff\xff\xff")
@@ -469,17 +572,31 @@ def test_conversion_refuses_what_it_cannot_match(tmp_path):
 
 
 # ------------------------------------- flags, and the run's tokenizer rebuilt from its args
-@pytest.mark.parametrize("argv,needle", [
-    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json"],
-     "--vocab-file needs --merge-file"),
-    (["--tokenizer-type", "GPT2BPETokenizer", "--merge-file", "m.txt"],
-     "--merge-file needs --vocab-file"),
-    (["--tokenizer-type", "GPT2BPETokenizer"],
-     "GPT2BPETokenizer needs --vocab-file and --merge-file"),
-    (["--vocab-file", "v.json", "--merge-file", "m.txt"],
-     "are for --tokenizer-type GPT2BPETokenizer"),
-    (["--tokenizer-type", "HuggingFaceTokenizer"], "HuggingFaceTokenizer needs --tokenizer-model"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (
+            ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json"],
+            "--vocab-file needs --merge-file",
+        ),
+        (
+            ["--tokenizer-type", "GPT2BPETokenizer", "--merge-file", "m.txt"],
+            "--merge-file needs --vocab-file",
+        ),
+        (
+            ["--tokenizer-type", "GPT2BPETokenizer"],
+            "GPT2BPETokenizer needs --vocab-file and --merge-file",
+        ),
+        (
+            ["--vocab-file", "v.json", "--merge-file", "m.txt"],
+            "are for --tokenizer-type GPT2BPETokenizer",
+        ),
+        (
+            ["--tokenizer-type", "HuggingFaceTokenizer"],
+            "HuggingFaceTokenizer needs --tokenizer-model",
+        ),
+    ],
+)
 def test_tokenizer_flag_validation(argv, needle):
     from mp_offload.config import ConfigError, parse_args, validate
 
@@ -491,12 +608,21 @@ def test_tokenizer_flag_validation(argv, needle):
 def test_hf_types_need_their_own_data_path():
     from mp_offload.config import ConfigError, parse_args, validate
 
-    args = parse_args(["--train-iters", "1", "--tokenizer-type", "HuggingFaceTokenizer",
-                       "--tokenizer-model", "t.json"])
+    args = parse_args(
+        [
+            "--train-iters",
+            "1",
+            "--tokenizer-type",
+            "HuggingFaceTokenizer",
+            "--tokenizer-model",
+            "t.json",
+        ]
+    )
     with pytest.raises(ConfigError, match="needs \\-\\-data\\-path"):
         validate(args, 1)  # the default corpus comes with its own SentencePiece model
-    validate(parse_args(["--train-iters", "1", "--mock-data", "--tokenizer-type",
-                         "GPT2BPETokenizer"]), 1)  # mock data builds no tokenizer
+    validate(
+        parse_args(["--train-iters", "1", "--mock-data", "--tokenizer-type", "GPT2BPETokenizer"]), 1
+    )  # mock data builds no tokenizer
 
 
 def test_tokenizer_rebuilt_from_recorded_args(bbpe_dir, sp_model):
@@ -510,10 +636,20 @@ def test_tokenizer_rebuilt_from_recorded_args(bbpe_dir, sp_model):
 
     vocab, merges = str(bbpe_dir / "vocab.json"), str(bbpe_dir / "merges.txt")
     runs = {
-        GPT2BPETokenizer: ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
-                           "--merge-file", merges],
-        HuggingFaceTokenizer: ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
-                               str(bbpe_dir)],
+        GPT2BPETokenizer: [
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            vocab,
+            "--merge-file",
+            merges,
+        ],
+        HuggingFaceTokenizer: [
+            "--tokenizer-type",
+            "HuggingFaceTokenizer",
+            "--tokenizer-model",
+            str(bbpe_dir),
+        ],
     }
     for cls, flags in runs.items():
         args = parse_args(["--train-iters", "1", "--data-path", "d", *flags])

@@ -1,4 +1,5 @@
 """User tools: TP merge, Hugging Face GPT-2 export/import, generation at any TP, loss plots."""
+
 import importlib.util
 import json
 import os
@@ -22,13 +23,44 @@ from mp_offload.generation import main as generate_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, SEQ = 100, 16
-BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", str(SEQ), "--vocab-size", str(VOCAB),
-        "--make-vocab-size-divisible-by", "8", "--mock-data", "--micro-batch-size", "2",
-        "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--lr", "1e-2", "--lr-warmup-iters", "2", "--train-iters", "8", "--eval-interval", "3",
-        "--eval-iters", "1", "--log-interval", "100", "--cpu-offload",
-        "--reduce-bucket-size", "3000"]
+BASE = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    str(SEQ),
+    "--vocab-size",
+    str(VOCAB),
+    "--make-vocab-size-divisible-by",
+    "8",
+    "--mock-data",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--lr",
+    "1e-2",
+    "--lr-warmup-iters",
+    "2",
+    "--train-iters",
+    "8",
+    "--eval-interval",
+    "3",
+    "--eval-iters",
+    "1",
+    "--log-interval",
+    "100",
+    "--cpu-offload",
+    "--reduce-bucket-size",
+    "3000",
+]
 
 
 def _tool(name):
@@ -40,8 +72,9 @@ def _tool(name):
 
 
 def train(world, tp, *extra):
-    run_distributed(pretrain_worker, world,
-                    BASE + ["--tensor-model-parallel-size", str(tp), *extra])
+    run_distributed(
+        pretrain_worker, world, BASE + ["--tensor-model-parallel-size", str(tp), *extra]
+    )
 
 
 def losses(path):
@@ -53,8 +86,9 @@ def losses(path):
 def trained(tmp_path_factory):
     """8 iterations at TP=2 (DP=1), checkpoints at 4 and 8."""
     d = tmp_path_factory.mktemp("trained")
-    train(2, 2, "--save", str(d / "ckpt"), "--save-interval", "4",
-          "--log-json", str(d / "log.jsonl"))
+    train(
+        2, 2, "--save", str(d / "ckpt"), "--save-interval", "4", "--log-json", str(d / "log.jsonl")
+    )
     assert read_latest(str(d / "ckpt")) == 8
     return d
 
@@ -68,8 +102,12 @@ def _logits_tp1(ckpt, tokens):
 @pytest.mark.slow
 def test_merged_tp1_checkpoint_continues_like_tp2(trained, tmp_path):
     merged = str(tmp_path / "merged")
-    assert _tool("convert_checkpoint").main(["--load", str(trained / "ckpt"), "--iteration",
-                                             "4", "--save-merged", merged]) == 0
+    assert (
+        _tool("convert_checkpoint").main(
+            ["--load", str(trained / "ckpt"), "--iteration", "4", "--save-merged", merged]
+        )
+        == 0
+    )
     manifest = FullTensors(resolve_checkpoint(merged)).manifest
     assert (manifest["tensor_model_parallel_size"], manifest["data_parallel_size"]) == (1, 1)
     assert manifest["iteration"] == 4
@@ -88,9 +126,9 @@ def test_merged_tp1_checkpoint_continues_like_tp2(trained, tmp_path):
 @pytest.mark.slow
 def test_hf_export_gives_the_same_logits_in_transformers(trained, tmp_path):
     import transformers
+
     hf = str(tmp_path / "hf")
-    assert _tool("convert_checkpoint").main(["--load", str(trained / "ckpt"),
-                                             "--hf-out", hf]) == 0
+    assert _tool("convert_checkpoint").main(["--load", str(trained / "ckpt"), "--hf-out", hf]) == 0
     with open(os.path.join(hf, "config.json")) as f:
         cfg = json.load(f)
     assert cfg["vocab_size"] == VOCAB and cfg["architectures"] == ["GPT2LMHeadModel"]
@@ -108,8 +146,21 @@ def test_hf_import_export_round_trip_and_finetune(trained, tmp_path):
     tool = _tool("convert_checkpoint")
     hf1, hf2, imported = (str(tmp_path / n) for n in ("hf1", "hf2", "imported"))
     assert tool.main(["--load", str(trained / "ckpt"), "--hf-out", hf1]) == 0
-    assert tool.main(["--hf-in", hf1, "--save", imported, "--tensor-model-parallel-size", "2",
-                      "--make-vocab-size-divisible-by", "8"]) == 0
+    assert (
+        tool.main(
+            [
+                "--hf-in",
+                hf1,
+                "--save",
+                imported,
+                "--tensor-model-parallel-size",
+                "2",
+                "--make-vocab-size-divisible-by",
+                "8",
+            ]
+        )
+        == 0
+    )
     assert tool.main(["--load", imported, "--hf-out", hf2]) == 0
     a = SafeTensorsFile(os.path.join(hf1, "model.safetensors"))
     b = SafeTensorsFile(os.path.join(hf2, "model.safetensors"))
@@ -134,16 +185,17 @@ def test_hf_import_export_round_trip_and_finetune(trained, tmp_path):
 
 def test_import_a_transformers_gpt2(tmp_path):
     import transformers
+
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=50, n_positions=12, n_embd=24, n_layer=2,
-                                     n_head=4)  # n_inner None: 4h
+    config = transformers.GPT2Config(
+        vocab_size=50, n_positions=12, n_embd=24, n_layer=2, n_head=4
+    )  # n_inner None: 4h
     model = transformers.GPT2LMHeadModel(config).eval()
     with torch.no_grad():  # HF zeroes biases and sets LayerNorms to 1: make every tensor count
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(str(tmp_path / "hf"))
-    ckpt = import_hf(str(tmp_path / "hf"), str(tmp_path / "ck"), 1,
-                     make_vocab_size_divisible_by=16)
+    ckpt = import_hf(str(tmp_path / "hf"), str(tmp_path / "ck"), 1, make_vocab_size_divisible_by=16)
     tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         theirs = model(tokens).logits
@@ -154,6 +206,7 @@ def test_import_a_transformers_gpt2(tmp_path):
 
 def test_export_refuses_what_gpt2_cannot_express():
     from mp_offload.checkpoint.hf_gpt2 import gpt2_name_map
+
     names = list(gpt2_name_map(2))
     cfg = {"num_layers": 2, "hidden_size": 32, "vocab_size": 100}
     check_gpt2_compatible(cfg, names)
@@ -165,11 +218,20 @@ def test_export_refuses_what_gpt2_cannot_express():
 
 @pytest.mark.parametrize("writer_package", [False, True])
 def test_safetensors_files_read_back(tmp_path, writer_package):
-    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16),
-               "c": torch.arange(6, dtype=torch.int64).reshape(2, 3), "d": torch.randn(1, 1)}
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.randn(7).to(torch.bfloat16),
+        "c": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "d": torch.randn(1, 1),
+    }
     path = str(tmp_path / "x.safetensors")
-    write_safetensors(path, [(n, list(t.shape), t.dtype) for n, t in tensors.items()],
-                      tensors.__getitem__, metadata={"format": "pt"}, use_package=writer_package)
+    write_safetensors(
+        path,
+        [(n, list(t.shape), t.dtype) for n, t in tensors.items()],
+        tensors.__getitem__,
+        metadata={"format": "pt"},
+        use_package=writer_package,
+    )
     for pkg in (False, True):  # our reader and the safetensors package (a test extra)
         f = SafeTensorsFile(path, use_package=pkg)
         assert sorted(f.names) == sorted(tensors)
@@ -185,10 +247,20 @@ def _generate_worker(rank, world, argv):
 @pytest.mark.slow
 def test_generate_greedy_tp2_equals_tp1(trained, tmp_path):
     # 8 prompt + 20 new tokens > 16 positions: the context is truncated on the left.
-    argv = ["--load", str(trained / "ckpt"), "--prompt", "3 5 7 9 11 13 15 17",
-            "--max-new-tokens", "20", "--greedy"]
-    run_distributed(_generate_worker, 2, argv + ["--tensor-model-parallel-size", "2",
-                                                 "--output-json", str(tmp_path / "tp2.json")])
+    argv = [
+        "--load",
+        str(trained / "ckpt"),
+        "--prompt",
+        "3 5 7 9 11 13 15 17",
+        "--max-new-tokens",
+        "20",
+        "--greedy",
+    ]
+    run_distributed(
+        _generate_worker,
+        2,
+        argv + ["--tensor-model-parallel-size", "2", "--output-json", str(tmp_path / "tp2.json")],
+    )
     tp1 = generate_main(argv + ["--output-json", str(tmp_path / "tp1.json")])
     with open(tmp_path / "tp2.json") as f:
         tp2 = json.load(f)
@@ -196,8 +268,12 @@ def test_generate_greedy_tp2_equals_tp1(trained, tmp_path):
     assert len(tp1["generated_ids"]) == 20  # mock data has no end-of-document to stop at
     assert tp2["generated_ids"] == tp1["generated_ids"]
     assert all(0 <= t < VOCAB for t in tp1["generated_ids"])
-    sampled = [generate_main(argv[:-1] + ["--top-k", "5", "--temperature", "0.8", "--seed",
-                                          "3"])["generated_ids"] for _ in range(2)]
+    sampled = [
+        generate_main(argv[:-1] + ["--top-k", "5", "--temperature", "0.8", "--seed", "3"])[
+            "generated_ids"
+        ]
+        for _ in range(2)
+    ]
     assert sampled[0] == sampled[1]  # seeded
 
 

@@ -1,4 +1,5 @@
 """train_step is the unit the loop and the benchmark share: check it against a hand loop."""
+
 import torch
 from helpers import ADAM_HP as HP
 from helpers import tiny_gpt_config
@@ -26,8 +27,9 @@ def test_train_step_equals_hand_written_loop():
     for kind in ("train_step", "hand"):
         torch.manual_seed(0)
         model = GPTModel(GPTConfig(**CFG), tp_group=SINGLE)
-        opt = ZeroOptimizer(model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", bucket_size=700,
-                            micro_batches=2)
+        opt = ZeroOptimizer(
+            model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", bucket_size=700, micro_batches=2
+        )
         batches = _micro_batches(data, 2)
         out = []
         for _ in range(4):

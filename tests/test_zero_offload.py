@@ -1,4 +1,5 @@
 """ZeRO(-Offload) optimizer vs a single-process torch.optim.AdamW run (gloo, CPU)."""
+
 import math
 
 import pytest
@@ -28,10 +29,16 @@ def _batch(step):
 
 
 # Every Llama option, and the replicated activations as sequence shards.
-LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-             group_query_attention=True, num_query_groups=2,
-             untie_embeddings_and_output_weights=True, disable_bias_linear=True,
-             sequence_parallel=True)
+LLAMA = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    group_query_attention=True,
+    num_query_groups=2,
+    untie_embeddings_and_output_weights=True,
+    disable_bias_linear=True,
+    sequence_parallel=True,
+)
 
 
 def _model(group, cfg=None):
@@ -42,8 +49,9 @@ def _model(group, cfg=None):
 def _reference(steps, cfg=None):
     """Unsplit model, full batch, torch AdamW + clip_grad_norm_: (losses, norms, model)."""
     model = _model(ps.ParallelGroup.single(), cfg)
-    opt = torch.optim.AdamW(param_groups(model, HP["weight_decay"]), lr=HP["lr"],
-                            betas=HP["betas"], eps=HP["eps"])
+    opt = torch.optim.AdamW(
+        param_groups(model, HP["weight_decay"]), lr=HP["lr"], betas=HP["betas"], eps=HP["eps"]
+    )
     losses, norms = [], []
     for step in range(steps):
         x, y = _batch(step)
@@ -56,26 +64,45 @@ def _reference(steps, cfg=None):
     return losses, norms, model
 
 
-def _ours(steps, *, dtype=torch.float32, micro=None, dpu=None, offload=True, bucket=500,
-          loss_scale=None, on_device=False, cfg=None):
+def _ours(
+    steps,
+    *,
+    dtype=torch.float32,
+    micro=None,
+    dpu=None,
+    offload=True,
+    bucket=500,
+    loss_scale=None,
+    on_device=False,
+    cfg=None,
+):
     """TP x DP ZeRO run over the same data; returns (losses, norms, skipped, model, opt)."""
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per_rank = GBS // dp
     micro = micro or per_rank
     model = _model(None, cfg)
-    opt = ZeroOptimizer(model, **HP, dp=ps.get_data_parallel_group(),
-                        tp=ps.get_tensor_model_parallel_group(), device="cpu", dtype=dtype,
-                        cpu_offload=offload, bucket_size=bucket, dpu_warmup_steps=dpu,
-                        loss_scale=loss_scale, micro_batches=per_rank // micro,
-                        accumulate_on_device=on_device)
+    opt = ZeroOptimizer(
+        model,
+        **HP,
+        dp=ps.get_data_parallel_group(),
+        tp=ps.get_tensor_model_parallel_group(),
+        device="cpu",
+        dtype=dtype,
+        cpu_offload=offload,
+        bucket_size=bucket,
+        dpu_warmup_steps=dpu,
+        loss_scale=loss_scale,
+        micro_batches=per_rank // micro,
+        accumulate_on_device=on_device,
+    )
     losses, norms, skipped = [], [], []
     for step in range(steps):
         x, y = _batch(step)
-        x, y = x[dp_rank * per_rank:][:per_rank], y[dp_rank * per_rank:][:per_rank]
+        x, y = x[dp_rank * per_rank :][:per_rank], y[dp_rank * per_rank :][:per_rank]
         opt.zero_grad()
         total = torch.zeros(())
         for k in range(0, per_rank, micro):
-            loss = model(x[k:k + micro], y[k:k + micro]).mean() * (micro / per_rank)
+            loss = model(x[k : k + micro], y[k : k + micro]).mean() * (micro / per_rank)
             opt.backward(loss)
             total += loss.detach().float()
         res = opt.step(HP["lr"])
@@ -193,10 +220,10 @@ def _low_precision_worker(rank, world):
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
 
     # fp16 with an absurd initial scale: the first step overflows and is skipped.
-    scale = dict(initial=2.0 ** 120, min=1.0, window=1000, hysteresis=1)
+    scale = dict(initial=2.0**120, min=1.0, window=1000, hysteresis=1)
     losses, _, skipped, model, opt = _ours(3, dtype=torch.float16, loss_scale=scale)
     assert skipped[0], "overflow must skip the step"
-    assert opt.scaler.scale < 2.0 ** 120 and opt.scaler.overflows >= 1
+    assert opt.scaler.scale < 2.0**120 and opt.scaler.overflows >= 1
     assert torch.isfinite(opt.master).all(), "master weights must stay finite"
     assert opt.step_count == sum(not s for s in skipped)
 
@@ -223,9 +250,19 @@ def _traffic(micro_batches, on_device, dtype=torch.bfloat16, reduce_dtype=None):
     single = ps.ParallelGroup.single()
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**CFG), tp_group=single)
-    opt = ZeroOptimizer(model, **HP, dp=single, tp=single, device="cpu", dtype=dtype,
-                        cpu_offload=True, bucket_size=2000, micro_batches=micro_batches,
-                        accumulate_on_device=on_device, reduce_dtype=reduce_dtype)
+    opt = ZeroOptimizer(
+        model,
+        **HP,
+        dp=single,
+        tp=single,
+        device="cpu",
+        dtype=dtype,
+        cpu_offload=True,
+        bucket_size=2000,
+        micro_batches=micro_batches,
+        accumulate_on_device=on_device,
+        reduce_dtype=reduce_dtype,
+    )
     for step in range(2):
         x, y = _batch(step)
         opt.zero_grad()
@@ -250,8 +287,16 @@ def test_device_keeps_only_low_precision_params_and_fixed_buckets():
     """docs/DESIGN.md §4: with offload the device holds 2-byte params and fixed-size buckets."""
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**CFG), tp_group=ps.ParallelGroup.single())
-    opt = ZeroOptimizer(model, **HP, dp=ps.ParallelGroup.single(), tp=ps.ParallelGroup.single(),
-                        device="cpu", dtype=torch.bfloat16, cpu_offload=True, bucket_size=2000)
+    opt = ZeroOptimizer(
+        model,
+        **HP,
+        dp=ps.ParallelGroup.single(),
+        tp=ps.ParallelGroup.single(),
+        device="cpu",
+        dtype=torch.bfloat16,
+        cpu_offload=True,
+        bucket_size=2000,
+    )
     x, y = _batch(0)
     opt.zero_grad()
     opt.backward(model(x, y).mean())
@@ -265,8 +310,9 @@ def test_device_keeps_only_low_precision_params_and_fixed_buckets():
     numel = sum(p.numel() for p in model.parameters())
     assert rep["device"]["grad_buckets"] < 2 * numel / 2, "buckets must not scale with the model"
     n = opt.layout.host_numel
-    assert {k: rep["host"][k] for k in ("master", "exp_avg", "exp_avg_sq")} == \
-        {k: 4 * n for k in ("master", "exp_avg", "exp_avg_sq")}
+    assert {k: rep["host"][k] for k in ("master", "exp_avg", "exp_avg_sq")} == {
+        k: 4 * n for k in ("master", "exp_avg", "exp_avg_sq")
+    }
     # one micro-batch: Adam reads the bf16 gradients as they came down, no fp32 copy; on
     # this CPU "device" it writes the new params into the flat buffer (no 2 * n staging)
     assert rep["host"]["grads"] == 0 and rep["host"]["staging"] == 2 * n
@@ -279,8 +325,17 @@ def _bf16_steps(staging: bool, dpu=None):
     torch.manual_seed(0)
     single = ps.ParallelGroup.single()
     model = GPTModel(GPTConfig(**CFG), tp_group=single)
-    opt = ZeroOptimizer(model, **HP, dp=single, tp=single, device="cpu", dtype=torch.bfloat16,
-                        cpu_offload=True, bucket_size=2000, dpu_warmup_steps=dpu)
+    opt = ZeroOptimizer(
+        model,
+        **HP,
+        dp=single,
+        tp=single,
+        device="cpu",
+        dtype=torch.bfloat16,
+        cpu_offload=True,
+        bucket_size=2000,
+        dpu_warmup_steps=dpu,
+    )
     if staging:
         opt.param_staging = torch.empty_like(opt.flat)
     losses = []
@@ -314,9 +369,17 @@ def test_bf16_moments_track_fp32_moments():
     for mdt in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
         model = GPTModel(GPTConfig(**CFG), tp_group=single)
-        opt = ZeroOptimizer(model, **HP, dp=single, tp=single, device="cpu",
-                            dtype=torch.bfloat16, cpu_offload=True, exp_avg_dtype=mdt,
-                            exp_avg_sq_dtype=mdt)
+        opt = ZeroOptimizer(
+            model,
+            **HP,
+            dp=single,
+            tp=single,
+            device="cpu",
+            dtype=torch.bfloat16,
+            cpu_offload=True,
+            exp_avg_dtype=mdt,
+            exp_avg_sq_dtype=mdt,
+        )
         losses = []
         for step in range(20):
             x, y = _batch(step)

@@ -8,6 +8,7 @@
 
 Thin wrapper: the logic lives in mp_offload.checkpoint.convert (run --help for the flags).
 """
+
 import sys
 
 from mp_offload.checkpoint.convert import main

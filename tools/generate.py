@@ -7,6 +7,7 @@
 
 Thin wrapper: the logic lives in mp_offload.generation (run --help for the flags).
 """
+
 from mp_offload.generation import main
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Reads the ``--log-json`` files pretrain_gpt.py writes (one JSON object per itera
 evaluation). A resumed run appends to the same file and may repeat iterations: the
 last record of an iteration wins. Needs matplotlib (optional for the project).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,15 +34,22 @@ def read_log(path: str) -> tuple[dict[int, float], dict[int, float]]:
     return train, valid
 
 
-def plot(logs: list[str], out: str, title: str | None = None, log_y: bool = False,
-         labels: list[str] | None = None) -> str:
+def plot(
+    logs: list[str],
+    out: str,
+    title: str | None = None,
+    log_y: bool = False,
+    labels: list[str] | None = None,
+) -> str:
     try:
         import matplotlib
+
         matplotlib.use("Agg")  # files only: no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("plot_loss.py: matplotlib is not installed "
-                         "(pip install matplotlib)") from None
+        raise SystemExit(
+            "plot_loss.py: matplotlib is not installed (pip install matplotlib)"
+        ) from None
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, path in enumerate(logs):
         name = labels[i] if labels and i < len(labels) else os.path.basename(path)
@@ -54,8 +62,15 @@ def plot(logs: list[str], out: str, title: str | None = None, log_y: bool = Fals
             ax.plot(its, [train[t] for t in its], color=color, lw=1.2, label=f"{name} train")
         if valid:
             its = sorted(valid)
-            ax.plot(its, [valid[t] for t in its], "o--", color=color, ms=4, lw=0.8,
-                    label=f"{name} valid")
+            ax.plot(
+                its,
+                [valid[t] for t in its],
+                "o--",
+                color=color,
+                ms=4,
+                lw=0.8,
+                label=f"{name} valid",
+            )
     ax.set_xlabel("iteration")
     ax.set_ylabel("loss (nats/token)")
     if log_y:

@@ -19,6 +19,7 @@ on tiny inputs built in a temporary directory, with a timeout. Its outcome is on
 Targets: 0 traceback, 0 hang, 0 silent, 0 data lost, 0 other. Needs a few minutes on 2
 cores; no GPU (MP_OFFLOAD_DEVICE=cpu).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,6 @@ from reliability_runs import DATA, MODEL, ROOT, TINY, Case, build_fixtures, run_
 
 TRACEBACK = re.compile(r'File "[^"]*(pretrain_gpt\.py|/mp_offload/|/tools/)')
 ROOT_CAUSE = re.compile(r"Root Cause[\s\S]*?exitcode\s*:\s*(-?\d+)")
-
 
 
 def judge(case: Case, d: str, rc, out: str, err: str, problem) -> str:
@@ -61,8 +61,11 @@ def judge(case: Case, d: str, rc, out: str, err: str, problem) -> str:
     code = int(root.group(1)) if root else rc
     if not errors or needle not in "\n".join(errors) or len(errors) != case.lines:
         return "other"
-    shown = [ln for ln in err.splitlines() if not ln.startswith(("pretrain_gpt.py: waiting",
-                                                                 "usage:", "   "))]
+    shown = [
+        ln
+        for ln in err.splitlines()
+        if not ln.startswith(("pretrain_gpt.py: waiting", "usage:", "   "))
+    ]
     if code != case.code or (case.first and shown[0] != errors[0]):
         return "other"
     return "named"
@@ -93,12 +96,21 @@ def _command(case: Case) -> str:
 
 
 def table(cases, results) -> str:
-    rows = ["| # | area | case | command | expected | outcome | first line printed |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| # | area | case | command | expected | outcome | first line printed |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for i, (case, (outcome, shown, _)) in enumerate(zip(cases, results), 1):
         want = "runs" if case.expect == "ok" else f"exit {case.code}, one line"
-        cells = [str(i), case.area, case.name, f"`{_command(case)}`", want, outcome,
-                 f"`{shown[:160]}`" if shown else ""]
+        cells = [
+            str(i),
+            case.area,
+            case.name,
+            f"`{_command(case)}`",
+            want,
+            outcome,
+            f"`{shown[:160]}`" if shown else "",
+        ]
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows)
 
@@ -111,8 +123,9 @@ def counts(cases, results) -> str:
     kinds = ["named", "ok", "traceback", "hang", "silent", "data lost", "other"]
     rows = ["| area | cases | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 2) + "|"]
     for area, ctr in list(by_area.items()) + [("all", total)]:
-        rows.append(f"| {area} | {sum(ctr.values())} | " +
-                    " | ".join(str(ctr[k]) for k in kinds) + " |")
+        rows.append(
+            f"| {area} | {sum(ctr.values())} | " + " | ".join(str(ctr[k]) for k in kinds) + " |"
+        )
     return "\n".join(rows)
 
 
@@ -131,8 +144,12 @@ def main(argv=None) -> int:
             results = []
             for i, (case, fut) in enumerate(zip(cases, futures), 1):
                 results.append(fut.result())
-                print(f"[{i}/{len(cases)}] {results[-1][0]:9s} {case.area}: {case.name} "
-                      f"({results[-1][2]:.0f}s)", file=sys.stderr, flush=True)
+                print(
+                    f"[{i}/{len(cases)}] {results[-1][0]:9s} {case.area}: {case.name} "
+                    f"({results[-1][2]:.0f}s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         shutil.rmtree(d, ignore_errors=True)
     report = f"{table(cases, results)}\n\n{counts(cases, results)}\n"

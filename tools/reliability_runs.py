@@ -3,6 +3,7 @@ alone or under torchrun, the tools), the tiny inputs every case runs on (built o
 temporary directory, ``$D`` in the commands), and the runners of the cases that need more
 than one command (a held lock, a killed launcher, a port in use).
 """
+
 from __future__ import annotations
 
 import io
@@ -20,34 +21,60 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "16", "--micro-batch-size", "2", "--hidden-dropout", "0",
-         "--attention-dropout", "0", "--log-interval", "1", "--eval-interval", "1000",
-         "--eval-iters", "1"]
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "1000",
+    "--eval-iters",
+    "1",
+]
 TINY = MODEL + ["--mock-data", "--vocab-size", "96", "--train-iters", "2"]
-DATA = MODEL + ["--train-iters", "2", "--tokenizer-type", "NullTokenizer", "--vocab-size",
-                "96"]
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-                "TORCHELASTIC_USE_AGENT_STORE", "GROUP_RANK", "ROLE_RANK")
-
+DATA = MODEL + ["--train-iters", "2", "--tokenizer-type", "NullTokenizer", "--vocab-size", "96"]
+LAUNCHER_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+)
 
 
 @dataclass
 class Case:
     area: str
     name: str
-    cmd: list            # argv; "$D" stands for the fixture directory
-    needle: str = ""     # words the error line (or, for "ok", the output) must hold
-    code: int = 2        # the exit code of the failing process (torchrun: its root cause)
+    cmd: list  # argv; "$D" stands for the fixture directory
+    needle: str = ""  # words the error line (or, for "ok", the output) must hold
+    code: int = 2  # the exit code of the failing process (torchrun: its root cause)
     expect: str = "error"
     prefix: str = "pretrain_gpt.py: error: "
-    lines: int = 1       # error lines due (one per problem)
-    first: bool = True   # the error must be the first line on stderr
+    lines: int = 1  # error lines due (one per problem)
+    first: bool = True  # the error must be the first line on stderr
     env: dict = field(default_factory=dict)
     timeout: float = 180.0
     runner: object = None  # a function(case, d) -> (rc, out, err, problem) for the odd ones
-    check: object = None   # a function(d, rc, out, err) -> problem or None, after the run
+    check: object = None  # a function(d, rc, out, err) -> problem or None, after the run
 
 
 def pretrain(*args) -> list:
@@ -55,8 +82,15 @@ def pretrain(*args) -> list:
 
 
 def torchrun(n: int, *args) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={n}", PRETRAIN, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={n}",
+        PRETRAIN,
+        *args,
+    ]
 
 
 def tool(name: str, *args) -> list:
@@ -71,8 +105,14 @@ def free_port() -> int:
 
 def environment(extra: dict) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    return dict(env, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MP_OFFLOAD_DEVICE="cpu",
-                PYTHONPATH=ROOT, **extra)
+    return dict(
+        env,
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        MP_OFFLOAD_DEVICE="cpu",
+        PYTHONPATH=ROOT,
+        **extra,
+    )
 
 
 def expand(cmd: list, d: str) -> list:
@@ -87,21 +127,34 @@ def build_fixtures(d: str) -> None:
     from mp_offload.data.indexed_dataset import IndexedDatasetBuilder
     from mp_offload.data.preprocess import preprocess
     from mp_offload.data.tokenizer_training import train_sentencepiece
+
     rng = np.random.default_rng(0)
     for name, vocab in (("small", 96), ("wide", 1000)):
         with open(f"{d}/{name}.jsonl", "w") as f:
             for _ in range(80):
                 ids = rng.integers(0, min(vocab, 90) if name == "small" else vocab, 40)
                 f.write(json.dumps({"text": " ".join(map(str, ids))}) + "\n")
-        preprocess([f"{d}/{name}.jsonl"], f"{d}/{name}", "NullTokenizer", vocab_size=vocab,
-                   append_eod=True, log=io.StringIO())
+        preprocess(
+            [f"{d}/{name}.jsonl"],
+            f"{d}/{name}",
+            "NullTokenizer",
+            vocab_size=vocab,
+            append_eod=True,
+            log=io.StringIO(),
+        )
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     docs = [" ".join(words[(i * 7 + k * 3) % 10] for k in range(50)) for i in range(200)]
     with open(f"{d}/words.jsonl", "w") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in docs)
     train_sentencepiece(docs, f"{d}/sp", 300)
-    preprocess([f"{d}/words.jsonl"], f"{d}/words", "SentencePieceTokenizer",
-               tokenizer_model=f"{d}/sp.model", append_eod=True, log=io.StringIO())
+    preprocess(
+        [f"{d}/words.jsonl"],
+        f"{d}/words",
+        "SentencePieceTokenizer",
+        tokenizer_model=f"{d}/sp.model",
+        append_eod=True,
+        log=io.StringIO(),
+    )
     small = f"{d}/small_text_document"
     for suffix in (".bin", ".idx"):  # half pairs
         shutil.copy(small + suffix, f"{d}/only{suffix}")
@@ -137,9 +190,14 @@ def _config_files(d: str) -> None:
         else:
             lines.append(f"{key}: true")
             i += 1
-    files = {"run": "\n".join(lines), "badkey": "num_layerz: 2", "badval": "num-layers: two",
-             "notyaml": "a: [", "range": "num-layers: 0",
-             "evalzero": "eval-interval: 5\neval-iters: 0"}
+    files = {
+        "run": "\n".join(lines),
+        "badkey": "num_layerz: 2",
+        "badval": "num-layers: two",
+        "notyaml": "a: [",
+        "range": "num-layers: 0",
+        "evalzero": "eval-interval: 5\neval-iters: 0",
+    }
     for name, text in files.items():
         with open(f"{d}/{name}.yaml", "w") as f:
             f.write(text + "\n")
@@ -148,13 +206,15 @@ def _config_files(d: str) -> None:
 def snapshot(root: str) -> dict:
     """Every file under ``root`` (but the lock) and its hash."""
     import hashlib
+
     out = {}
     for where, _, names in os.walk(root):
         for n in names:
             if not n.startswith(".lock"):
                 with open(os.path.join(where, n), "rb") as f:
-                    out[os.path.relpath(os.path.join(where, n), root)] = \
-                        hashlib.sha256(f.read()).hexdigest()
+                    out[os.path.relpath(os.path.join(where, n), root)] = hashlib.sha256(
+                        f.read()
+                    ).hexdigest()
     return out
 
 
@@ -163,9 +223,14 @@ def _checkpoint_fixtures(d: str) -> None:
     copies: one to overwrite, one with an edited manifest, one with a truncated file, one
     holding the lock of a job that is gone."""
     base = f"{d}/ck-base"
-    subprocess.run(pretrain(*TINY, "--train-iters", "4", "--save-interval", "2", "--save",
-                            base), env=environment({}), cwd=ROOT, capture_output=True,
-                   check=True, timeout=600)
+    subprocess.run(
+        pretrain(*TINY, "--train-iters", "4", "--save-interval", "2", "--save", base),
+        env=environment({}),
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+        timeout=600,
+    )
     os.makedirs(f"{d}/ck-locked")
     with open(f"{base}.json", "w") as f:
         json.dump(snapshot(base), f)
@@ -191,14 +256,15 @@ def _damaged_copies(d: str, small: str) -> None:
         data = f.read()
     with open(f"{small}.idx", "rb") as f:
         index = f.read()
-    for name, b, i in (("truncbin", data[: len(data) // 2], index),
-                       ("badmagic", data, b"XXXXXXXXX" + index[9:]),
-                       ("truncidx", data, index[: len(index) - 16])):
+    for name, b, i in (
+        ("truncbin", data[: len(data) // 2], index),
+        ("badmagic", data, b"XXXXXXXXX" + index[9:]),
+        ("truncidx", data, index[: len(index) - 16]),
+    ):
         with open(f"{d}/{name}.bin", "wb") as f:
             f.write(b)
         with open(f"{d}/{name}.idx", "wb") as f:
             f.write(i)
-
 
 
 # ------------------------------------------------------------------ special runners
@@ -217,16 +283,23 @@ def base_untouched(d, rc, out, err):
 
 def save_survived_kill(d, rc, out, err):
     from mp_offload.checkpoint import read_latest
+
     latest = read_latest(f"{d}/ck-killed")
     return None if latest == 2 else f"data lost: the latest checkpoint is {latest}, not 2"
 
 
 def locked_save(case, d):
     """The case while another process holds the lock of its --save directory."""
-    hold = ("import sys, time\nfrom mp_offload.checkpoint import SaveLock\n"
-            "SaveLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\ntime.sleep(600)\n")
-    holder = subprocess.Popen([sys.executable, "-c", hold, f"{d}/ck-locked"],
-                              env=environment({}), stdout=subprocess.PIPE, text=True)
+    hold = (
+        "import sys, time\nfrom mp_offload.checkpoint import SaveLock\n"
+        "SaveLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\ntime.sleep(600)\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, f"{d}/ck-locked"],
+        env=environment({}),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         if holder.stdout.readline().strip() != "locked":
             return None, "", "", "other: the lock holder did not start"
@@ -240,8 +313,9 @@ def port_in_use(case, d):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        env = dict(WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(s.getsockname()[1]))
+        env = dict(
+            WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1])
+        )
         return run_command(case.cmd, d, env, case.timeout)
 
 
@@ -249,17 +323,23 @@ def _start_training(case, d, name):
     """torchrun 2 training 'forever' with --save; returns (process, log, checkpoint dir)."""
     log, ck = f"{d}/{name}.jsonl", f"{d}/ck-{name}"
     cmd = expand(case.cmd, d) + ["--train-iters", "100000", "--save", ck, "--log-json", log]
-    proc = subprocess.Popen(cmd, env=environment({}), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=environment({}),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + case.timeout
-    while time.time() < deadline and (not os.path.exists(log) or
-                                      sum(1 for _ in open(log)) < 3):
+    while time.time() < deadline and (not os.path.exists(log) or sum(1 for _ in open(log)) < 3):
         time.sleep(0.5)
     return proc, log, ck
 
 
 def _saved_last(log, ck):
     from mp_offload.checkpoint import read_latest
+
     last = [json.loads(ln)["iteration"] for ln in open(log) if '"loss"' in ln][-1]
     saved = read_latest(ck)
     return None if saved == last else f"data lost: trained to {last}, saved {saved}"
@@ -313,22 +393,44 @@ def kill9_torchrun(case, d):
 
 def preprocess_keeps_old(case, d):
     old = f"{d}/keep"
-    run_command(tool("preprocess_data", "--input", "$D/small.jsonl", "--output-prefix", old,
-              "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"), d, {}, case.timeout)
+    run_command(
+        tool(
+            "preprocess_data",
+            "--input",
+            "$D/small.jsonl",
+            "--output-prefix",
+            old,
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "100",
+        ),
+        d,
+        {},
+        case.timeout,
+    )
     before = {s: open(f"{old}_text_document{s}", "rb").read() for s in (".bin", ".idx")}
     cmd = [a if a != "$D/out" else old for a in case.cmd]
     rc, out, err, _ = run_command(cmd, d, {}, case.timeout)
-    after = {s: open(f"{old}_text_document{s}", "rb").read()
-             for s in (".bin", ".idx") if os.path.exists(f"{old}_text_document{s}")}
+    after = {
+        s: open(f"{old}_text_document{s}", "rb").read()
+        for s in (".bin", ".idx")
+        if os.path.exists(f"{old}_text_document{s}")
+    }
     return rc, out, err, None if after == before else "data lost: the old dataset changed"
 
 
 # ----------------------------------------------------------------------- judging
 def run_command(cmd, d, env, timeout):
     try:
-        res = subprocess.run(expand(cmd, d), env=environment({k: v.replace("$D", d)
-                                                              for k, v in env.items()}),
-                             cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        res = subprocess.run(
+            expand(cmd, d),
+            env=environment({k: v.replace("$D", d) for k, v in env.items()}),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired as e:
         return None, _text(e.stdout), _text(e.stderr), "hang"
     return res.returncode, res.stdout, res.stderr, None
@@ -336,4 +438,3 @@ def run_command(cmd, d, env, timeout):
 
 def _text(b) -> str:
     return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
-

@@ -17,6 +17,7 @@ Modules, each owning one thing:
 
 Design: docs/DESIGN.md (the metadata contract the resharding reads).
 """
+
 from __future__ import annotations
 
 from .errors import CheckpointError, ConversionError

@@ -18,6 +18,7 @@ holds one full parameter of the source at a time (plus, for --save-merged, the m
 optimizer state it writes: 12 bytes per parameter; for --hf-out with the safetensors
 package, the exported weights; without the package they are streamed to the file).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,31 +43,49 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--load", help="checkpoint root (or one iter_* directory)")
     src.add_argument("--iteration", type=int, help="default: the latest checkpoint")
     src.add_argument("--save-merged", metavar="OUT", help="write a TP=1, DP=1 checkpoint here")
-    src.add_argument("--hf-out", metavar="HFDIR", help="write a Hugging Face model here "
-                     "(LlamaForCausalLM with rotary positions, else GPT2LMHeadModel)")
-    src.add_argument("--hf-dtype", choices=DTYPES, default="float32",
-                     help="dtype of the exported weights")
-    src.add_argument("--eod-id", type=int, help="bos/eos id for the HF config (default: the "
-                     "run's tokenizer end-of-document, when it can be found)")
+    src.add_argument(
+        "--hf-out",
+        metavar="HFDIR",
+        help="write a Hugging Face model here "
+        "(LlamaForCausalLM with rotary positions, else GPT2LMHeadModel)",
+    )
+    src.add_argument(
+        "--hf-dtype", choices=DTYPES, default="float32", help="dtype of the exported weights"
+    )
+    src.add_argument(
+        "--eod-id",
+        type=int,
+        help="bos/eos id for the HF config (default: the "
+        "run's tokenizer end-of-document, when it can be found)",
+    )
     hf = p.add_argument_group("from a Hugging Face GPT-2 or Llama")
     hf.add_argument("--hf-in", metavar="HFDIR", help="directory with config.json and weights")
     hf.add_argument("--save", metavar="OUT", help="write the imported checkpoint here")
     hf.add_argument("--tensor-model-parallel-size", type=int, default=1)
     hf.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     hf.add_argument("--seq-length", type=int, help="default: the model's maximum positions")
-    hf.add_argument("--dtype", choices=DTYPES, default="float32",
-                    help="dtype of the model.pt weights (the fp32 master is always kept)")
+    hf.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="dtype of the model.pt weights (the fp32 master is always kept)",
+    )
     hf.add_argument("--seed", type=int, default=1234, help="RNG state stored for a resume")
-    p.add_argument("--reduce-bucket-size", type=int, default=None,
-                   help="bucket size of the written optimizer layout (default: the "
-                        f"source's, or {DEFAULT_BUCKET_SIZE}); the run's flag should match "
-                        "for an exact resume, otherwise the slices are re-partitioned on load")
+    p.add_argument(
+        "--reduce-bucket-size",
+        type=int,
+        default=None,
+        help="bucket size of the written optimizer layout (default: the "
+        f"source's, or {DEFAULT_BUCKET_SIZE}); the run's flag should match "
+        "for an exact resume, otherwise the slices are re-partitioned on load",
+    )
     return p
 
 
 def _eod_guess(ckpt: str) -> int | None:
     """The run's end-of-document id, if its tokenizer can be rebuilt (best effort)."""
     from ..generation import tokenizer_for  # deferred: pulls in the tokenizers
+
     full = FullTensors(ckpt)
     try:
         saved = dict(full.common().get("args", {}), data=fmt.tokenizer_args(ckpt, full.common()))
@@ -79,14 +98,19 @@ def _eod_guess(ckpt: str) -> int | None:
 def _export_tokenizer(ckpt: str, out_dir: str) -> None:
     """The run's tokenizer beside the weights, so AutoTokenizer loads the export too."""
     from ..data.hf_tokenizer import export_tokenizer  # deferred: needs tokenizers
+
     full = FullTensors(ckpt)
     data = fmt.tokenizer_args(ckpt, full.common())
     try:
-        files = export_tokenizer(data, out_dir,
-                                 model_max_length=full.config.max_position_embeddings)
+        files = export_tokenizer(
+            data, out_dir, model_max_length=full.config.max_position_embeddings
+        )
     except (ValueError, OSError, ImportError) as e:
-        print(f"convert_checkpoint.py: warning: tokenizer not exported ({e}); "
-              f"AutoTokenizer will not load {out_dir}", file=sys.stderr)
+        print(
+            f"convert_checkpoint.py: warning: tokenizer not exported ({e}); "
+            f"AutoTokenizer will not load {out_dir}",
+            file=sys.stderr,
+        )
         return
     if files:
         print(f"exported the run's tokenizer -> {', '.join(os.path.basename(f) for f in files)}")
@@ -101,18 +125,27 @@ def main(argv=None) -> int:
         if not a.save:
             p.error("--hf-in needs --save OUT")
     elif not a.load or not (a.save_merged or a.hf_out):
-        p.error("give --load DIR with --save-merged OUT and/or --hf-out HFDIR, "
-                "or --hf-in HFDIR with --save OUT")
+        p.error(
+            "give --load DIR with --save-merged OUT and/or --hf-out HFDIR, "
+            "or --hf-in HFDIR with --save OUT"
+        )
     try:
         if a.hf_in:
-            out = import_hf(a.hf_in, a.save, a.tensor_model_parallel_size,
-                            make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
-                            seq_length=a.seq_length,
-                            bucket_size=a.reduce_bucket_size or DEFAULT_BUCKET_SIZE,
-                            dtype=DTYPES[a.dtype], seed=a.seed)
+            out = import_hf(
+                a.hf_in,
+                a.save,
+                a.tensor_model_parallel_size,
+                make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
+                seq_length=a.seq_length,
+                bucket_size=a.reduce_bucket_size or DEFAULT_BUCKET_SIZE,
+                dtype=DTYPES[a.dtype],
+                seed=a.seed,
+            )
             flags = " ".join(model_flags(FullTensors(out).config))
-            print(f"imported {a.hf_in} -> {out} (TP={a.tensor_model_parallel_size}); train "
-                  f"from it with pretrain_gpt.py --load {a.save} --finetune {flags}")
+            print(
+                f"imported {a.hf_in} -> {out} (TP={a.tensor_model_parallel_size}); train "
+                f"from it with pretrain_gpt.py --load {a.save} --finetune {flags}"
+            )
             return 0
         ckpt = resolve_checkpoint(a.load, a.iteration)
         if a.save_merged:

@@ -2,6 +2,7 @@
 
 Both errors carry a one-line message meant for the user, naming the file or flag.
 """
+
 from __future__ import annotations
 
 
@@ -20,6 +21,7 @@ def raise_agreed(error: str | None) -> None:
     stops all of them with the same message instead of leaving the others hanging.
     """
     from ..distributed import first_error  # deferred: the offline tools never need it
+
     first = first_error(error)
     if first:
         raise CheckpointError(first)

@@ -22,6 +22,7 @@ Versions: 2 (written now) adds manifest.sha256, so a hand-edited manifest is ref
 instead of silently loading wrong weights, and the device of each RNG record. Version
 1 is still read: no manifest checksum, and the RNG device follows from the state size.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,14 +50,28 @@ TOKENIZER_DIR = "tokenizer"  # copies of the run's tokenizer files
 TOKENIZER_FIELDS = ("tokenizer_model", "vocab_file", "merge_file")  # DataConfig paths
 TMP_PREFIX = ".tmp_iter_"
 _ITER_NAME = re.compile(r"iter_(\d{7,})")
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                "vocab_size", "max_position_embeddings")
+SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
 # Model options that change names, shapes or meaning of the weights; a checkpoint written
 # before they existed has none of them, which means the GPT-2 default.
-OPTION_FIELDS = ("normalization", "swiglu", "position_embedding_type", "rotary_base",
-                 "rotary_percent", "group_query_attention", "num_query_groups",
-                 "untie_embeddings_and_output_weights", "disable_bias_linear",
-                 "layernorm_epsilon")
+OPTION_FIELDS = (
+    "normalization",
+    "swiglu",
+    "position_embedding_type",
+    "rotary_base",
+    "rotary_percent",
+    "group_query_attention",
+    "num_query_groups",
+    "untie_embeddings_and_output_weights",
+    "disable_bias_linear",
+    "layernorm_epsilon",
+)
 
 
 # ------------------------------------------------------------------------- names
@@ -107,8 +122,9 @@ def find_checkpoint(path: str, iteration: int | None = None) -> str | None:
     """The iteration directory ``path`` means: ``path`` itself when it is one (it has a
     manifest or an ``iter_*`` name), else the save root's ``iteration`` or latest one;
     None when the root has no latest pointer (nothing saved there)."""
-    if iteration is None and (os.path.exists(os.path.join(path, MANIFEST))
-                              or iteration_of(path) is not None):
+    if iteration is None and (
+        os.path.exists(os.path.join(path, MANIFEST)) or iteration_of(path) is not None
+    ):
         return path
     if iteration is None:
         iteration = read_latest(path)
@@ -193,8 +209,11 @@ def rng_state() -> dict:
     """The RNG record each optimizer file stores: the default generators, and the TP
     tracker's states with the device they belong to (their format depends on it)."""
     tracker = get_rng_tracker()
-    state = {"cpu": torch.get_rng_state(), "tracker": tracker.get_states(),
-             "device": tracker.device}
+    state = {
+        "cpu": torch.get_rng_state(),
+        "tracker": tracker.get_states(),
+        "device": tracker.device,
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -217,8 +236,12 @@ def param_info(named_params, tp: int) -> dict:
         shape = list(p.shape)
         if p.tensor_model_parallel:
             shape[p.partition_dim] *= tp
-        info[name] = {"shape": shape, "tensor_model_parallel": bool(p.tensor_model_parallel),
-                      "partition_dim": int(p.partition_dim), "stride": int(p.partition_stride)}
+        info[name] = {
+            "shape": shape,
+            "tensor_model_parallel": bool(p.tensor_model_parallel),
+            "partition_dim": int(p.partition_dim),
+            "stride": int(p.partition_stride),
+        }
     return info
 
 
@@ -230,11 +253,26 @@ def torch_adamw_order(params: dict) -> list[str]:
     return [n for n in names if ndim[n] > 1] + [n for n in names if ndim[n] <= 1]
 
 
-def make_manifest(*, iteration: int, tp: int, dp: int, optimizer: str, model_config: dict,
-                  params: dict, files: dict) -> dict:
-    return {"format_version": FORMAT_VERSION, "iteration": iteration,
-            "tensor_model_parallel_size": tp, "data_parallel_size": dp, "optimizer": optimizer,
-            "model_config": model_config, "params": params, "files": files}
+def make_manifest(
+    *,
+    iteration: int,
+    tp: int,
+    dp: int,
+    optimizer: str,
+    model_config: dict,
+    params: dict,
+    files: dict,
+) -> dict:
+    return {
+        "format_version": FORMAT_VERSION,
+        "iteration": iteration,
+        "tensor_model_parallel_size": tp,
+        "data_parallel_size": dp,
+        "optimizer": optimizer,
+        "model_config": model_config,
+        "params": params,
+        "files": files,
+    }
 
 
 def start_save(root: str, iteration: int) -> str:
@@ -291,8 +329,10 @@ def _check_manifest_sha(ckpt: str, data: bytes, version) -> None:
     with open(path) as f:
         want = f.read().split(maxsplit=1)[:1]
     if want != [hashlib.sha256(data).hexdigest()]:
-        raise CheckpointError(f"{os.path.join(ckpt, MANIFEST)}: does not match {path} "
-                              f"(edited or corrupted); refusing to load it")
+        raise CheckpointError(
+            f"{os.path.join(ckpt, MANIFEST)}: does not match {path} "
+            f"(edited or corrupted); refusing to load it"
+        )
 
 
 def read_manifest(ckpt: str) -> dict:
@@ -308,8 +348,10 @@ def read_manifest(ckpt: str) -> dict:
         raise CheckpointError(f"{path}: unreadable ({e})") from None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version not in READABLE_VERSIONS:
-        raise CheckpointError(f"{path}: format version {version}, this code reads "
-                              f"{', '.join(map(str, READABLE_VERSIONS))}")
+        raise CheckpointError(
+            f"{path}: format version {version}, this code reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
+        )
     _check_manifest_sha(ckpt, data, version)
     return manifest
 
@@ -319,17 +361,22 @@ def check_model_shape(manifest: dict, ckpt: str, model_cfg) -> None:
     import dataclasses
 
     from ..model.gpt import GPTConfig  # deferred: reading a manifest needs no model
+
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
     # Rope options left unset mean their defaults: a flag giving those is the same model.
     unset = dict(zip(("rotary_base", "rotary_percent"), GPTConfig().rotary))
     saved = manifest["model_config"]
     for f in SHAPE_FIELDS + OPTION_FIELDS:
-        here, there = (unset.get(f) if v is None else v for v in (
-            getattr(model_cfg, f, defaults.get(f)), saved.get(f, defaults.get(f))))
+        here, there = (
+            unset.get(f) if v is None else v
+            for v in (getattr(model_cfg, f, defaults.get(f)), saved.get(f, defaults.get(f)))
+        )
         if there != here:
             flag = "--" + f.replace("_", "-")
-            raise CheckpointError(f"{os.path.join(ckpt, MANIFEST)}: {flag} is {here} here but "
-                                  f"{there} in the checkpoint")
+            raise CheckpointError(
+                f"{os.path.join(ckpt, MANIFEST)}: {flag} is {here} here but "
+                f"{there} in the checkpoint"
+            )
 
 
 class CheckedReader:
@@ -344,12 +391,14 @@ class CheckedReader:
             path = os.path.join(self.ckpt, rel)
             meta = self.files.get(rel)
             if meta is None or not os.path.exists(path):
-                raise CheckpointError(f"{path}: missing (the checkpoint lists "
-                                      f"{len(self.files)} files)")
+                raise CheckpointError(
+                    f"{path}: missing (the checkpoint lists {len(self.files)} files)"
+                )
             size = os.path.getsize(path)
             if size != meta["bytes"]:
-                raise CheckpointError(f"{path}: truncated or altered ({size} bytes, manifest "
-                                      f"says {meta['bytes']})")
+                raise CheckpointError(
+                    f"{path}: truncated or altered ({size} bytes, manifest says {meta['bytes']})"
+                )
             if sha256_file(path) != meta["sha256"]:
                 raise CheckpointError(f"{path}: checksum mismatch (corrupted)")
             self.cache[rel] = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
@@ -367,15 +416,16 @@ class CheckedReader:
         return self.layouts[key]
 
 
-def zero_local(read: CheckedReader, manifest: dict, name: str, tp_rank: int, key: str,
-               shape) -> torch.Tensor:
+def zero_local(
+    read: CheckedReader, manifest: dict, name: str, tp_rank: int, key: str, shape
+) -> torch.Tensor:
     """One parameter's TP-local fp32 tensor (``key``: master, exp_avg or exp_avg_sq) of a
     ZeRO checkpoint, assembled from the DP slices that hold its pieces."""
     out = torch.zeros(int(torch.Size(shape).numel()), dtype=torch.float32)
     for b in range(manifest["data_parallel_size"]):
         src = read(optim_file(tp_rank, b))[key]
         for p_off, h_off, n in read.pieces(tp_rank, b).get(name, ()):
-            out[p_off:p_off + n] = src[h_off:h_off + n]
+            out[p_off : p_off + n] = src[h_off : h_off + n]
     return out.view(shape)
 
 
@@ -409,5 +459,4 @@ def local_slice(full: torch.Tensor, info: dict, tp: int, tp_rank: int) -> torch.
     if not info["tensor_model_parallel"]:
         return full
     dim = info["partition_dim"]
-    return split_for_rank(fit_padding(full, info["shape"], dim), dim, tp, tp_rank,
-                          info["stride"])
+    return split_for_rank(fit_padding(full, info["shape"], dim), dim, tp, tp_rank, info["stride"])

@@ -11,6 +11,7 @@ Run before training (``prepare_save``, collective):
   iterations and move the latest pointer back, so it refuses unless
   --override-existing-checkpoints is given.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,9 @@ def _iterations_text(its: list[int]) -> str:
     return f"iteration{'s' if len(its) > 1 else ''} {shown}"
 
 
-def check_no_overwrite(save: str, load: str | None, *, finetune: bool = False,
-                       override: bool = False) -> None:
+def check_no_overwrite(
+    save: str, load: str | None, *, finetune: bool = False, override: bool = False
+) -> None:
     """Refuse to save into a directory holding checkpoints this run did not resume from.
 
     Resuming means: --load resolves to --save's newest iteration (the root itself or
@@ -59,18 +61,24 @@ def check_no_overwrite(save: str, load: str | None, *, finetune: bool = False,
     if ckpt is None:
         why = f"--load {load} holds no checkpoint" if load else "no --load"
     else:
-        same_root = os.path.realpath(os.path.dirname(os.path.normpath(ckpt))) == \
-            os.path.realpath(save)
+        same_root = os.path.realpath(os.path.dirname(os.path.normpath(ckpt))) == os.path.realpath(
+            save
+        )
         it = fmt.iteration_of(ckpt)
         if same_root and it == newest and not finetune:
             return
-        why = ("--finetune restarts at iteration 0" if finetune and same_root else
-               f"--load {load} resumes iteration {it}, not the newest" if same_root else
-               f"--load {load} is another directory")
+        why = (
+            "--finetune restarts at iteration 0"
+            if finetune and same_root
+            else f"--load {load} resumes iteration {it}, not the newest"
+            if same_root
+            else f"--load {load} is another directory"
+        )
     raise CheckpointError(
         f"--save {save} already holds checkpoints ({_iterations_text(existing)}) this run "
         f"would overwrite or hide ({why}); fix --load, choose another --save, or pass "
-        f"--override-existing-checkpoints")
+        f"--override-existing-checkpoints"
+    )
 
 
 # -------------------------------------------------------------------------- lock
@@ -104,8 +112,11 @@ class SaveLock:
     def __init__(self, save: str):
         self.save, self.path = save, os.path.join(save, fmt.LOCK)
         state = _process_state(os.getpid())
-        self.record = {"host": socket.gethostname(), "pid": os.getpid(),
-                       "started": state[1] if state else None}
+        self.record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": state[1] if state else None,
+        }
         self.held = False
 
     def _create(self) -> bool:
@@ -128,12 +139,15 @@ class SaveLock:
                 return None
             except (json.JSONDecodeError, UnicodeDecodeError):
                 time.sleep(0.1)
-        raise CheckpointError(f"{path or self.path}: unreadable lock file; remove it if no "
-                              f"job is saving to --save {self.save}")
+        raise CheckpointError(
+            f"{path or self.path}: unreadable lock file; remove it if no "
+            f"job is saving to --save {self.save}"
+        )
 
     def _stale(self, holder: dict) -> bool:
-        return holder.get("host") == self.record["host"] and \
-            not _alive(int(holder.get("pid", 0)), holder.get("started"))
+        return holder.get("host") == self.record["host"] and not _alive(
+            int(holder.get("pid", 0)), holder.get("started")
+        )
 
     def _take_over(self, holder: dict) -> None:
         """Move the stale lock aside; if a live job's lock replaced it meanwhile, put
@@ -160,7 +174,8 @@ class SaveLock:
                 raise CheckpointError(
                     f"--save {self.save} is in use by another job (host {holder.get('host')}, "
                     f"pid {holder.get('pid')}, lock {self.path}); remove the lock only if "
-                    f"that job is gone")
+                    f"that job is gone"
+                )
             self._take_over(holder)
         raise CheckpointError(f"{self.path}: could not take the lock (contended)")
 
@@ -188,8 +203,9 @@ def prepare_save(ckpt_cfg, log=None) -> SaveLock | None:
         if dist.get_rank() == 0:
             lock = SaveLock(c.save)
             lock.acquire()
-        check_no_overwrite(c.save, c.load, finetune=c.finetune,
-                           override=c.override_existing_checkpoints)
+        check_no_overwrite(
+            c.save, c.load, finetune=c.finetune, override=c.override_existing_checkpoints
+        )
     except CheckpointError as e:
         error = str(e)
     except OSError as e:
@@ -202,6 +218,8 @@ def prepare_save(ckpt_cfg, log=None) -> SaveLock | None:
         raise
     existing = fmt.list_iterations(c.save)
     if log and existing and c.override_existing_checkpoints:
-        log(f"--override-existing-checkpoints: {c.save} holds {_iterations_text(existing)}; "
-            f"saves from this run may overwrite them")
+        log(
+            f"--override-existing-checkpoints: {c.save} holds {_iterations_text(existing)}; "
+            f"saves from this run may overwrite them"
+        )
     return lock

@@ -5,6 +5,7 @@ other a ``GPT2LMHeadModel`` (``hf_gpt2``); each refuses, naming the flags, the o
 its architecture cannot express. Import: config.json's ``model_type`` (or
 ``architectures``) says which.
 """
+
 from __future__ import annotations
 
 from . import hf_gpt2, hf_llama
@@ -32,7 +33,8 @@ def import_hf(hf_dir: str, save: str, tp: int = 1, **kwargs) -> str:
         return hf_llama.import_hf(hf_dir, save, tp, **kwargs)
     if hf.get("model_type") == "gpt2":
         return hf_gpt2.import_hf(hf_dir, save, tp, **kwargs)
-    raise ConversionError(f"{hf_dir}/config.json: model_type {hf.get('model_type')!r} "
-                          f"(architectures {hf.get('architectures')}); GPT-2 and Llama "
-                          f"convert")
-
+    raise ConversionError(
+        f"{hf_dir}/config.json: model_type {hf.get('model_type')!r} "
+        f"(architectures {hf.get('architectures')}); GPT-2 and Llama "
+        f"convert"
+    )

@@ -4,6 +4,7 @@ Reading a HF directory's weights and config, the RNG state an imported checkpoin
 stores, the check that refuses a model whose options the target architecture cannot
 express (naming the flags), and the model flags a run from an import needs.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,13 +19,24 @@ from .safetensors_io import SafeTensorsFile, write_safetensors
 
 # GPTConfig fields that leave the weights' meaning alone (training-time choices): no
 # architecture has to express them.
-NEUTRAL_FIELDS = {"seq_length", "make_vocab_size_divisible_by", "hidden_dropout",
-                  "attention_dropout", "init_method_std", "recompute_activations",
-                  "sequence_parallel", "layernorm_epsilon"}
+NEUTRAL_FIELDS = {
+    "seq_length",
+    "make_vocab_size_divisible_by",
+    "hidden_dropout",
+    "attention_dropout",
+    "init_method_std",
+    "recompute_activations",
+    "sequence_parallel",
+    "layernorm_epsilon",
+}
 ANY = None  # an option whose value an architecture takes whatever it is
 # How an unset (None) option reads on the command line: its default.
-_SHOWN_AS = {"normalization": "LayerNorm", "position_embedding_type": "learned_absolute",
-             "rotary_base": 10000, "rotary_percent": 1.0}
+_SHOWN_AS = {
+    "normalization": "LayerNorm",
+    "position_embedding_type": "learned_absolute",
+    "rotary_base": 10000,
+    "rotary_percent": 1.0,
+}
 
 
 def _flag(field: str, value) -> str:
@@ -47,8 +59,7 @@ def check_options(model_config: dict, wanted: dict, arch: str) -> None:
         elif value:
             bad.append(_flag(field, value))
     if bad:
-        raise ConversionError(f"the model has options {arch} cannot express: "
-                              + ", ".join(bad))
+        raise ConversionError(f"the model has options {arch} cannot express: " + ", ".join(bad))
 
 
 def check_names(names, want: set, what: str) -> None:
@@ -72,8 +83,11 @@ def model_flags(cfg, fields=SHAPE_FIELDS + OPTION_FIELDS) -> list[str]:
         if field in OPTION_FIELDS and value == getattr(default, field):
             continue
         flag = "--" + field.replace("_", "-")
-        flags += [flag] if value is True else [flag, f"{value:g}" if isinstance(
-            value, float) else str(value)]
+        flags += (
+            [flag]
+            if value is True
+            else [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+        )
     return flags
 
 
@@ -103,20 +117,21 @@ def hf_weights(hf_dir: str, strip: str = ""):
         state = torch.load(binary, map_location="cpu", weights_only=True, mmap=True)
         return {n.removeprefix(strip): (lambda n=n: state[n]) for n in state}
     else:
-        raise ConversionError(f"{hf_dir}: no model.safetensors(.index.json) or "
-                              f"pytorch_model.bin")
+        raise ConversionError(f"{hf_dir}: no model.safetensors(.index.json) or pytorch_model.bin")
     opened = {}
 
     def load(name, path):
         if path not in opened:
             opened[path] = SafeTensorsFile(path)
         return opened[path].get(name)
+
     return {n.removeprefix(strip): (lambda n=n, p=p: load(n, p)) for n, p in files.items()}
 
 
 def fresh_rng(seed: int):
     """RNG state per TP rank as a run seeded with ``seed`` would have it (for a resume
     without --finetune); the process's own generators are left as they were."""
+
     def rng(tp_rank: int) -> dict:
         tracker = get_rng_tracker()
         saved = (torch.get_rng_state(), tracker.get_states(), tracker.device)
@@ -127,17 +142,24 @@ def fresh_rng(seed: int):
             torch.set_rng_state(saved[0])
             tracker.set_states(saved[1])
             tracker.device = saved[2]
+
     return rng
 
 
-def write_hf_dir(out_dir: str, config: dict, dtype: torch.dtype, entries, produce,
-                 use_package: bool) -> str:
+def write_hf_dir(
+    out_dir: str, config: dict, dtype: torch.dtype, entries, produce, use_package: bool
+) -> str:
     """A Hugging Face model directory: model.safetensors (tensors made one at a time by
     ``produce``) and config.json with the dtype they were written in."""
     os.makedirs(out_dir, exist_ok=True)
     config = dict(config, torch_dtype=str(dtype).replace("torch.", ""))
-    write_safetensors(os.path.join(out_dir, "model.safetensors"), entries, produce,
-                      metadata={"format": "pt"}, use_package=use_package)
+    write_safetensors(
+        os.path.join(out_dir, "model.safetensors"),
+        entries,
+        produce,
+        metadata={"format": "pt"},
+        use_package=use_package,
+    )
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return out_dir

@@ -7,6 +7,7 @@ DP slices and TP shards of that parameter, re-pad the vocabulary, keep its piece
 no rank ever holds the whole optimizer state. Everything that can fail runs before
 the one collective that shares the errors, so a bad file fails every rank, never hangs.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,9 @@ from .errors import CheckpointError, raise_agreed
 
 def _resharded(read, manifest, name: str, p, key: str) -> torch.Tensor:
     """``name``'s tensor for this rank's TP slice, re-split from the saved TP layout."""
-    full = fmt.merge_param(manifest, name,
-                           lambda r, shape: fmt.zero_local(read, manifest, name, r, key, shape))
+    full = fmt.merge_param(
+        manifest, name, lambda r, shape: fmt.zero_local(read, manifest, name, r, key, shape)
+    )
     tp = ps.get_tensor_model_parallel_world_size()
     info = fmt.param_info([(name, p)], tp)[name]
     return fmt.local_slice(full, info, tp, ps.get_tensor_model_parallel_rank())
@@ -30,8 +32,10 @@ def _read_zero(read, manifest, optimizer, load_optim: bool):
     """Phase 1 (no collectives): this rank's new slice tensors, its saved shard, and the
     shard whose RNG this rank resumes (None when the layout changed)."""
     tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
-    same = (manifest["tensor_model_parallel_size"] == ps.get_tensor_model_parallel_world_size()
-            and manifest["data_parallel_size"] == ps.get_data_parallel_world_size())
+    same = (
+        manifest["tensor_model_parallel_size"] == ps.get_tensor_model_parallel_world_size()
+        and manifest["data_parallel_size"] == ps.get_data_parallel_world_size()
+    )
     own = read(fmt.optim_file(tp_rank, dp_rank)) if same else None
     keys = ("master", "exp_avg", "exp_avg_sq") if load_optim else ("master",)
     if own is not None and own["layout"] == optimizer.layout.describe():
@@ -41,7 +45,7 @@ def _read_zero(read, manifest, optimizer, load_optim: bool):
     for slot, p_off, h_off, n in optimizer.layout.owned_pieces():
         for k in keys:
             full = _resharded(read, manifest, slot.name, slot.param, k).reshape(-1)
-            tensors[k][h_off:h_off + n] = full[p_off:p_off + n]
+            tensors[k][h_off : h_off + n] = full[p_off : p_off + n]
     return tensors, read(fmt.optim_file(0, 0)), None
 
 
@@ -62,8 +66,10 @@ def _restore_rng(rng: dict, seed: int, log) -> None:
     if saved != tracker.device:
         model_parallel_seed(seed, ps.get_tensor_model_parallel_rank(), tracker.device)
         if log:
-            log(f"RNG state was saved on {saved}, this run is on {tracker.device}: reseeded "
-                f"from --seed {seed} (dropout differs from an unbroken run)")
+            log(
+                f"RNG state was saved on {saved}, this run is on {tracker.device}: reseeded "
+                f"from --seed {seed} (dropout differs from an unbroken run)"
+            )
         return
     torch.set_rng_state(rng["cpu"])
     tracker.set_states(rng["tracker"])
@@ -74,10 +80,14 @@ def _restore_rng(rng: dict, seed: int, log) -> None:
 def _stage_torch_adamw(read, manifest, model, optimizer, load_optim: bool):
     """Phase 1 of a torch-adamw load: (install, own shard). torch's state is not
     partitioned by us, so it reloads only at the saved sizes."""
-    if (manifest["tensor_model_parallel_size"] != ps.get_tensor_model_parallel_world_size()
-            or manifest["data_parallel_size"] != ps.get_data_parallel_world_size()):
-        raise CheckpointError(f"{read.ckpt}: torch-adamw checkpoints reload only at the same "
-                              f"TP/DP sizes; use --optimizer adam to reshard")
+    if (
+        manifest["tensor_model_parallel_size"] != ps.get_tensor_model_parallel_world_size()
+        or manifest["data_parallel_size"] != ps.get_data_parallel_world_size()
+    ):
+        raise CheckpointError(
+            f"{read.ckpt}: torch-adamw checkpoints reload only at the same "
+            f"TP/DP sizes; use --optimizer adam to reshard"
+        )
     tp_rank = ps.get_tensor_model_parallel_rank()
     weights = read(fmt.model_file(tp_rank))
     own = read(fmt.optim_file(tp_rank, ps.get_data_parallel_rank()))
@@ -88,6 +98,7 @@ def _stage_torch_adamw(read, manifest, model, optimizer, load_optim: bool):
             p.copy_(weights[n])
         if load_optim:
             optimizer.load_state_dict(own["torch_adamw"])
+
     return install, own
 
 
@@ -104,16 +115,19 @@ def _stage(root: str, model, optimizer, args, load_optim: bool):
     result = (common["iteration"], common["consumed_samples"])
     kind = optimizer.checkpoint_kind
     if manifest["optimizer"] != kind:
-        raise CheckpointError(f"{ckpt}: saved with optimizer {manifest['optimizer']}, "
-                              f"this run uses --optimizer {args.optim.optimizer}")
+        raise CheckpointError(
+            f"{ckpt}: saved with optimizer {manifest['optimizer']}, "
+            f"this run uses --optimizer {args.optim.optimizer}"
+        )
     if kind == "torch-adamw":
         return (result, *_stage_torch_adamw(read, manifest, model, optimizer, load_optim))
     tensors, shard, own = _read_zero(read, manifest, optimizer, load_optim)
     return result, lambda: _install_zero(optimizer, tensors, shard, load_optim), own
 
 
-def load_checkpoint(root: str, model, optimizer, args, *, load_optim: bool = True,
-                    load_rng: bool = True, log=None) -> tuple[int, int] | None:
+def load_checkpoint(
+    root: str, model, optimizer, args, *, load_optim: bool = True, load_rng: bool = True, log=None
+) -> tuple[int, int] | None:
     """Collective. Returns (iteration, consumed_samples), or None when nothing is saved.
 
     ``root``: a save root (its latest checkpoint) or one ``iter_*`` directory (that

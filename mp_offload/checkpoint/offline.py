@@ -5,6 +5,7 @@ full parameter at a time (``FullTensors``), and can write a complete TP=k, DP=1
 checkpoint (``write_checkpoint``) through the same commit sequence as a training save.
 File names, checks and the TP merge come from ``format``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,7 @@ def resolve_checkpoint(path: str, iteration: int | None = None) -> str:
     ``iteration``) or an ``iter_XXXXXXX`` directory itself."""
     ckpt = fmt.find_checkpoint(path, iteration)
     if ckpt is None:
-        raise CheckpointError(f"{path}: no {fmt.LATEST} and no {fmt.MANIFEST} "
-                              f"(not a checkpoint)")
+        raise CheckpointError(f"{path}: no {fmt.LATEST} and no {fmt.MANIFEST} (not a checkpoint)")
     if not os.path.isdir(ckpt):
         raise CheckpointError(f"{ckpt}: missing (no checkpoint at iteration {iteration})")
     return ckpt
@@ -32,6 +32,7 @@ def resolve_checkpoint(path: str, iteration: int | None = None) -> str:
 
 def config_from_manifest(manifest: dict):
     from ..model.gpt import GPTConfig  # deferred: the model is not needed to save/load
+
     known = {f.name for f in dataclasses.fields(GPTConfig)}
     return GPTConfig(**{k: v for k, v in manifest["model_config"].items() if k in known})
 
@@ -81,8 +82,9 @@ class FullTensors:
         return entry[key].float().reshape(shape)
 
     def get(self, name: str, key: str = "master") -> torch.Tensor:
-        return fmt.merge_param(self.manifest, name,
-                               lambda r, shape: self._local(name, r, key, shape))
+        return fmt.merge_param(
+            self.manifest, name, lambda r, shape: self._local(name, r, key, shape)
+        )
 
 
 def load_full_fp32_weights(ckpt_dir: str, iteration: int | None = None):
@@ -106,8 +108,9 @@ def load_weights_resharded(ckpt: str, model) -> None:
                 raise CheckpointError(f"{ckpt}: has no parameter {name}")
             t = fmt.local_slice(full.get(name), info[name], tp, rank)
             if tuple(t.shape) != tuple(p.shape):
-                raise CheckpointError(f"{ckpt}: {name} has shape {tuple(t.shape)}, the model "
-                                      f"wants {tuple(p.shape)}")
+                raise CheckpointError(
+                    f"{ckpt}: {name} has shape {tuple(t.shape)}, the model wants {tuple(p.shape)}"
+                )
             p.copy_(t)
 
 
@@ -115,6 +118,7 @@ def load_weights_resharded(ckpt: str, model) -> None:
 @dataclasses.dataclass
 class _Plan:
     """What ``write_checkpoint`` writes for every TP rank (see its docstring)."""
+
     tp: int
     tensor: object  # tensor(name, key, shape, dim) -> full fp32 tensor
     params: list  # (name, meta parameter at TP=1 with the padding of TP=tp)
@@ -149,8 +153,10 @@ def _meta_params(cfg, tp: int) -> list:
     """Names, full shapes and partition metadata from a meta model at TP=1; multiplying
     the divisor by ``tp`` pads the vocabulary exactly as a TP=``tp`` model does."""
     from ..model.gpt import GPTModel  # deferred: only the writer builds a model
+
     meta_cfg = dataclasses.replace(
-        cfg, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by * tp)
+        cfg, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by * tp
+    )
     meta = GPTModel(meta_cfg, tp_group=ps.ParallelGroup.single(), device="meta")
     return list(meta.named_parameters())
 
@@ -158,24 +164,33 @@ def _meta_params(cfg, tp: int) -> list:
 def _zero_shard(plan: _Plan, tp_rank: int) -> dict:
     """The ZeRO optimizer file of a run at (TP=plan.tp, DP=1, plan.bucket_size)."""
     from ..optimizer.layout import FlatLayout
+
     layout = FlatLayout(plan.local_meta_params(), 1, 0, tp_rank, plan.bucket_size)
     flat = {}
     for k in ("master", "exp_avg", "exp_avg_sq"):
         flat[k] = torch.zeros(layout.host_numel)
         for slot, p_off, h_off, n in layout.owned_pieces():
             src = plan.local(slot.name, k, tp_rank).reshape(-1)
-            flat[k][h_off:h_off + n] = src[p_off:p_off + n]
+            flat[k][h_off : h_off + n] = src[p_off : p_off + n]
     return dict(flat, step=plan.step, scaler=plan.scaler or {}, layout=layout.describe())
 
 
 def _adamw_shard(plan: _Plan, tp_rank: int) -> dict:
     """torch.optim.AdamW's state, numbered as ``format.torch_adamw_order`` says."""
-    state = {i: {"step": torch.tensor(float(plan.step)),
-                 "exp_avg": plan.local(n, "exp_avg", tp_rank),
-                 "exp_avg_sq": plan.local(n, "exp_avg_sq", tp_rank)}
-             for i, n in enumerate(fmt.torch_adamw_order(plan.info))}
-    return {"torch_adamw": {"state": state if plan.step else {},
-                            "param_groups": plan.torch_param_groups}}
+    state = {
+        i: {
+            "step": torch.tensor(float(plan.step)),
+            "exp_avg": plan.local(n, "exp_avg", tp_rank),
+            "exp_avg_sq": plan.local(n, "exp_avg_sq", tp_rank),
+        }
+        for i, n in enumerate(fmt.torch_adamw_order(plan.info))
+    }
+    return {
+        "torch_adamw": {
+            "state": state if plan.step else {},
+            "param_groups": plan.torch_param_groups,
+        }
+    }
 
 
 def _write_rank(plan: _Plan, tmp: str, tp_rank: int) -> dict:
@@ -185,8 +200,7 @@ def _write_rank(plan: _Plan, tmp: str, tp_rank: int) -> dict:
     rel = fmt.model_file(tp_rank)
     files[rel] = fmt.write_file(weights, os.path.join(tmp, rel))
     del weights
-    shard = _zero_shard(plan, tp_rank) if plan.optimizer == "zero" else \
-        _adamw_shard(plan, tp_rank)
+    shard = _zero_shard(plan, tp_rank) if plan.optimizer == "zero" else _adamw_shard(plan, tp_rank)
     rng = plan.rng
     shard["rng"] = rng(tp_rank) if callable(rng) else rng if rng is not None else fmt.rng_state()
     rel = fmt.optim_file(tp_rank, 0)
@@ -194,11 +208,23 @@ def _write_rank(plan: _Plan, tmp: str, tp_rank: int) -> dict:
     return files
 
 
-def write_checkpoint(root: str, iteration: int, consumed_samples: int, cfg, tp: int, tensor,
-                     *, dtype=torch.float32, optimizer: str = "zero", step: int = 0,
-                     scaler: dict | None = None, rng=None, args: dict | None = None,
-                     bucket_size: int = DEFAULT_BUCKET_SIZE,
-                     torch_param_groups: list | None = None) -> str:
+def write_checkpoint(
+    root: str,
+    iteration: int,
+    consumed_samples: int,
+    cfg,
+    tp: int,
+    tensor,
+    *,
+    dtype=torch.float32,
+    optimizer: str = "zero",
+    step: int = 0,
+    scaler: dict | None = None,
+    rng=None,
+    args: dict | None = None,
+    bucket_size: int = DEFAULT_BUCKET_SIZE,
+    torch_param_groups: list | None = None,
+) -> str:
     """Write a complete TP=``tp``, DP=1 checkpoint in one process, crash-safe like a save.
 
     ``tensor(name, key, shape, dim)`` returns the full fp32 tensor of a parameter for
@@ -210,18 +236,34 @@ def write_checkpoint(root: str, iteration: int, consumed_samples: int, cfg, tp: 
     if os.path.isdir(root) and fmt.read_latest(root) is not None:
         raise CheckpointError(f"{root}: already holds a checkpoint; write to a new directory")
     params = _meta_params(cfg, tp)
-    plan = _Plan(tp=tp, tensor=tensor, params=params, info=fmt.param_info(params, 1),
-                 dtype=dtype, optimizer=optimizer, step=step, scaler=scaler, rng=rng,
-                 bucket_size=bucket_size, torch_param_groups=torch_param_groups)
+    plan = _Plan(
+        tp=tp,
+        tensor=tensor,
+        params=params,
+        info=fmt.param_info(params, 1),
+        dtype=dtype,
+        optimizer=optimizer,
+        step=step,
+        scaler=scaler,
+        rng=rng,
+        bucket_size=bucket_size,
+        torch_param_groups=torch_param_groups,
+    )
     tmp = fmt.start_save(root, iteration)
     files = {}
     for r in range(tp):
         files.update(_write_rank(plan, tmp, r))
     common = {"iteration": iteration, "consumed_samples": consumed_samples, "args": args or {}}
     files[fmt.COMMON] = fmt.write_file(common, os.path.join(tmp, fmt.COMMON))
-    manifest = fmt.make_manifest(iteration=iteration, tp=tp, dp=1, optimizer=optimizer,
-                                 model_config=dataclasses.asdict(cfg), params=plan.info,
-                                 files=files)
+    manifest = fmt.make_manifest(
+        iteration=iteration,
+        tp=tp,
+        dp=1,
+        optimizer=optimizer,
+        model_config=dataclasses.asdict(cfg),
+        params=plan.info,
+        files=files,
+    )
     return fmt.commit(root, iteration, manifest)
 
 
@@ -245,8 +287,19 @@ def merge_checkpoint(ckpt: str, save: str, bucket_size: int | None = None) -> st
         state = shard["torch_adamw"]
         steps = [float(s["step"]) for s in state["state"].values()]
         step, scaler, groups = int(max(steps, default=0)), None, state["param_groups"]
-    return write_checkpoint(save, common["iteration"], common["consumed_samples"], full.config,
-                            1, tensor, dtype=full.compute_dtype(), optimizer=full.kind,
-                            step=step, scaler=scaler, rng=shard["rng"], args=args,
-                            bucket_size=bucket_size or DEFAULT_BUCKET_SIZE,
-                            torch_param_groups=groups)
+    return write_checkpoint(
+        save,
+        common["iteration"],
+        common["consumed_samples"],
+        full.config,
+        1,
+        tensor,
+        dtype=full.compute_dtype(),
+        optimizer=full.kind,
+        step=step,
+        scaler=scaler,
+        rng=shard["rng"],
+        args=args,
+        bucket_size=bucket_size or DEFAULT_BUCKET_SIZE,
+        torch_param_groups=groups,
+    )

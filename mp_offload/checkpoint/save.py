@@ -5,6 +5,7 @@ weights) into the save's temporary directory; the file sizes and checksums are
 gathered, and global rank 0 writes ``common.pt`` and the manifest and commits
 (``format.commit``: crash-safe, the previous checkpoint stays loadable until the end).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,16 +35,24 @@ def _rank_files(tmp: str, model, optimizer, tp_rank: int, dp_rank: int) -> dict:
     return files
 
 
-def save_checkpoint(root: str, iteration: int, consumed_samples: int, model, optimizer,
-                    args, keep: int | None = None) -> str:
+def save_checkpoint(
+    root: str,
+    iteration: int,
+    consumed_samples: int,
+    model,
+    optimizer,
+    args,
+    keep: int | None = None,
+) -> str:
     """Collective: every rank calls it. Returns the final directory."""
     tp, dp = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
     tmp = fmt.tmp_dir(root, iteration)
     if dist.get_rank() == 0:
         fmt.start_save(root, iteration)
     dist.barrier()
-    files = _rank_files(tmp, model, optimizer, ps.get_tensor_model_parallel_rank(),
-                        ps.get_data_parallel_rank())
+    files = _rank_files(
+        tmp, model, optimizer, ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
+    )
     faults.checkpoint_point("after_rank_files", iteration)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, files)
@@ -53,13 +62,22 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model, opt
         run_args = {k: dataclasses.asdict(v) for k, v in vars(args).items()}
         tok_entries, tok_stored = fmt.copy_tokenizer(run_args.get("data", {}), tmp)
         all_files.update(tok_entries)
-        common = {"iteration": iteration, "consumed_samples": consumed_samples,
-                  "args": run_args, "tokenizer_files": tok_stored}
+        common = {
+            "iteration": iteration,
+            "consumed_samples": consumed_samples,
+            "args": run_args,
+            "tokenizer_files": tok_stored,
+        }
         all_files[fmt.COMMON] = fmt.write_file(common, os.path.join(tmp, fmt.COMMON))
         manifest = fmt.make_manifest(
-            iteration=iteration, tp=tp, dp=dp, optimizer=optimizer.checkpoint_kind,
+            iteration=iteration,
+            tp=tp,
+            dp=dp,
+            optimizer=optimizer.checkpoint_kind,
             model_config=dataclasses.asdict(args.model),
-            params=fmt.param_info(model.named_parameters(), tp), files=all_files)
+            params=fmt.param_info(model.named_parameters(), tp),
+            files=all_files,
+        )
         fmt.commit(root, iteration, manifest)
         if keep:
             fmt.prune(root, keep, iteration)

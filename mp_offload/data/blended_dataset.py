@@ -59,13 +59,15 @@ class BlendedDataset:
         self.seed = int(seed)
         total = float(sum(weights))
         self.weights = [float(x) / total for x in weights]
-        self.dataset_index, self.dataset_sample_index = build_blending_indices(self.weights,
-                                                                               self.size)
+        self.dataset_index, self.dataset_sample_index = build_blending_indices(
+            self.weights, self.size
+        )
         counts = np.bincount(self.dataset_index, minlength=len(self.datasets))
         for d, (ds, c) in enumerate(zip(self.datasets, counts)):
             if c > len(ds):
-                raise ValueError(f"blend needs {c} samples from dataset {d} "
-                                 f"but it has only {len(ds)}")
+                raise ValueError(
+                    f"blend needs {c} samples from dataset {d} but it has only {len(ds)}"
+                )
 
     def __len__(self) -> int:
         return self.size

@@ -6,6 +6,7 @@ step that can fail on one rank (a corrupt file, a full disk, data made with anot
 tokenizer) runs inside ``agreed``: its error is raised on every rank alike, as one
 line, instead of one rank's traceback under the others' lost connections.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,11 @@ def num_samples(args) -> tuple[int, int, int]:
 def _default_corpus(cache: str) -> tuple[list[str], str]:
     """([prefix], tokenizer model) of the embedded corpus; rank 0 builds it first."""
     from .default_corpus import prepare_default_corpus
-    agreed(lambda: prepare_default_corpus(
-        cache, log=lambda s: log.info(f"[default corpus] {s}")), active=dist.get_rank() == 0)
+
+    agreed(
+        lambda: prepare_default_corpus(cache, log=lambda s: log.info(f"[default corpus] {s}")),
+        active=dist.get_rank() == 0,
+    )
     prefix, model = agreed(lambda: prepare_default_corpus(cache))
     return [prefix], model
 
@@ -63,25 +67,49 @@ def build_datasets(args, tokenizer=None):
     if tokenizer is None:
         tokenizer = agreed(lambda: load_tokenizer(data, m.vocab_size))
     # One pass over every .bin (cached): ids beyond the vocabulary mean another tokenizer.
-    agreed(lambda: check_token_ids(parse_data_path(data_path)[0], tokenizer.vocab_size,
-                                   tokenizer_description(data, m.vocab_size),
-                                   d.data_cache_dir), active=dist.get_rank() == 0)
+    agreed(
+        lambda: check_token_ids(
+            parse_data_path(data_path)[0],
+            tokenizer.vocab_size,
+            tokenizer_description(data, m.vocab_size),
+            d.data_cache_dir,
+        ),
+        active=dist.get_rank() == 0,
+    )
     datasets = (None, None, None)
     is_reader = ps.get_tensor_model_parallel_rank() == 0
     for turn in (0, 1):  # rank 0 builds the index caches, then the other readers load them
-        datasets = agreed(lambda: build_train_valid_test_datasets(
-            data_path, d.split, (n_train, n_valid, n_test), m.seq_length, t.seed,
-            cache_dir=d.data_cache_dir),
-            active=is_reader and (dist.get_rank() == 0) == (turn == 0)) or datasets
+        datasets = (
+            agreed(
+                lambda: build_train_valid_test_datasets(
+                    data_path,
+                    d.split,
+                    (n_train, n_valid, n_test),
+                    m.seq_length,
+                    t.seed,
+                    cache_dir=d.data_cache_dir,
+                ),
+                active=is_reader and (dist.get_rank() == 0) == (turn == 0),
+            )
+            or datasets
+        )
     # Non-readers hold no datasets: learn from TP rank 0 which splits exist and their
     # lengths (-1: no such split), so every rank can run the same sampler.
-    lengths = torch.tensor([-1 if ds is None else len(ds) for ds in datasets],
-                           dtype=torch.int64, device=ps.comm_device())
+    lengths = torch.tensor(
+        [-1 if ds is None else len(ds) for ds in datasets],
+        dtype=torch.int64,
+        device=ps.comm_device(),
+    )
     if ps.get_tensor_model_parallel_world_size() > 1:
-        dist.broadcast(lengths, ps.get_tensor_model_parallel_src_rank(),
-                       group=ps.get_tensor_model_parallel_group().torch_group())
-    datasets = tuple(ds if is_reader else (None if n < 0 else SizedPlaceholder(n))
-                     for ds, n in zip(datasets, lengths.tolist()))
+        dist.broadcast(
+            lengths,
+            ps.get_tensor_model_parallel_src_rank(),
+            group=ps.get_tensor_model_parallel_group().torch_group(),
+        )
+    datasets = tuple(
+        ds if is_reader else (None if n < 0 else SizedPlaceholder(n))
+        for ds, n in zip(datasets, lengths.tolist())
+    )
     return (*datasets, tokenizer.vocab_size)
 
 
@@ -89,8 +117,15 @@ def batch_iterator(dataset, args, consumed: int, device):
     """``dataset`` is None when the split is empty (non-readers hold a SizedPlaceholder)."""
     if dataset is None:
         return None
-    return BatchIterator(dataset, consumed, args.train.micro_batch_size,
-                         ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
-                         args.model.seq_length, device, ps.get_tensor_model_parallel_group(),
-                         ps.get_tensor_model_parallel_src_rank(),
-                         is_reader=ps.get_tensor_model_parallel_rank() == 0)
+    return BatchIterator(
+        dataset,
+        consumed,
+        args.train.micro_batch_size,
+        ps.get_data_parallel_rank(),
+        ps.get_data_parallel_world_size(),
+        args.model.seq_length,
+        device,
+        ps.get_tensor_model_parallel_group(),
+        ps.get_tensor_model_parallel_src_rank(),
+        is_reader=ps.get_tensor_model_parallel_rank() == 0,
+    )

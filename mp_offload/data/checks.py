@@ -6,6 +6,7 @@ token id of the data fit the tokenizer's vocabulary?) reads the whole .bin once,
 one rank runs it after start-up and its answer is cached next to the index cache,
 keyed by the .bin's size and modification time.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -41,17 +42,20 @@ def prefix_problems(prefix: str) -> list[str]:
         return [f"{flag}: give the prefix {prefix[:-4]} (without {prefix[-4:]})"]
     if os.path.isdir(prefix):
         stems = sorted(f[:-4] for f in os.listdir(prefix) if f.endswith(".idx"))
-        hint = (f", e.g. {os.path.join(prefix, stems[0])}" if stems
-                else "; it holds no .idx files")
+        hint = f", e.g. {os.path.join(prefix, stems[0])}" if stems else "; it holds no .idx files"
         return [f"{flag}: is a directory; give the prefix of a .bin/.idx pair{hint}"]
     paths = (data_file_path(prefix), index_file_path(prefix))
     missing = [p for p in paths if not os.path.isfile(p)]
     if len(missing) == 2:
-        return [f"{flag}: no {paths[0]} or {paths[1]} (tools/preprocess_data.py writes "
-                f"them){_near_prefix(prefix)}"]
+        return [
+            f"{flag}: no {paths[0]} or {paths[1]} (tools/preprocess_data.py writes "
+            f"them){_near_prefix(prefix)}"
+        ]
     if missing:
-        return [f"{flag}: {missing[0]} is missing (the .bin and .idx of "
-                f"tools/preprocess_data.py belong together)"]
+        return [
+            f"{flag}: {missing[0]} is missing (the .bin and .idx of "
+            f"tools/preprocess_data.py belong together)"
+        ]
     unreadable = [p for p in paths if not os.access(p, os.R_OK)]
     if unreadable:
         return [f"{flag}: cannot read {unreadable[0]} (permission denied)"]
@@ -74,10 +78,11 @@ def tokenizer_description(d, vocab_size: int | None = None) -> str:
 
 
 def _tokenizer_file_problems(d) -> list[str]:
-    files = {"SentencePieceTokenizer": [("--tokenizer-model", d.tokenizer_model)],
-             "HuggingFaceTokenizer": [("--tokenizer-model", d.tokenizer_model)],
-             "GPT2BPETokenizer": [("--vocab-file", d.vocab_file),
-                                  ("--merge-file", d.merge_file)]}.get(d.tokenizer_type, [])
+    files = {
+        "SentencePieceTokenizer": [("--tokenizer-model", d.tokenizer_model)],
+        "HuggingFaceTokenizer": [("--tokenizer-model", d.tokenizer_model)],
+        "GPT2BPETokenizer": [("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)],
+    }.get(d.tokenizer_type, [])
     out = []
     for flag, path in files:
         if path is None:
@@ -97,18 +102,26 @@ def load_tokenizer(d, vocab_size: int):
     """The run's tokenizer from its DataConfig (``vocab_size``: NullTokenizer's); DataError
     naming the flag and the file when it is missing or is not what the type reads."""
     from .tokenizer import build_tokenizer
+
     problems = _tokenizer_file_problems(d)
     if problems:
         raise DataError("\n".join(problems))
     try:
-        return build_tokenizer(d.tokenizer_type, d.tokenizer_model, vocab_size=vocab_size,
-                               vocab_file=d.vocab_file, merge_file=d.merge_file)
+        return build_tokenizer(
+            d.tokenizer_type,
+            d.tokenizer_model,
+            vocab_size=vocab_size,
+            vocab_file=d.vocab_file,
+            merge_file=d.merge_file,
+        )
     except Exception as e:  # noqa: BLE001 - sentencepiece/tokenizers raise anything
         text = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if text.startswith("--"):
             raise DataError(text) from None
-        raise DataError(f"{tokenizer_description(d, vocab_size)}: cannot load it as a "
-                        f"{d.tokenizer_type} ({text})") from None
+        raise DataError(
+            f"{tokenizer_description(d, vocab_size)}: cannot load it as a "
+            f"{d.tokenizer_type} ({text})"
+        ) from None
 
 
 def _cache_path(prefix: str, cache_dir: str | None) -> str:
@@ -136,7 +149,7 @@ def token_range(prefix: str, cache_dir: str | None = None) -> tuple[int, int]:
     if st.st_size:
         tokens = np.memmap(bin_path, dtype=dtype, mode="r")
         step = 1 << 26  # bounded temporaries whatever the file size
-        chunks = [tokens[i:i + step] for i in range(0, len(tokens), step)]
+        chunks = [tokens[i : i + step] for i in range(0, len(tokens), step)]
         lo = int(min(c.min() for c in chunks))
         hi = int(max(c.max() for c in chunks))
         del tokens, chunks
@@ -151,8 +164,9 @@ def token_range(prefix: str, cache_dir: str | None = None) -> tuple[int, int]:
     return lo, hi
 
 
-def check_token_ids(prefixes, vocab_size: int, tokenizer: str,
-                    cache_dir: str | None = None) -> None:
+def check_token_ids(
+    prefixes, vocab_size: int, tokenizer: str, cache_dir: str | None = None
+) -> None:
     """DataError when a prefix holds a token id outside [0, vocab_size): data made with
     another tokenizer (at TP=1 the embedding would raise an IndexError; at TP>1 the
     vocabulary-parallel embedding would silently read zeros)."""
@@ -163,4 +177,5 @@ def check_token_ids(prefixes, vocab_size: int, tokenizer: str,
             raise DataError(
                 f"{data_file_path(prefix)}: token id {bad} is outside the vocabulary of "
                 f"{vocab_size} ids of {tokenizer}: the data was made with another tokenizer "
-                f"(give that one, or run tools/preprocess_data.py again with this one)")
+                f"(give that one, or run tools/preprocess_data.py again with this one)"
+            )

@@ -23,8 +23,15 @@ from .preprocess import preprocess
 from .tokenizer_training import train_sentencepiece
 
 _FORMAT = 2  # bumped: documents are shuffled
-_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
-              "lib-dynload"}
+_SKIP_DIRS = {
+    "test",
+    "tests",
+    "idle_test",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "lib-dynload",
+}
 DEFAULT_VOCAB_SIZE = 4096
 # The whole 3.11 stdlib minus tests is ~12 MB; 16 MiB keeps all of it and
 # tokenises in a few seconds on 2 cores.
@@ -41,8 +48,9 @@ def stdlib_source_files(max_bytes: int) -> list[tuple[str, str]]:
     out, total = [], 0
     for dirpath, dirnames, filenames in os.walk(root):
         # Sorted in place so the walk order (and thus the corpus) is deterministic.
-        dirnames[:] = sorted(d for d in dirnames
-                             if d not in _SKIP_DIRS and not d.startswith("config-"))
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("config-")
+        )
         for name in sorted(filenames):
             # _sysconfigdata* describes this particular build, not the language.
             if not name.endswith(".py") or name.startswith("_sysconfigdata"):
@@ -105,8 +113,12 @@ def _cached(stamp: str, params: dict, prefix: str, model: str) -> bool:
         return False
 
 
-def prepare_default_corpus(cache_dir: str, vocab_size: int = DEFAULT_VOCAB_SIZE,
-                           max_bytes: int = DEFAULT_MAX_BYTES, log=_default_log) -> tuple[str, str]:
+def prepare_default_corpus(
+    cache_dir: str,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    log=_default_log,
+) -> tuple[str, str]:
     """Build (or reuse) the stdlib corpus; returns ``(data_prefix, tokenizer_model_path)``.
 
     data_prefix is ``{cache_dir}/stdlib_text_document`` (pass it as the data
@@ -150,15 +162,31 @@ def prepare_default_corpus(cache_dir: str, vocab_size: int = DEFAULT_VOCAB_SIZE,
         train_sentencepiece([t for _, t in files], model_prefix, vocab_size, model_type="bpe")
         log(f"trained SentencePiece BPE (vocab {vocab_size}) in {time.perf_counter() - t1:.1f}s")
 
-        stats = preprocess([jsonl], os.path.join(cache_dir, "stdlib"), "SentencePieceTokenizer",
-                           tokenizer_model=model, json_keys=["text"], append_eod=True,
-                           workers=1, log_interval=0, log=_NullLog())
+        stats = preprocess(
+            [jsonl],
+            os.path.join(cache_dir, "stdlib"),
+            "SentencePieceTokenizer",
+            tokenizer_model=model,
+            json_keys=["text"],
+            append_eod=True,
+            workers=1,
+            log_interval=0,
+            log=_NullLog(),
+        )
         log(f"tokenized {stats.documents} documents, {stats.tokens} tokens in {stats.seconds:.1f}s")
 
         tmp = f"{stamp}.tmp-{os.getpid()}"
         with open(tmp, "w") as f:
-            json.dump({"params": params, "documents": stats.documents, "tokens": stats.tokens,
-                       "bytes": nbytes}, f, indent=1)
+            json.dump(
+                {
+                    "params": params,
+                    "documents": stats.documents,
+                    "tokens": stats.tokens,
+                    "bytes": nbytes,
+                },
+                f,
+                indent=1,
+            )
         os.replace(tmp, stamp)  # written last: its presence marks a complete cache
         log(f"done in {time.perf_counter() - t0:.1f}s: {prefix}.bin/.idx, {model}")
     return prefix, model

@@ -36,8 +36,9 @@ def num_epochs_needed(tokens_per_epoch: int, num_samples: int, seq_length: int) 
     return max(1, math.ceil((num_samples * seq_length + 1) / tokens_per_epoch))
 
 
-def build_index_arrays(sizes: np.ndarray, documents: np.ndarray, num_samples: int,
-                       seq_length: int, seed: int):
+def build_index_arrays(
+    sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int, seed: int
+):
     """(doc_idx, sample_idx, shuffle_idx), deterministic in the arguments.
 
     doc_idx: document order of the whole multi-epoch stream.
@@ -103,16 +104,25 @@ class GPTDataset:
     with a warning if that directory is not writable.
     """
 
-    def __init__(self, name: str, indexed_dataset: MMapIndexedDataset, documents, num_samples: int,
-                 seq_length: int, seed: int, cache_dir: str | None = None):
+    def __init__(
+        self,
+        name: str,
+        indexed_dataset: MMapIndexedDataset,
+        documents,
+        num_samples: int,
+        seq_length: int,
+        seed: int,
+        cache_dir: str | None = None,
+    ):
         if num_samples <= 0 or seq_length <= 0:
             raise ValueError("num_samples and seq_length must be positive")
         documents = np.asarray(documents, dtype=np.int64)
         if documents.size == 0:
             raise ValueError(f"{name}: no documents")
         if documents.min() < 0 or documents.max() >= len(indexed_dataset):
-            raise ValueError(f"{name}: document indices out of range for "
-                             f"{len(indexed_dataset)} sequences")
+            raise ValueError(
+                f"{name}: document indices out of range for {len(indexed_dataset)} sequences"
+            )
         self.name = name
         self.indexed_dataset = indexed_dataset
         self.num_samples = int(num_samples)
@@ -126,8 +136,15 @@ class GPTDataset:
         prefix = getattr(self.indexed_dataset, "prefix", None)
         paths = None
         if prefix is not None or cache_dir is not None:
-            digest, desc = _cache_key(self.name, prefix or "data", self._sizes, documents,
-                                      self.num_samples, self.seq_length, self.seed)
+            digest, desc = _cache_key(
+                self.name,
+                prefix or "data",
+                self._sizes,
+                documents,
+                self.num_samples,
+                self.seq_length,
+                self.seed,
+            )
             directory = cache_dir or os.path.dirname(os.path.abspath(prefix))
             base = os.path.basename(prefix or "data")
             stem = os.path.join(directory, f"{base}_{self.name}_{digest}")
@@ -142,11 +159,14 @@ class GPTDataset:
                     _log(f"warning: rebuilding unreadable index cache {stem}_*: {e}")
 
         t0 = time.perf_counter()
-        arrays = build_index_arrays(self._sizes, documents, self.num_samples, self.seq_length,
-                                    self.seed)
-        _log(f"{self.name}: built indices for {self.num_samples} samples "
-             f"({len(arrays[0]) // len(documents)} epoch(s) of {len(documents)} documents) "
-             f"in {time.perf_counter() - t0:.2f}s")
+        arrays = build_index_arrays(
+            self._sizes, documents, self.num_samples, self.seq_length, self.seed
+        )
+        _log(
+            f"{self.name}: built indices for {self.num_samples} samples "
+            f"({len(arrays[0]) // len(documents)} epoch(s) of {len(documents)} documents) "
+            f"in {time.perf_counter() - t0:.2f}s"
+        )
         if paths is not None:
             try:
                 os.makedirs(directory, exist_ok=True)
@@ -248,8 +268,14 @@ def _split_documents(indexed: MMapIndexedDataset, split: str) -> list:
     return out
 
 
-def build_train_valid_test_datasets(data_path: Sequence, split: str, train_valid_test_num_samples,
-                                    seq_length: int, seed: int, cache_dir: str | None = None):
+def build_train_valid_test_datasets(
+    data_path: Sequence,
+    split: str,
+    train_valid_test_num_samples,
+    seq_length: int,
+    seed: int,
+    cache_dir: str | None = None,
+):
     """(train, valid, test); an entry is None when it has 0 samples or an empty split.
 
     With several weighted prefixes every split is a BlendedDataset over the
@@ -266,8 +292,9 @@ def build_train_valid_test_datasets(data_path: Sequence, split: str, train_valid
     docs = [_split_documents(ds, split) for ds in indexed]
     result = []
     for k, name in enumerate(_SPLIT_NAMES):
-        parts = [(ds, d[k], w) for ds, d, w in zip(indexed, docs, weights)
-                 if d[k] is not None and w > 0]
+        parts = [
+            (ds, d[k], w) for ds, d, w in zip(indexed, docs, weights) if d[k] is not None and w > 0
+        ]
         if nums[k] <= 0 or not parts:
             result.append(None)
         elif len(prefixes) == 1:

@@ -20,6 +20,7 @@ forge an EOD), and decoding does not "clean up" spaces.
 
 A mock-data or NullTokenizer run has no text tokenizer: nothing is written, ``[]``.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,9 @@ from .tokenizer import _PAD_TOKEN_NAMES, EOD_TOKEN_NAMES, GPT2_EOD, build_tokeni
 _ADDING_POST_PROCESSORS = ("TemplateProcessing", "BertProcessing", "RobertaProcessing")
 
 
-def export_tokenizer(data_args: dict, out_dir: str, *,
-                     model_max_length: int | None = None) -> list[str]:
+def export_tokenizer(
+    data_args: dict, out_dir: str, *, model_max_length: int | None = None
+) -> list[str]:
     """Write the run's tokenizer for ``AutoTokenizer`` into ``out_dir``; returns the paths
     written. ``data_args``: the run's DataConfig as a dict (tokenizer_type,
     tokenizer_model, vocab_file, merge_file, mock_data). ``model_max_length``: the
@@ -56,8 +58,14 @@ def export_tokenizer(data_args: dict, out_dir: str, *,
         cls = "GPT2Tokenizer"
     else:
         raise ValueError(f"cannot export tokenizer type {kind!r}")
-    config = dict(tokenizer_class=cls, **special, add_bos_token=False, add_eos_token=False,
-                  split_special_tokens=True, clean_up_tokenization_spaces=False)
+    config = dict(
+        tokenizer_class=cls,
+        **special,
+        add_bos_token=False,
+        add_eos_token=False,
+        split_special_tokens=True,
+        clean_up_tokenization_spaces=False,
+    )
     if cls == "GPT2Tokenizer":
         config.update(add_prefix_space=False, errors="replace")
     if model_max_length is not None:
@@ -78,6 +86,7 @@ def _special(eod: str, unk: str | None = None, pad: str | None = None) -> dict:
 
 def _sentencepiece(data: dict, out_dir: str) -> tuple[list[str], dict]:
     import sentencepiece as spm
+
     model = data.get("tokenizer_model")
     tok = build_tokenizer("SentencePieceTokenizer", model)  # checks the file, finds the EOD
     sp = spm.SentencePieceProcessor(model_file=model)
@@ -97,6 +106,7 @@ def _tokenizer_json(data: dict, out_dir: str) -> tuple[list[str], dict]:
     if post and _adds_tokens(post):
         spec["post_processor"] = None
     from tokenizers import Tokenizer
+
     vocab = Tokenizer.from_file(tok.model_file).get_vocab(with_added_tokens=True)
     eod = next(n for n in EOD_TOKEN_NAMES if n in vocab)  # as HuggingFaceTokenizer chose
     unk = (spec.get("model") or {}).get("unk_token")

@@ -117,8 +117,7 @@ class IndexedDatasetBuilder:
             lo, hi = int(arr.min()), int(arr.max())
             if lo < self._range[0] or hi > self._range[1]:
                 raise ValueError(
-                    f"token ids in [{lo}, {hi}] do not fit {self._dtype} "
-                    f"(writing {self._bin_path})"
+                    f"token ids in [{lo}, {hi}] do not fit {self._dtype} (writing {self._bin_path})"
                 )
         self._file.write(arr.astype(self._dtype, copy=False).tobytes(order="C"))
         self._sizes.append(int(arr.size))
@@ -194,8 +193,9 @@ class MMapIndexedDataset:
             raise ValueError(f"{idx_path}: truncated index header ({idx_size} bytes)")
         _, version, code, n_seq, n_doc = _HEADER.unpack(head)
         if version != VERSION:
-            raise ValueError(f"{idx_path}: unsupported index version {version} "
-                             f"(expected {VERSION})")
+            raise ValueError(
+                f"{idx_path}: unsupported index version {version} (expected {VERSION})"
+            )
         if code not in DTYPE_CODES:
             raise ValueError(f"{idx_path}: unknown dtype code {code}")
         self._dtype = DTYPE_CODES[code]
@@ -216,8 +216,11 @@ class MMapIndexedDataset:
         self._doc_idx = np.frombuffer(idx, dtype="<i8", count=n_doc, offset=off)
         self._idx_mmap = idx
 
-        if n_doc == 0 or self._doc_idx[0] != 0 or self._doc_idx[-1] != n_seq or (
-            n_doc > 1 and np.any(np.diff(self._doc_idx) < 0)
+        if (
+            n_doc == 0
+            or self._doc_idx[0] != 0
+            or self._doc_idx[-1] != n_seq
+            or (n_doc > 1 and np.any(np.diff(self._doc_idx) < 0))
         ):
             raise ValueError(
                 f"{idx_path}: corrupt document index (must start at 0, be non-decreasing "
@@ -229,8 +232,9 @@ class MMapIndexedDataset:
         if n_seq and (
             self._pointers[0] != 0 or np.any(self._pointers[1:] != np.cumsum(nbytes)[:-1])
         ):
-            raise ValueError(f"{idx_path}: corrupt index "
-                             "(byte offsets do not match sequence lengths)")
+            raise ValueError(
+                f"{idx_path}: corrupt index (byte offsets do not match sequence lengths)"
+            )
         bin_expected = int(nbytes.sum())
         bin_size = os.path.getsize(bin_path)
         if bin_size != bin_expected:

@@ -4,6 +4,7 @@ Each DP rank reads its own slice of every global batch (PretrainingSampler); wit
 a TP group only rank 0 touches the dataset, so a TP=8 job does not read everything
 eight times.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -54,15 +55,26 @@ class BatchIterator:
     flag read back from the device (a host-device sync per micro-batch on CUDA).
     """
 
-    def __init__(self, dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int,
-                 dp_size: int, seq_length: int, device, tp_group: ParallelGroup | None = None,
-                 tp_src: int = 0, is_reader: bool = True):
+    def __init__(
+        self,
+        dataset,
+        consumed_samples: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seq_length: int,
+        device,
+        tp_group: ParallelGroup | None = None,
+        tp_src: int = 0,
+        is_reader: bool = True,
+    ):
         self.dataset, self.device = dataset, device
         self.shape = (micro_batch_size, seq_length + 1)
         self.tp_group = tp_group or ParallelGroup.single()
         self.tp_src, self.is_reader = tp_src, is_reader
-        self._indices = iter(PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
-                                                dp_rank, dp_size))
+        self._indices = iter(
+            PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
+        )
 
     def __iter__(self):
         return self

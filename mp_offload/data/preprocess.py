@@ -170,8 +170,13 @@ def preprocess(
     for path in inputs:
         if not os.path.isfile(path):
             raise PreprocessError(f"input file not found: {path}")
-    tok_spec = {"tokenizer_type": tokenizer_type, "tokenizer_model": tokenizer_model,
-                "vocab_size": vocab_size, "vocab_file": vocab_file, "merge_file": merge_file}
+    tok_spec = {
+        "tokenizer_type": tokenizer_type,
+        "tokenizer_model": tokenizer_model,
+        "vocab_size": vocab_size,
+        "vocab_file": vocab_file,
+        "merge_file": merge_file,
+    }
     try:
         tok = build_tokenizer(**tok_spec)
     except (ValueError, FileNotFoundError) as e:
@@ -189,8 +194,7 @@ def preprocess(
     results = reporter = None
     try:
         results = _results(_tasks(inputs), tok_spec, json_keys, append_eod, workers, chunksize)
-        reporter = _Progress(progress, log, log_interval,
-                             sum(os.path.getsize(p) for p in inputs))
+        reporter = _Progress(progress, log, log_interval, sum(os.path.getsize(p) for p in inputs))
         _write_documents(results, inputs, builders, stats, on_bad_line, reporter)
         if not stats.documents:
             raise PreprocessError(_nothing_written(inputs, json_keys, stats))
@@ -225,14 +229,24 @@ class _Progress:
             from tqdm import tqdm
         except ImportError:
             if mode == "bar":
-                print("warning: no progress bar (tqdm is not installed); progress lines "
-                      "instead", file=log)
+                print(
+                    "warning: no progress bar (tqdm is not installed); progress lines instead",
+                    file=log,
+                )
             return
         isatty = getattr(log, "isatty", None)
         if mode == "bar" or (isatty is not None and isatty()):
-            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-                            desc="tokenizing", file=log, mininterval=0.5, smoothing=0.1,
-                            dynamic_ncols=True)
+            self.bar = tqdm(
+                total=total_bytes,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc="tokenizing",
+                file=log,
+                mininterval=0.5,
+                smoothing=0.1,
+                dynamic_ncols=True,
+            )
 
     def warn(self, msg: str) -> None:
         if self.bar is not None:
@@ -250,8 +264,9 @@ class _Progress:
             self.bar.update(nbytes)
             if stats.documents % 256 == 0:
                 secs = max(time.perf_counter() - self.start, 1e-9)
-                self.bar.set_postfix_str(f"{stats.documents:,} docs, "
-                                         f"{stats.tokens / secs:,.0f} tokens/s", refresh=False)
+                self.bar.set_postfix_str(
+                    f"{stats.documents:,} docs, {stats.tokens / secs:,.0f} tokens/s", refresh=False
+                )
         elif self.log_interval and stats.documents % self.log_interval == 0:
             _progress(stats, time.perf_counter() - self.start, self.log)
 
@@ -262,8 +277,14 @@ class _Progress:
             self.bar.close()
 
 
-def _write_documents(results, inputs: Sequence[str], builders: list, stats: PreprocessStats,
-                     on_bad_line: str, progress: _Progress) -> None:
+def _write_documents(
+    results,
+    inputs: Sequence[str],
+    builders: list,
+    stats: PreprocessStats,
+    on_bad_line: str,
+    progress: _Progress,
+) -> None:
     """Add each encoded document to the builders (one per JSON key); count, skip or fail
     on bad lines."""
     for file_no, line_no, nbytes, out in results:
@@ -288,14 +309,17 @@ def _write_documents(results, inputs: Sequence[str], builders: list, stats: Prep
         progress.update(stats, nbytes)
 
 
-def _nothing_written(inputs: Sequence[str], json_keys: Sequence[str],
-                     stats: PreprocessStats) -> str:
+def _nothing_written(
+    inputs: Sequence[str], json_keys: Sequence[str], stats: PreprocessStats
+) -> str:
     """Why no dataset is written: an empty one would only fail later, in training."""
     where = ", ".join(inputs)
     keys = " ".join(json_keys)
     if stats.skipped:
-        return (f"no documents in {where} under --json-keys {keys}: all {stats.skipped} "
-                f"lines were skipped (the first: {stats.first_skip}); nothing written")
+        return (
+            f"no documents in {where} under --json-keys {keys}: all {stats.skipped} "
+            f"lines were skipped (the first: {stats.first_skip}); nothing written"
+        )
     return f"no documents in {where} (the input is empty); nothing written"
 
 
@@ -348,34 +372,50 @@ def get_parser() -> argparse.ArgumentParser:
         "{output-prefix}_{key}_document.bin/.idx.",
     )
     p.add_argument(
-        "--input", nargs="+", required=True,
+        "--input",
+        nargs="+",
+        required=True,
         help="input files. *.json/*.jsonl: one JSON object per line, one document per line "
         "(blank lines ignored). Any other file is plain text and is ONE document (the whole file).",
     )
     p.add_argument("--output-prefix", required=True, help="prefix of the output files")
-    p.add_argument("--json-keys", nargs="+", default=["text"],
-                   help="JSON keys to tokenise (default: text)")
+    p.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="JSON keys to tokenise (default: text)"
+    )
     p.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=TOKENIZER_TYPES)
     p.add_argument(
-        "--tokenizer-model", default=None,
+        "--tokenizer-model",
+        default=None,
         help="SentencePiece .model file, or (HuggingFaceTokenizer) a tokenizer.json file or "
         "a directory holding one",
     )
     p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2 vocab.json")
     p.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2 merges.txt")
     p.add_argument("--vocab-size", type=int, default=None, help="vocab size (NullTokenizer)")
-    p.add_argument("--append-eod", action="store_true",
-                   help="append the EOD token to each document")
-    p.add_argument("--workers", type=int, default=1,
-                   help="tokenizer processes (default 1: in-process)")
-    p.add_argument("--chunksize", type=int, default=32, help="lines per worker task")
-    p.add_argument("--log-interval", type=int, default=10000,
-                   help="progress line every N documents (--progress lines)")
-    p.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
-                   help="bar: a progress bar with rate and ETA (tqdm); lines: a line every "
-                   "--log-interval documents; auto: the bar on a terminal, else lines")
     p.add_argument(
-        "--on-bad-line", choices=["skip", "fail"], default="skip",
+        "--append-eod", action="store_true", help="append the EOD token to each document"
+    )
+    p.add_argument(
+        "--workers", type=int, default=1, help="tokenizer processes (default 1: in-process)"
+    )
+    p.add_argument("--chunksize", type=int, default=32, help="lines per worker task")
+    p.add_argument(
+        "--log-interval",
+        type=int,
+        default=10000,
+        help="progress line every N documents (--progress lines)",
+    )
+    p.add_argument(
+        "--progress",
+        choices=PROGRESS_MODES,
+        default="auto",
+        help="bar: a progress bar with rate and ETA (tqdm); lines: a line every "
+        "--log-interval documents; auto: the bar on a terminal, else lines",
+    )
+    p.add_argument(
+        "--on-bad-line",
+        choices=["skip", "fail"],
+        default="skip",
         help="bad JSON, missing key or empty document: skip and count (default) "
         "or fail with exit code 1",
     )
@@ -386,11 +426,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = get_parser().parse_args(argv)
     try:
         preprocess(
-            args.input, args.output_prefix, args.tokenizer_type,
-            tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
-            json_keys=args.json_keys, append_eod=args.append_eod, workers=args.workers,
-            on_bad_line=args.on_bad_line, log_interval=args.log_interval, chunksize=args.chunksize,
-            vocab_file=args.vocab_file, merge_file=args.merge_file, progress=args.progress,
+            args.input,
+            args.output_prefix,
+            args.tokenizer_type,
+            tokenizer_model=args.tokenizer_model,
+            vocab_size=args.vocab_size,
+            json_keys=args.json_keys,
+            append_eod=args.append_eod,
+            workers=args.workers,
+            on_bad_line=args.on_bad_line,
+            log_interval=args.log_interval,
+            chunksize=args.chunksize,
+            vocab_file=args.vocab_file,
+            merge_file=args.merge_file,
+            progress=args.progress,
         )
     except PreprocessError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -21,8 +21,15 @@ class PretrainingSampler:
     Usable as ``torch.utils.data.DataLoader(ds, batch_sampler=...)``.
     """
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        drop_last: bool = True,
+    ):
         if total_samples <= 0:
             raise ValueError(f"total_samples must be positive, got {total_samples}")
         if not 0 <= consumed_samples <= total_samples:
@@ -30,8 +37,9 @@ class PretrainingSampler:
         if micro_batch_size <= 0 or data_parallel_size <= 0:
             raise ValueError("micro_batch_size and data_parallel_size must be positive")
         if not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data_parallel_rank {data_parallel_rank} "
-                             f"outside [0, {data_parallel_size})")
+            raise ValueError(
+                f"data_parallel_rank {data_parallel_rank} outside [0, {data_parallel_size})"
+            )
         self.total_samples = int(total_samples)
         self.consumed_samples = int(consumed_samples)
         self.micro_batch_size = int(micro_batch_size)

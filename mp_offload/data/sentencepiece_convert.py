@@ -38,10 +38,10 @@ def _proto_fields(buf: bytes) -> Iterator[tuple[int, object]]:
             value, i = _varint(buf, i)
         elif wire == 2:
             n, i = _varint(buf, i)
-            value, i = buf[i:i + n], i + n
+            value, i = buf[i : i + n], i + n
         elif wire in (1, 5):
             n = 8 if wire == 1 else 4
-            value, i = buf[i:i + n], i + n
+            value, i = buf[i : i + n], i + n
         else:
             raise ValueError(f"unsupported protobuf wire type {wire}")
         if i > len(buf):
@@ -183,8 +183,13 @@ def _sp_bpe_model(tk, m: dict, normal: dict, unk: str):
                 ranked.append((-score, i, cut, left, right))
     ranked.sort()
     return tk.models.BPE(
-        vocab=vocab, merges=[(left, right) for *_, left, right in ranked], unk_token=unk,
-        fuse_unk=True, byte_fallback=m["byte_fallback"], dropout=None)
+        vocab=vocab,
+        merges=[(left, right) for *_, left, right in ranked],
+        unk_token=unk,
+        fuse_unk=True,
+        byte_fallback=m["byte_fallback"],
+        dropout=None,
+    )
 
 
 def _sp_normalizers(tk, m: dict, space: str) -> list:
@@ -197,8 +202,10 @@ def _sp_normalizers(tk, m: dict, space: str) -> list:
     if m["precompiled_charsmap"]:
         norm.append(tk.normalizers.Precompiled(m["precompiled_charsmap"]))
     if m["remove_extra_whitespaces"]:  # only " " counts, as in SentencePiece
-        norm += [tk.normalizers.Replace(tk.Regex(r"\A +| +\z"), ""),
-                 tk.normalizers.Replace(tk.Regex(" {2,}"), " ")]
+        norm += [
+            tk.normalizers.Replace(tk.Regex(r"\A +| +\z"), ""),
+            tk.normalizers.Replace(tk.Regex(" {2,}"), " "),
+        ]
     if m["escape_whitespaces"]:
         norm.append(tk.normalizers.Replace(" ", _SPACE))
     if m["add_dummy_prefix"]:

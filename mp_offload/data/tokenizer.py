@@ -111,8 +111,12 @@ class SentencePieceTokenizer:
         return "".join(out)
 
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
-                   "NullTokenizer")
+TOKENIZER_TYPES = (
+    "SentencePieceTokenizer",
+    "HuggingFaceTokenizer",
+    "GPT2BPETokenizer",
+    "NullTokenizer",
+)
 # End-of-text token names, in the order they are looked for.
 EOD_TOKEN_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 _PAD_TOKEN_NAMES = ("<pad>", "<|pad|>", "[PAD]")
@@ -124,8 +128,9 @@ def _import_tokenizers(flag: str):
     try:
         import tokenizers
     except ImportError:
-        raise ValueError(f"{flag} needs the Hugging Face `tokenizers` package "
-                         "(pip install tokenizers)") from None
+        raise ValueError(
+            f"{flag} needs the Hugging Face `tokenizers` package (pip install tokenizers)"
+        ) from None
     return tokenizers
 
 
@@ -184,18 +189,22 @@ class HuggingFaceTokenizer(_TokenizersWrapper):
     def __init__(self, path: str):
         file = os.path.join(path, "tokenizer.json") if path and os.path.isdir(path) else path
         if not file or not os.path.isfile(file):
-            raise FileNotFoundError(f"--tokenizer-model {path}: no tokenizer.json file there "
-                                    "(HuggingFaceTokenizer)")
+            raise FileNotFoundError(
+                f"--tokenizer-model {path}: no tokenizer.json file there (HuggingFaceTokenizer)"
+            )
         tk = _import_tokenizers("--tokenizer-type HuggingFaceTokenizer")
         try:
             tok = tk.Tokenizer.from_file(file)
         except Exception as e:  # noqa: BLE001 - the Rust side raises a plain Exception
-            raise ValueError(f"--tokenizer-model {file}: not a tokenizer.json "
-                             f"({_first_line(e)})") from None
+            raise ValueError(
+                f"--tokenizer-model {file}: not a tokenizer.json ({_first_line(e)})"
+            ) from None
         eod = next((i for i in map(tok.token_to_id, EOD_TOKEN_NAMES) if i is not None), None)
         if eod is None:
-            raise ValueError(f"--tokenizer-model {file}: no end-of-text token to use as EOD "
-                             f"(looked for {', '.join(EOD_TOKEN_NAMES)})")
+            raise ValueError(
+                f"--tokenizer-model {file}: no end-of-text token to use as EOD "
+                f"(looked for {', '.join(EOD_TOKEN_NAMES)})"
+            )
         self.model_file = file
         super().__init__(tok, eod)
 
@@ -214,8 +223,10 @@ class GPT2BPETokenizer(_TokenizersWrapper):
         try:
             model = tk.models.BPE.from_file(vocab_file, merge_file)
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"--vocab-file {vocab_file} / --merge-file {merge_file}: "
-                             f"cannot read them ({_first_line(e)})") from None
+            raise ValueError(
+                f"--vocab-file {vocab_file} / --merge-file {merge_file}: "
+                f"cannot read them ({_first_line(e)})"
+            ) from None
         tok = tk.Tokenizer(model)
         tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = tk.decoders.ByteLevel()
@@ -246,12 +257,15 @@ def build_tokenizer(
             raise ValueError("SentencePieceTokenizer needs --tokenizer-model")
         return SentencePieceTokenizer(tokenizer_model, vocab_extra_ids=vocab_extra_ids)
     if tokenizer_type in ("HuggingFaceTokenizer", "GPT2BPETokenizer") and vocab_extra_ids:
-        raise ValueError(f"vocab_extra_ids is only supported by SentencePieceTokenizer, "
-                         f"not {tokenizer_type}")
+        raise ValueError(
+            f"vocab_extra_ids is only supported by SentencePieceTokenizer, not {tokenizer_type}"
+        )
     if tokenizer_type == "HuggingFaceTokenizer":
         if tokenizer_model is None:
-            raise ValueError("HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json "
-                             "or a directory holding one)")
+            raise ValueError(
+                "HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json "
+                "or a directory holding one)"
+            )
         return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "GPT2BPETokenizer":
         if vocab_file is None or merge_file is None:
@@ -261,8 +275,9 @@ def build_tokenizer(
         if vocab_size is None:
             raise ValueError("NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
-    raise ValueError(f"unknown tokenizer type {tokenizer_type!r} (expected one of "
-                     f"{', '.join(TOKENIZER_TYPES)})")
+    raise ValueError(
+        f"unknown tokenizer type {tokenizer_type!r} (expected one of {', '.join(TOKENIZER_TYPES)})"
+    )
 
 
 def _atomic_write(path: str, data: bytes) -> None:

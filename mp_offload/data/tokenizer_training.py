@@ -80,18 +80,25 @@ def train_sentencepiece(
 
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
-    lines = _sentencepiece_lines(inputs, json_keys, max_train_bytes, input_sentence_size,
-                                 max_sentence_length, seed)
-    options = _sentencepiece_options(vocab_size, model_type, max_sentence_length, num_threads,
-                                     code_friendly)
+    lines = _sentencepiece_lines(
+        inputs, json_keys, max_train_bytes, input_sentence_size, max_sentence_length, seed
+    )
+    options = _sentencepiece_options(
+        vocab_size, model_type, max_sentence_length, num_threads, code_friendly
+    )
     proto = io.BytesIO()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=proto, **options)
     return _write_sentencepiece(model_prefix, proto.getvalue())
 
 
-def _sentencepiece_lines(inputs, json_keys: Sequence[str], max_train_bytes: int,
-                         input_sentence_size: int, max_sentence_length: int,
-                         seed: int) -> list[str]:
+def _sentencepiece_lines(
+    inputs,
+    json_keys: Sequence[str],
+    max_train_bytes: int,
+    input_sentence_size: int,
+    max_sentence_length: int,
+    seed: int,
+) -> list[str]:
     """The trainer's "sentences": non-blank lines of the documents, read up to
     ``max_train_bytes`` and sampled down to ``input_sentence_size``."""
     lines: list[str] = []
@@ -114,8 +121,13 @@ def _sentencepiece_lines(inputs, json_keys: Sequence[str], max_train_bytes: int,
     return lines
 
 
-def _sentencepiece_options(vocab_size: int, model_type: str, max_sentence_length: int,
-                           num_threads: int | None, code_friendly: bool) -> dict:
+def _sentencepiece_options(
+    vocab_size: int,
+    model_type: str,
+    max_sentence_length: int,
+    num_threads: int | None,
+    code_friendly: bool,
+) -> dict:
     """SentencePieceTrainer options; see train_sentencepiece."""
     options = {
         "vocab_size": int(vocab_size),
@@ -183,8 +195,9 @@ def train_bpe_bytelevel(
     """
     tk = _import_tokenizers("--type bpe-bytelevel")
     if int(vocab_size) <= 257:
-        raise ValueError(f"vocab_size {vocab_size} leaves no room for merges "
-                         f"(256 bytes + {eod_token})")
+        raise ValueError(
+            f"vocab_size {vocab_size} leaves no room for merges (256 bytes + {eod_token})"
+        )
     docs: list[str] = []
     total = 0
     for doc in _training_documents(inputs, json_keys):
@@ -199,8 +212,11 @@ def train_bpe_bytelevel(
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(
-        vocab_size=int(vocab_size), min_frequency=int(min_frequency), show_progress=False,
-        special_tokens=[eod_token], initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=int(vocab_size),
+        min_frequency=int(min_frequency),
+        show_progress=False,
+        special_tokens=[eod_token],
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(docs, trainer=trainer, length=len(docs))
 

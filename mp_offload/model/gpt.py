@@ -10,6 +10,7 @@ the K/V groups), of the MLP and of the vocabulary; everything else (norms, posit
 row-parallel biases) is replicated. --sequence-parallel keeps the replicated
 activations as sequence shards too (1/k of the tokens per rank).
 """
+
 from __future__ import annotations
 
 import functools
@@ -97,8 +98,10 @@ class GPTConfig:
     @property
     def rotary(self) -> tuple[int, float]:
         """(base, fraction of each head's channels rotated), rope's defaults filled in."""
-        return (10000 if self.rotary_base is None else self.rotary_base,
-                1.0 if self.rotary_percent is None else self.rotary_percent)
+        return (
+            10000 if self.rotary_base is None else self.rotary_base,
+            1.0 if self.rotary_percent is None else self.rotary_percent,
+        )
 
     def padded_vocab_size(self, tp: int) -> int:
         return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
@@ -121,30 +124,48 @@ class GPTModel(nn.Module):
         self.cfg = cfg
         self.tp_group = resolve_tp_group(tp_group)
         if cfg.position_embedding_type not in (None, *POSITION_EMBEDDINGS):
-            raise ValueError(f"--position-embedding-type must be one of {POSITION_EMBEDDINGS},"
-                             f" got {cfg.position_embedding_type!r}")
+            raise ValueError(
+                f"--position-embedding-type must be one of {POSITION_EMBEDDINGS},"
+                f" got {cfg.position_embedding_type!r}"
+            )
         sp = self.sequence_parallel = cfg.sequence_parallel and self.tp_group.size > 1
         self.padded_vocab_size = cfg.padded_vocab_size(self.tp_group.size)
         std = cfg.init_method_std
         # With rotary positions and SP the embedding reduce-scatters straight to shards.
-        self.wte = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size,
-                                          init_method=init_normal(std), tp_group=self.tp_group,
-                                          params_dtype=dtype, device=device,
-                                          num_valid=cfg.vocab_size,
-                                          reduce_scatter=sp and not cfg.learned_positions)
+        self.wte = VocabParallelEmbedding(
+            self.padded_vocab_size,
+            cfg.hidden_size,
+            init_method=init_normal(std),
+            tp_group=self.tp_group,
+            params_dtype=dtype,
+            device=device,
+            num_valid=cfg.vocab_size,
+            reduce_scatter=sp and not cfg.learned_positions,
+        )
         self.wpe = self._learned_positions(dtype, device) if cfg.learned_positions else None
-        self.rotary = None if cfg.learned_positions else RotaryEmbedding(
-            cfg.hidden_size // cfg.num_attention_heads, *cfg.rotary)
+        self.rotary = (
+            None
+            if cfg.learned_positions
+            else RotaryEmbedding(cfg.hidden_size // cfg.num_attention_heads, *cfg.rotary)
+        )
         self.drop = nn.Dropout(cfg.hidden_dropout)
-        self.blocks = nn.ModuleList(TransformerBlock(cfg, self.tp_group, sp, dtype, device)
-                                    for _ in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(
+            TransformerBlock(cfg, self.tp_group, sp, dtype, device) for _ in range(cfg.num_layers)
+        )
         self.ln_f = build_norm(cfg, sp, dtype, device)
         self.output_layer = None  # tied: the head is wte.weight
         if cfg.untie_embeddings_and_output_weights:
             self.output_layer = ColumnParallelLinear(
-                cfg.hidden_size, self.padded_vocab_size, bias=False,
-                init_method=init_normal(std), tp_group=self.tp_group, params_dtype=dtype,
-                device=device, sequence_parallel=sp, num_valid=cfg.vocab_size)
+                cfg.hidden_size,
+                self.padded_vocab_size,
+                bias=False,
+                init_method=init_normal(std),
+                tp_group=self.tp_group,
+                params_dtype=dtype,
+                device=device,
+                sequence_parallel=sp,
+                num_valid=cfg.vocab_size,
+            )
         for p in self.parameters():
             set_defaults_if_not_set(p)
         register_sequence_parallel_grad_hooks(self, self.tp_group)
@@ -152,24 +173,34 @@ class GPTModel(nn.Module):
     def _learned_positions(self, dtype, device) -> nn.Embedding:
         cfg = self.cfg
         # _weight: skip nn.Embedding's own draw (the real one follows, the same on every rank).
-        wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
-                           _weight=torch.empty(cfg.max_position_embeddings, cfg.hidden_size,
-                                               dtype=dtype, device=device))
+        wpe = nn.Embedding(
+            cfg.max_position_embeddings,
+            cfg.hidden_size,
+            _weight=torch.empty(
+                cfg.max_position_embeddings, cfg.hidden_size, dtype=dtype, device=device
+            ),
+        )
         if wpe.weight.device.type != "meta":
             with torch.no_grad():  # same draw on every rank: the default CPU generator
-                wpe.weight.copy_(init_normal(cfg.init_method_std)(
-                    torch.empty_like(wpe.weight, device="cpu", dtype=torch.float32)))
+                wpe.weight.copy_(
+                    init_normal(cfg.init_method_std)(
+                        torch.empty_like(wpe.weight, device="cpu", dtype=torch.float32)
+                    )
+                )
         return wpe
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token (+ learned position) embeddings after dropout; a sequence shard with SP."""
         s, t = tokens.shape[1], self.tp_group.size
         if s > self.cfg.max_position_embeddings:
-            raise ValueError(f"sequence of {s} tokens exceeds --max-position-embeddings "
-                             f"{self.cfg.max_position_embeddings}")
+            raise ValueError(
+                f"sequence of {s} tokens exceeds --max-position-embeddings "
+                f"{self.cfg.max_position_embeddings}"
+            )
         if self.sequence_parallel and s % t:
-            raise ValueError(f"--sequence-parallel: a sequence of {s} tokens does not split "
-                             f"over {t} TP ranks")
+            raise ValueError(
+                f"--sequence-parallel: a sequence of {s} tokens does not split over {t} TP ranks"
+            )
         x = self.wte(tokens)
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(s, device=tokens.device))
@@ -193,8 +224,7 @@ class GPTModel(nn.Module):
         rope = self.rotary(tokens.shape[1], x.dtype, x.device) if self.rotary else None
         for block in self.blocks:
             run = functools.partial(block, rope=rope)
-            x = checkpoint(run, x) if self.cfg.recompute_activations and self.training \
-                else run(x)
+            x = checkpoint(run, x) if self.cfg.recompute_activations and self.training else run(x)
         logits = self.head(self.ln_f(x))
         if labels is None:
             return logits
@@ -205,8 +235,12 @@ def layer_widths(cfg: GPTConfig) -> dict[str, int]:
     """Output rows of each linear layer of a block (unsplit): qkv, proj, fc1, fc2."""
     d = cfg.hidden_size // cfg.num_attention_heads
     fc1 = cfg.ffn_hidden_size * (2 if cfg.swiglu else 1)
-    return dict(qkv=(cfg.num_attention_heads + 2 * cfg.kv_groups) * d,
-                proj=cfg.hidden_size, fc1=fc1, fc2=cfg.hidden_size)
+    return dict(
+        qkv=(cfg.num_attention_heads + 2 * cfg.kv_groups) * d,
+        proj=cfg.hidden_size,
+        fc1=fc1,
+        fc2=cfg.hidden_size,
+    )
 
 
 def num_parameters(cfg: GPTConfig, tp: int = 1) -> int:
@@ -218,8 +252,12 @@ def num_parameters(cfg: GPTConfig, tp: int = 1) -> int:
     bias = 0 if cfg.disable_bias_linear else sum(w.values())
     per_layer = 2 * norm + sum(w[k] * inputs[k] for k in w) + bias
     vocab = cfg.padded_vocab_size(tp) * h
-    return (L * per_layer + vocab * (2 if cfg.untie_embeddings_and_output_weights else 1)
-            + (cfg.max_position_embeddings * h if cfg.learned_positions else 0) + norm)
+    return (
+        L * per_layer
+        + vocab * (2 if cfg.untie_embeddings_and_output_weights else 1)
+        + (cfg.max_position_embeddings * h if cfg.learned_positions else 0)
+        + norm
+    )
 
 
 def flops_per_token(cfg: GPTConfig, recompute: bool = False, tp: int = 1) -> int:

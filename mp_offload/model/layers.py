@@ -9,6 +9,7 @@ With --sequence-parallel the block's input and output, its norms, dropout and
 residual adds are sequence shards [b, s/T, h]; only attention and the MLP's inside
 see the whole sequence (the column-parallel layers gather it).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,14 +33,13 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 def build_norm(cfg: GPTConfig, sequence_parallel: bool, dtype, device) -> nn.Module:
     """LayerNorm (weight, bias) or RMSNorm (weight only), over the hidden size."""
     if cfg.normalization in (None, "LayerNorm"):
-        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, dtype=dtype,
-                            device=device)
+        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, dtype=dtype, device=device)
     elif cfg.normalization == "RMSNorm":
-        norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, dtype=dtype,
-                          device=device)
+        norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, dtype=dtype, device=device)
     else:
-        raise ValueError(f"--normalization must be one of {NORMALIZATIONS}, "
-                         f"got {cfg.normalization!r}")
+        raise ValueError(
+            f"--normalization must be one of {NORMALIZATIONS}, got {cfg.normalization!r}"
+        )
     for p in norm.parameters():  # on a sequence shard: gradients summed over TP
         p.sequence_parallel = sequence_parallel
     return norm
@@ -66,16 +66,17 @@ class RotaryEmbedding:
     def __init__(self, head_dim: int, base: float, percent: float):
         self.dim = int(head_dim * percent)
         if self.dim < 2 or self.dim % 2:
-            raise ValueError(f"--rotary-percent {percent} rotates {self.dim} of the {head_dim} "
-                             f"channels of a head: that must be an even number >= 2")
+            raise ValueError(
+                f"--rotary-percent {percent} rotates {self.dim} of the {head_dim} "
+                f"channels of a head: that must be an even number >= 2"
+            )
         self.base = base
 
     def __call__(self, seq_len: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [seq_len, dim]."""
         exponent = torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim
-        inv_freq = 1.0 / (self.base ** exponent)
-        angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device),
-                             inv_freq)
+        inv_freq = 1.0 / (self.base**exponent)
+        angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -96,8 +97,10 @@ def sdpa_takes_groups(q: torch.Tensor) -> bool:
     repeating the K/V heads keeps the memory-efficient kernel (V100s, fp32)."""
     if not q.is_cuda:
         return True
-    return q.dtype in (torch.float16, torch.bfloat16) and \
-        torch.cuda.get_device_capability(q.device)[0] >= 8
+    return (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and torch.cuda.get_device_capability(q.device)[0] >= 8
+    )
 
 
 class ParallelAttention(nn.Module):
@@ -126,15 +129,27 @@ class ParallelAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         bias = not cfg.disable_bias_linear
         width = (cfg.num_attention_heads + 2 * groups) * self.head_dim
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, width, stride=1 if self.grouped else 3,
-                                        bias=bias, init_method=init_normal(cfg.init_method_std),
-                                        tp_group=tp_group, params_dtype=dtype, device=device,
-                                        sequence_parallel=sequence_parallel)
-        self.proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
-                                      bias=bias, init_method=scaled_init_normal(
-                                          cfg.init_method_std, cfg.num_layers),
-                                      tp_group=tp_group, params_dtype=dtype, device=device,
-                                      sequence_parallel=sequence_parallel)
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden_size,
+            width,
+            stride=1 if self.grouped else 3,
+            bias=bias,
+            init_method=init_normal(cfg.init_method_std),
+            tp_group=tp_group,
+            params_dtype=dtype,
+            device=device,
+            sequence_parallel=sequence_parallel,
+        )
+        self.proj = RowParallelLinear(
+            cfg.num_attention_heads * self.head_dim,
+            cfg.hidden_size,
+            bias=bias,
+            init_method=scaled_init_normal(cfg.init_method_std, cfg.num_layers),
+            tp_group=tp_group,
+            params_dtype=dtype,
+            device=device,
+            sequence_parallel=sequence_parallel,
+        )
 
     def _split_heads(self, qkv: torch.Tensor):
         """q [b, heads, s, d]; k, v [b, groups, s, d] (groups == heads without GQA)."""
@@ -160,8 +175,9 @@ class ParallelAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         # Attention dropout acts on this rank's own heads: use the per-TP-rank stream.
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                               enable_gqa=grouped)
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=p, is_causal=True, enable_gqa=grouped
+            )
         b, _, s, _ = y.shape
         return self.proj(y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
@@ -176,16 +192,27 @@ class ParallelMLP(nn.Module):
         self.gated = cfg.swiglu
         bias = not cfg.disable_bias_linear
         f = cfg.ffn_hidden_size
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, 2 * f if self.gated else f,
-                                        stride=2 if self.gated else 1, bias=bias,
-                                        init_method=init_normal(cfg.init_method_std),
-                                        tp_group=tp_group, params_dtype=dtype, device=device,
-                                        sequence_parallel=sequence_parallel)
-        self.fc2 = RowParallelLinear(f, cfg.hidden_size, bias=bias,
-                                     init_method=scaled_init_normal(cfg.init_method_std,
-                                                                    cfg.num_layers),
-                                     tp_group=tp_group, params_dtype=dtype, device=device,
-                                     sequence_parallel=sequence_parallel)
+        self.fc1 = ColumnParallelLinear(
+            cfg.hidden_size,
+            2 * f if self.gated else f,
+            stride=2 if self.gated else 1,
+            bias=bias,
+            init_method=init_normal(cfg.init_method_std),
+            tp_group=tp_group,
+            params_dtype=dtype,
+            device=device,
+            sequence_parallel=sequence_parallel,
+        )
+        self.fc2 = RowParallelLinear(
+            f,
+            cfg.hidden_size,
+            bias=bias,
+            init_method=scaled_init_normal(cfg.init_method_std, cfg.num_layers),
+            tp_group=tp_group,
+            params_dtype=dtype,
+            device=device,
+            sequence_parallel=sequence_parallel,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc1(x)

@@ -3,6 +3,7 @@
 The loop (``training.train_step``) and the checkpoint code call these and nothing
 else, so an optimizer is swappable without either of them probing what it is.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

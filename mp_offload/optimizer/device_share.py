@@ -12,6 +12,7 @@ run-time choice (docs/DESIGN.md §3).
 ``split_buckets`` is a pure function of the per-rank bucket chunk sizes, shared with the
 planner, so the plan splits exactly as the optimizer does.
 """
+
 from __future__ import annotations
 
 import functools
@@ -62,9 +63,21 @@ def fused_adamw_available(device_type: str) -> bool:
         return True
     try:
         t = [torch.zeros(1)]
-        torch._fused_adamw_(t, [torch.zeros(1)], [torch.zeros(1)], [torch.zeros(1)], [],
-                            [torch.ones(())], lr=0.0, beta1=0.9, beta2=0.99, weight_decay=0.0,
-                            eps=1e-8, amsgrad=False, maximize=False)
+        torch._fused_adamw_(
+            t,
+            [torch.zeros(1)],
+            [torch.zeros(1)],
+            [torch.zeros(1)],
+            [],
+            [torch.ones(())],
+            lr=0.0,
+            beta1=0.9,
+            beta2=0.99,
+            weight_decay=0.0,
+            eps=1e-8,
+            amsgrad=False,
+            maximize=False,
+        )
         return True
     except (RuntimeError, NotImplementedError):
         return False
@@ -74,9 +87,14 @@ class DeviceShare:
     """fp32 master, Adam moments and fp32 gradient of the slice's first ``numel`` elements,
     on ``device``. ``decay_runs``: (start, end, decay) runs of that part (relative to it)."""
 
-    def __init__(self, numel: int, device: torch.device, decay_runs,
-                 exp_avg_dtype: torch.dtype = torch.float32,
-                 exp_avg_sq_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        numel: int,
+        device: torch.device,
+        decay_runs,
+        exp_avg_dtype: torch.dtype = torch.float32,
+        exp_avg_sq_dtype: torch.dtype = torch.float32,
+    ):
         self.numel, self.device = numel, device
         self.master = torch.zeros(numel, dtype=torch.float32, device=device)
         self.exp_avg = torch.zeros(numel, dtype=exp_avg_dtype, device=device)
@@ -97,41 +115,84 @@ class DeviceShare:
         groups = []
         for want in (True, False):
             idx = [i for i, r in enumerate(decay_runs) if r[2] == want]
-            lists = [[t[decay_runs[i][0]:decay_runs[i][1]] for i in idx]
-                     for t in (self.master, self.grads, self.exp_avg, self.exp_avg_sq)]
+            lists = [
+                [t[decay_runs[i][0] : decay_runs[i][1]] for i in idx]
+                for t in (self.master, self.grads, self.exp_avg, self.exp_avg_sq)
+            ]
             lists.append([self._steps[i] for i in idx])  # separate step tensors, read only
             if idx:
                 groups.append((want, lists))
         return groups
 
     @torch.no_grad()
-    def step(self, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
-             weight_decay: float, grad_scale: float) -> None:
+    def step(
+        self,
+        *,
+        step: int,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        grad_scale: float,
+    ) -> None:
         """AdamW over the share (queued on the current stream: asynchronous on a GPU)."""
         if self.numel == 0:
             return
         if not self.fused:
-            torch_adam_step(self.master, self.grads, self.exp_avg, self.exp_avg_sq, step=step,
-                            lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                            weight_decay=weight_decay, grad_scale=grad_scale,
-                            decay_runs=self.decay_ranges)
+            torch_adam_step(
+                self.master,
+                self.grads,
+                self.exp_avg,
+                self.exp_avg_sq,
+                step=step,
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=eps,
+                weight_decay=weight_decay,
+                grad_scale=grad_scale,
+                decay_runs=self.decay_ranges,
+            )
             return
         self._steps.fill_(float(step))
         # The kernel divides the gradients by grad_scale (AMP's unscale): pass the inverse.
-        inv = None if grad_scale == 1.0 else \
-            torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=self.device)
+        inv = (
+            None
+            if grad_scale == 1.0
+            else torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=self.device)
+        )
         for decay, (p, g, m, v, steps) in self._groups:
-            torch._fused_adamw_(p, g, m, v, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                                weight_decay=weight_decay if decay else 0.0, eps=eps,
-                                amsgrad=False, maximize=False, grad_scale=inv)
+            torch._fused_adamw_(
+                p,
+                g,
+                m,
+                v,
+                [],
+                steps,
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=weight_decay if decay else 0.0,
+                eps=eps,
+                amsgrad=False,
+                maximize=False,
+                grad_scale=inv,
+            )
 
     def publish(self, flat: torch.Tensor, buckets, dp_rank: int) -> None:
         """Copy (and round) the new master of ``buckets`` into the flat parameter buffer."""
         for b in buckets:
             lo, hi = b.chunk_range(dp_rank)
-            flat[lo:hi].copy_(self.master[b.host_offset:b.host_offset + b.chunk])
+            flat[lo:hi].copy_(self.master[b.host_offset : b.host_offset + b.chunk])
 
     def memory_bytes(self) -> dict[str, int]:
-        return {k: t.numel() * t.element_size() for k, t in
-                (("master", self.master), ("exp_avg", self.exp_avg),
-                 ("exp_avg_sq", self.exp_avg_sq), ("grads", self.grads))}
+        return {
+            k: t.numel() * t.element_size()
+            for k, t in (
+                ("master", self.master),
+                ("exp_avg", self.exp_avg),
+                ("exp_avg_sq", self.exp_avg_sq),
+                ("grads", self.grads),
+            )
+        }

@@ -4,6 +4,7 @@ The global norm reads the metadata contract (docs/DESIGN.md §2, reader 1): a pa
 counts if it is TP-sharded or this is TP rank 0, so replicated parameters are
 counted once; squares are summed over the DP group, then over the TP group.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,7 +26,7 @@ def allreduce_gradients(params, dp: ParallelGroup) -> None:
     flat.div_(dp.size)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
@@ -42,8 +43,11 @@ def reduce_norm_squared(local_sq: torch.Tensor, *groups: ParallelGroup) -> float
 def params_grad_norm(params, tp: ParallelGroup) -> float:
     """Global L2 norm of replicated-over-DP ``.grad``s (after DP averaging)."""
     # Summed where the gradients are: one device->host transfer, not one per parameter.
-    squares = [p.grad.detach().double().pow(2).sum() for p in params
-               if p.grad is not None and not is_duplicate_across_tp(p, tp.rank)]
+    squares = [
+        p.grad.detach().double().pow(2).sum()
+        for p in params
+        if p.grad is not None and not is_duplicate_across_tp(p, tp.rank)
+    ]
     sq = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
     return math.sqrt(reduce_norm_squared(sq, tp))
 

@@ -7,6 +7,7 @@ the gradient norm), so that work overlaps the rest of backward instead of runnin
 it. Chunks cover disjoint parts of the slice, and the main thread only reads the slice
 after ``wait()``, so no locking is needed.
 """
+
 from __future__ import annotations
 
 import queue
@@ -24,8 +25,7 @@ class HostAccumulator:
         self.device = device or torch.device("cpu")
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="host-grad-accumulate",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="host-grad-accumulate", daemon=True)
         self._thread.start()
 
     def submit(self, work: Callable[[], None], ready=None) -> None:

@@ -6,6 +6,7 @@ instead of ~241. Here the tensor is allocated pageable at its exact size and the
 registered with the driver (cudaHostRegister), which pins exactly those bytes and lets
 copies from and to it run asynchronously.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -18,14 +19,15 @@ def _cuda_register(t: torch.Tensor, nbytes: int) -> None:
     ptr = t.data_ptr()
     err = cudart.cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (error {int(err)}): "
-                           f"not enough lockable host memory? (ulimit -l)")
+        raise RuntimeError(
+            f"cudaHostRegister of {nbytes} bytes failed (error {int(err)}): "
+            f"not enough lockable host memory? (ulimit -l)"
+        )
     # Unregister before the memory goes back to the allocator.
     weakref.finalize(t, cudart.cudaHostUnregister, ptr)
 
 
-def host_empty(numel: int, dtype: torch.dtype, pin: bool, register=_cuda_register
-               ) -> torch.Tensor:
+def host_empty(numel: int, dtype: torch.dtype, pin: bool, register=_cuda_register) -> torch.Tensor:
     """An uninitialised CPU tensor of exactly ``numel`` elements, page-locked if ``pin``.
 
     ``register(tensor, nbytes)`` pins it (the driver call on CUDA; a test passes a fake).

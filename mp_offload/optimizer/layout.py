@@ -7,6 +7,7 @@ d owns the d-th chunk of every bucket; its host slice is those chunks back to ba
 The layout is a pure function of (parameter shapes, dp, bucket_size): every rank
 computes the same one, and checkpoints record it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ class Bucket:
 @dataclass
 class Segment:
     """A run of this rank's host slice belonging to one parameter (or padding)."""
+
     host_start: int
     host_end: int
     decay: bool  # weight decay applies (matrices, not biases/LayerNorm)
@@ -59,8 +61,14 @@ class Segment:
 
 
 class FlatLayout:
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], dp: int,
-                 dp_rank: int, tp_rank: int, bucket_size: int):
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        dp: int,
+        dp_rank: int,
+        tp_rank: int,
+        bucket_size: int,
+    ):
         if bucket_size < 1:
             raise ValueError(f"--reduce-bucket-size must be >= 1, got {bucket_size}")
         self.dp, self.dp_rank, self.bucket_size = dp, dp_rank, bucket_size
@@ -105,14 +113,22 @@ class FlatLayout:
                 if a >= z:
                     continue
                 if a > cursor:
-                    segs.append(Segment(cursor - lo + b.host_offset, a - lo + b.host_offset,
-                                        False, False))
-                segs.append(Segment(a - lo + b.host_offset, z - lo + b.host_offset,
-                                    s.param.ndim > 1, not is_duplicate_across_tp(s.param, tp_rank)))
+                    segs.append(
+                        Segment(cursor - lo + b.host_offset, a - lo + b.host_offset, False, False)
+                    )
+                segs.append(
+                    Segment(
+                        a - lo + b.host_offset,
+                        z - lo + b.host_offset,
+                        s.param.ndim > 1,
+                        not is_duplicate_across_tp(s.param, tp_rank),
+                    )
+                )
                 cursor = z
             if cursor < hi:
-                segs.append(Segment(cursor - lo + b.host_offset, hi - lo + b.host_offset,
-                                    False, False))
+                segs.append(
+                    Segment(cursor - lo + b.host_offset, hi - lo + b.host_offset, False, False)
+                )
         return segs
 
     def owned_pieces(self):
@@ -136,11 +152,17 @@ class FlatLayout:
 
     def describe(self) -> dict:
         """What a checkpoint records to re-partition later."""
-        return dict(dp=self.dp, bucket_size=self.bucket_size, numel=self.numel,
-                    host_numel=self.host_numel,
-                    buckets=[dict(start=b.start, end=b.end) for b in self.buckets],
-                    slots=[dict(name=s.name, start=s.start, numel=s.numel,
-                                shape=list(s.param.shape)) for s in self.slots])
+        return dict(
+            dp=self.dp,
+            bucket_size=self.bucket_size,
+            numel=self.numel,
+            host_numel=self.host_numel,
+            buckets=[dict(start=b.start, end=b.end) for b in self.buckets],
+            slots=[
+                dict(name=s.name, start=s.start, numel=s.numel, shape=list(s.param.shape))
+                for s in self.slots
+            ],
+        )
 
 
 def layout_from_description(desc: dict, dp_rank: int) -> FlatLayout:

@@ -1,10 +1,17 @@
 """Dynamic loss scaling for fp16: back off on overflow, grow after a clean window."""
+
 from __future__ import annotations
 
 
 class DynamicLossScaler:
-    def __init__(self, initial: float = 2.0 ** 16, min: float = 1.0, window: int = 1000,
-                 hysteresis: int = 2, factor: float = 2.0):
+    def __init__(
+        self,
+        initial: float = 2.0**16,
+        min: float = 1.0,
+        window: int = 1000,
+        hysteresis: int = 2,
+        factor: float = 2.0,
+    ):
         self.scale, self.min_scale, self.window = float(initial), float(min), window
         self.hysteresis, self.factor = hysteresis, factor
         self._hysteresis_left, self._clean_steps = hysteresis, 0
@@ -25,8 +32,12 @@ class DynamicLossScaler:
                 self._hysteresis_left = self.hysteresis
 
     def state_dict(self) -> dict:
-        return dict(scale=self.scale, hysteresis_left=self._hysteresis_left,
-                    clean_steps=self._clean_steps, overflows=self.overflows)
+        return dict(
+            scale=self.scale,
+            hysteresis_left=self._hysteresis_left,
+            clean_steps=self._clean_steps,
+            overflows=self.overflows,
+        )
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = state["scale"]
@@ -37,6 +48,7 @@ class DynamicLossScaler:
 
 class ConstantLossScaler:
     """fp32/bf16: no scaling, never an overflow to react to."""
+
     scale = 1.0
     overflows = 0
 

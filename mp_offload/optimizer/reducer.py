@@ -23,6 +23,7 @@ one reduce-scatter and 4 B/param of host<->device traffic per step for any k.
 This is the line Megatron-core draws between its DDP gradient buffers and its
 distributed optimizer; the optimizer (``zero.py``) owns the state and the update.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ class CopyStream:
 @dataclass
 class GradTargets:
     """Where one step's reduced chunks go (host-slice layout, this rank's elements)."""
+
     staging: torch.Tensor | None  # offload: the chunks as they come down (reduce dtype)
     grads: torch.Tensor | None  # fp32 accumulation slice (host with offload, else device)
     # partial offload: the fp32 gradient of the buckets kept on the device (slice offsets)
@@ -92,16 +94,26 @@ def _sum_squares(t: torch.Tensor, ranges) -> torch.Tensor:
 
 
 class GradientReducer:
-    def __init__(self, layout: FlatLayout, dp: ParallelGroup, device: torch.device,
-                 reduce_dtype: torch.dtype, *, offload: bool, micro_batches: int = 1,
-                 accumulate_on_device: bool = False, copier=None, device_buckets: int = 0):
+    def __init__(
+        self,
+        layout: FlatLayout,
+        dp: ParallelGroup,
+        device: torch.device,
+        reduce_dtype: torch.dtype,
+        *,
+        offload: bool,
+        micro_batches: int = 1,
+        accumulate_on_device: bool = False,
+        copier=None,
+        device_buckets: int = 0,
+    ):
         """``copier`` (a ``CopyStream``) on CUDA with offload; ``micro_batches``: backward
         calls per step; ``device_buckets``: with offload, the leading buckets whose chunks
         stay on the device (partial offload); host targets start after them."""
         self.layout, self.dp, self.device, self.dtype = layout, dp, device, reduce_dtype
         self.offload, self.copier = offload, copier
         self.device_buckets = device_buckets if offload else 0
-        self.host_start = sum(b.chunk for b in layout.buckets[:self.device_buckets])
+        self.host_start = sum(b.chunk for b in layout.buckets[: self.device_buckets])
         self.micro_batches = micro_batches
         self.accumulate_on_device = accumulate_on_device and micro_batches > 1
         # Adam reads the staging itself when the chunk that comes down is the final gradient.
@@ -159,8 +171,10 @@ class GradientReducer:
     def norm_squared(self) -> torch.Tensor:
         """This rank's squared gradient norm over its chunks (after the last micro-batch)."""
         if self.micro != self.micro_batches:
-            raise RuntimeError(f"optimizer step after {self.micro} of {self.micro_batches} "
-                               f"backward calls (micro-batches) in this step")
+            raise RuntimeError(
+                f"optimizer step after {self.micro} of {self.micro_batches} "
+                f"backward calls (micro-batches) in this step"
+            )
         parts = self._norm_parts
         if not parts:
             return torch.zeros((), dtype=torch.float64)
@@ -186,13 +200,15 @@ class GradientReducer:
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         if self.micro >= self.micro_batches:
-            raise RuntimeError(f"more backward calls than the {self.micro_batches} "
-                               f"micro-batches per step this optimizer was built for")
+            raise RuntimeError(
+                f"more backward calls than the {self.micro_batches} "
+                f"micro-batches per step this optimizer was built for"
+            )
         slot = self._slot[id(param)]
         b = self.layout.buckets[slot.bucket]
         grad = param.grad.reshape(-1)
         if self.acc_buffer is not None:
-            dst = self.acc_buffer[slot.start:slot.start + slot.numel]
+            dst = self.acc_buffer[slot.start : slot.start + slot.numel]
             dst.add_(grad) if id(param) in self._touched else dst.copy_(grad)
             self._touched.add(id(param))
             param.grad = None
@@ -202,9 +218,9 @@ class GradientReducer:
             buf = self._buffers.get(b.index)
             if buf is None:
                 buf = self._buffers[b.index] = self._take_buffer()
-                buf[:b.numel].zero_()
+                buf[: b.numel].zero_()
             off = slot.start - b.start
-            buf[off:off + slot.numel].copy_(grad)
+            buf[off : off + slot.numel].copy_(grad)
             param.grad = None  # the device never keeps a full-size gradient
         self._arrived[b.index] += 1
         if self._arrived[b.index] == len(b.slots):
@@ -215,13 +231,13 @@ class GradientReducer:
         if self.acc_buffer is not None:
             for s in b.slots:  # a parameter without a gradient this step contributes zero
                 if id(s.param) not in self._touched:
-                    self.acc_buffer[s.start:s.start + s.numel].zero_()
-            return self.acc_buffer[b.start:b.end], None
+                    self.acc_buffer[s.start : s.start + s.numel].zero_()
+            return self.acc_buffer[b.start : b.end], None
         buf = self._buffers.pop(b.index, None)
         if buf is None:  # no gradient reached this bucket: still take part in the collective
             buf = self._take_buffer()
-            buf[:b.numel].zero_()
-        return buf[:b.numel], buf
+            buf[: b.numel].zero_()
+        return buf[: b.numel], buf
 
     def _launch(self, b) -> None:
         data, buf = self._bucket_data(b)
@@ -284,6 +300,7 @@ class GradientReducer:
             norm = accumulate_(grad, stage, overwrite=first, norm_ranges=ranges if final else None)
             if final:
                 self._norm_parts.append(norm)
+
         return work
 
     def finish(self) -> None:

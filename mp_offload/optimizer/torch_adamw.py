@@ -4,6 +4,7 @@ Kept for good as what the ZeRO optimizer is checked against. Implements the same
 ``Optimizer`` contract (``base.py``); with ``--bf16`` the fp32 model runs its forward
 under bf16 autocast.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,22 +18,32 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """No weight decay on biases and LayerNorm (every 1-D parameter)."""
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
-    return [dict(params=decay, weight_decay=weight_decay),
-            dict(params=no_decay, weight_decay=0.0)]
+    return [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
 
 
 class TorchAdamWOptimizer:
     checkpoint_kind = "torch-adamw"
     skipped_steps = 0  # no loss scaling: never skips
 
-    def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float,
-                 betas: tuple[float, float], eps: float, clip_grad: float,
-                 dp: ParallelGroup, tp: ParallelGroup, autocast_dtype=None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        eps: float,
+        clip_grad: float,
+        dp: ParallelGroup,
+        tp: ParallelGroup,
+        autocast_dtype=None,
+    ):
         self.model = model
         self.autocast_dtype = autocast_dtype
         self.params = list(model.parameters())
-        self.inner = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas,
-                                       eps=eps)
+        self.inner = torch.optim.AdamW(
+            param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps
+        )
         self.clip_grad = clip_grad
         self.dp_group, self.tp_group = dp, tp
 

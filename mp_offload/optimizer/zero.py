@@ -11,6 +11,7 @@ group and this rank's chunks added into the fp32 gradient slice. Step: global no
 low-precision parameters -> one copy up -> all-gather of the slices across the DP group.
 Without offload nothing leaves the device.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,16 +49,30 @@ class ZeroOptimizer:
     checkpoint_kind = "zero"
     autocast_dtype = None  # the parameters themselves are in the compute dtype
 
-    def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float,
-                 betas: tuple[float, float], eps: float, clip_grad: float, dp: ParallelGroup,
-                 tp: ParallelGroup, device: torch.device, dtype=torch.float32,
-                 cpu_offload: bool = True, bucket_size: int = DEFAULT_BUCKET_SIZE,
-                 dpu_warmup_steps: int | None = None, loss_scale: dict | None = None,
-                 micro_batches: int = 1, accumulate_on_device: bool = False,
-                 reduce_dtype: torch.dtype | None = None,
-                 exp_avg_dtype: torch.dtype = torch.float32,
-                 exp_avg_sq_dtype: torch.dtype = torch.float32,
-                 offload_fraction: float = 1.0):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        eps: float,
+        clip_grad: float,
+        dp: ParallelGroup,
+        tp: ParallelGroup,
+        device: torch.device,
+        dtype=torch.float32,
+        cpu_offload: bool = True,
+        bucket_size: int = DEFAULT_BUCKET_SIZE,
+        dpu_warmup_steps: int | None = None,
+        loss_scale: dict | None = None,
+        micro_batches: int = 1,
+        accumulate_on_device: bool = False,
+        reduce_dtype: torch.dtype | None = None,
+        exp_avg_dtype: torch.dtype = torch.float32,
+        exp_avg_sq_dtype: torch.dtype = torch.float32,
+        offload_fraction: float = 1.0,
+    ):
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         if cpu_offload and offload_fraction == 0.0:
             cpu_offload = False  # nothing offloaded: exactly the device-resident ZeRO-2
@@ -68,8 +83,9 @@ class ZeroOptimizer:
         self.cpu_offload = cpu_offload
         self.dpu_warmup_steps = dpu_warmup_steps
         self.scaler = DynamicLossScaler(**loss_scale) if loss_scale else ConstantLossScaler()
-        self.layout = FlatLayout(list(model.named_parameters()), self.dp, self.dp_rank, tp.rank,
-                                 bucket_size)
+        self.layout = FlatLayout(
+            list(model.named_parameters()), self.dp, self.dp_rank, tp.rank, bucket_size
+        )
         self.step_count = 0  # Adam steps taken (skipped fp16 steps do not count)
         self.step_calls = 0
         self.bytes_up = 0
@@ -77,11 +93,17 @@ class ZeroOptimizer:
         self._split_off(offload_fraction, exp_avg_dtype, exp_avg_sq_dtype)
         pin = self.device.type == "cuda" and cpu_offload
         reduce_dtype = reduce_dtype or dtype
-        self.reducer = GradientReducer(self.layout, dp, self.device, reduce_dtype,
-                                       offload=cpu_offload, micro_batches=micro_batches,
-                                       accumulate_on_device=accumulate_on_device,
-                                       copier=CopyStream(self.device) if pin else None,
-                                       device_buckets=self.device_buckets)
+        self.reducer = GradientReducer(
+            self.layout,
+            dp,
+            self.device,
+            reduce_dtype,
+            offload=cpu_offload,
+            micro_batches=micro_batches,
+            accumulate_on_device=accumulate_on_device,
+            copier=CopyStream(self.device) if pin else None,
+            device_buckets=self.device_buckets,
+        )
         n, copies = self.layout.host_numel - self.split, 2 if dpu_warmup_steps is not None else 1
 
         # Host (or device, without offload) state: fp32 master, m, v. The master is filled
@@ -98,11 +120,14 @@ class ZeroOptimizer:
         # already the step's whole gradient (one micro-batch, or accumulated on the device)
         # Adam reads it directly, otherwise the micro-batches are summed in fp32 ``grads``.
         staged = cpu_offload
-        self.grad_staging = [host_empty(n, reduce_dtype, pin)
-                             for _ in range(copies if self.reducer.direct else 1)] \
-            if staged else []
-        self.grads = [] if self.reducer.direct else \
-            [torch.zeros_like(self.master) for _ in range(copies)]
+        self.grad_staging = (
+            [host_empty(n, reduce_dtype, pin) for _ in range(copies if self.reducer.direct else 1)]
+            if staged
+            else []
+        )
+        self.grads = (
+            [] if self.reducer.direct else [torch.zeros_like(self.master) for _ in range(copies)]
+        )
         # With offload, Adam writes the new low-precision params into param_staging in its
         # single pass (pinned on CUDA so the copy up is asynchronous). Without offload
         # nothing leaves the device: the publish copies (and rounds) the fp32 master
@@ -112,10 +137,17 @@ class ZeroOptimizer:
         # element: Adam writes the new params into the model's own storage, and the publish
         # then copies each view onto itself, which torch skips (no memcpy). Not with DPU:
         # forward t+1 must not see step t's update while it is being written.
-        in_flat = low and cpu_offload and self.device.type == "cpu" and self.dp == 1 \
-            and dpu_warmup_steps is None and n == self.flat.numel()
-        self.param_staging = self.flat if in_flat else \
-            host_empty(n, dtype, pin) if low and cpu_offload else None
+        in_flat = (
+            low
+            and cpu_offload
+            and self.device.type == "cpu"
+            and self.dp == 1
+            and dpu_warmup_steps is None
+            and n == self.flat.numel()
+        )
+        self.param_staging = (
+            self.flat if in_flat else host_empty(n, dtype, pin) if low and cpu_offload else None
+        )
         self._adam = self._pick_adam()
         # One kernel call per step over the whole slice; weight decay on these ranges only.
         runs = clip_runs(self.layout.decay_runs(), self.split, self.layout.host_numel)
@@ -133,24 +165,31 @@ class ZeroOptimizer:
         chunks = [b.chunk for b in self.layout.buckets]
         self.offload_fraction = fraction
         self.device_buckets = split_buckets(chunks, fraction) if self.cpu_offload else 0
-        self.actual_offload_fraction = actual_fraction(chunks, self.device_buckets) \
-            if self.cpu_offload else 0.0
-        self.split = sum(chunks[:self.device_buckets])
+        self.actual_offload_fraction = (
+            actual_fraction(chunks, self.device_buckets) if self.cpu_offload else 0.0
+        )
+        self.split = sum(chunks[: self.device_buckets])
         runs = clip_runs(self.layout.decay_runs(), 0, self.split)
-        self.share = DeviceShare(self.split, self.device, runs, exp_avg_dtype,
-                                 exp_avg_sq_dtype) if self.split else None
+        self.share = (
+            DeviceShare(self.split, self.device, runs, exp_avg_dtype, exp_avg_sq_dtype)
+            if self.split
+            else None
+        )
 
     def _place_model(self, model: torch.nn.Module) -> None:
         """fp32 CPU weights -> master slice, then params become views of one flat buffer."""
         for slot, p_off, h_off, length in self.layout.owned_pieces():
-            src = slot.param.detach().reshape(-1)[p_off:p_off + length]
+            src = slot.param.detach().reshape(-1)[p_off : p_off + length]
             # A piece lies inside one bucket's chunk, so wholly on one side of the split.
-            dst = self.share.master[h_off:] if h_off < self.split else \
-                self.master[h_off - self.split:]
+            dst = (
+                self.share.master[h_off:]
+                if h_off < self.split
+                else self.master[h_off - self.split :]
+            )
             dst[:length].copy_(src)
         self.flat = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
         for slot in self.layout.slots:
-            view = self.flat[slot.start:slot.start + slot.numel].view_as(slot.param)
+            view = self.flat[slot.start : slot.start + slot.numel].view_as(slot.param)
             view.copy_(slot.param.detach())
             slot.param.data = view
         model.to(self.device)  # any buffers; the parameters already live there
@@ -159,6 +198,7 @@ class ZeroOptimizer:
         if self.host.type == "cpu":
             try:
                 from ..ops.cpu_adam import adam_step
+
                 return adam_step
             except ImportError:  # extension not built: still correct, just slower
                 return torch_adam_step
@@ -170,10 +210,13 @@ class ZeroOptimizer:
         return self.grad_staging if self.reducer.direct else self.grads
 
     def _begin_step(self) -> None:
-        self.reducer.start_step(GradTargets(
-            staging=self.grad_staging[0] if self.grad_staging else None,
-            grads=self.grads[0] if self.grads else None,
-            device_grads=None if self.share is None else self.share.grads))
+        self.reducer.start_step(
+            GradTargets(
+                staging=self.grad_staging[0] if self.grad_staging else None,
+                grads=self.grads[0] if self.grads else None,
+                device_grads=None if self.share is None else self.share.grads,
+            )
+        )
 
     def zero_grad(self) -> None:
         """Start a step. Nothing is zeroed: the first micro-batch's chunks overwrite."""
@@ -190,8 +233,7 @@ class ZeroOptimizer:
         self.step_calls += 1  # skipped steps moved their gradients too
         grad = self._adam_grads()[0]
         # One scalar per rank: the reducer summed the squares where the gradient was.
-        norm_sq = reduce_norm_squared(self.reducer.norm_squared(), self.dp_group,
-                                      self.tp_group)
+        norm_sq = reduce_norm_squared(self.reducer.norm_squared(), self.dp_group, self.tp_group)
         scale = self.scaler.scale
         overflow = not math.isfinite(norm_sq)
         self.scaler.update(overflow)
@@ -207,9 +249,12 @@ class ZeroOptimizer:
             # The device share steps now, from this thread (stream order: before backward
             # t+1 overwrites its gradient); its result is published with the host's, at t+1.
             self._device_step(lr, grad_scale, self.step_count)
-            self._thread = threading.Thread(target=self._delayed_pass, name="dpu-adam",
-                                            args=(grad, lr, grad_scale, self.step_count),
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._delayed_pass,
+                name="dpu-adam",
+                args=(grad, lr, grad_scale, self.step_count),
+                daemon=True,
+            )
             self._thread.start()
             self._adam_grads().reverse()  # backward t+1 writes into the other buffer
         else:
@@ -231,8 +276,15 @@ class ZeroOptimizer:
     def _device_step(self, lr: float, grad_scale: float, step: int) -> None:
         if self.share is not None:
             b1, b2 = self.betas
-            self.share.step(step=step, lr=lr, beta1=b1, beta2=b2, eps=self.eps,
-                            weight_decay=self.weight_decay, grad_scale=grad_scale)
+            self.share.step(
+                step=step,
+                lr=lr,
+                beta1=b1,
+                beta2=b2,
+                eps=self.eps,
+                weight_decay=self.weight_decay,
+                grad_scale=grad_scale,
+            )
 
     def _adam_pass(self, grad: torch.Tensor, lr: float, grad_scale: float, step: int) -> None:
         if self.master.numel() == 0:  # the whole slice is on the device
@@ -240,21 +292,33 @@ class ZeroOptimizer:
         if self._uploaded is not None:  # the last copy up may still be reading the staging
             self._uploaded.synchronize()
         b1, b2 = self.betas
-        self._adam(self.master, grad, self.exp_avg, self.exp_avg_sq, step=step, lr=lr,
-                   beta1=b1, beta2=b2, eps=self.eps, weight_decay=self.weight_decay,
-                   adamw=True, bias_correction=True, grad_scale=grad_scale,
-                   param_out=self.param_staging, decay_runs=self._decay_ranges)
+        self._adam(
+            self.master,
+            grad,
+            self.exp_avg,
+            self.exp_avg_sq,
+            step=step,
+            lr=lr,
+            beta1=b1,
+            beta2=b2,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            adamw=True,
+            bias_correction=True,
+            grad_scale=grad_scale,
+            param_out=self.param_staging,
+            decay_runs=self._decay_ranges,
+        )
 
     def _publish(self) -> None:
         """Copy this rank's new params up (one copy per bucket), then all-gather them."""
         src = self.master if self.param_staging is None else self.param_staging
         if self.share is not None:
-            self.share.publish(self.flat, self.layout.buckets[:self.device_buckets],
-                               self.dp_rank)
-        for b in self.layout.buckets[self.device_buckets:]:
+            self.share.publish(self.flat, self.layout.buckets[: self.device_buckets], self.dp_rank)
+        for b in self.layout.buckets[self.device_buckets :]:
             lo, hi = b.chunk_range(self.dp_rank)
             h = b.host_offset - self.split
-            self.flat[lo:hi].copy_(src[h:h + b.chunk], non_blocking=True)
+            self.flat[lo:hi].copy_(src[h : h + b.chunk], non_blocking=True)
             if self.cpu_offload:
                 self.bytes_up += b.chunk * self.flat.element_size()
         if self.device.type == "cuda" and self.cpu_offload:
@@ -265,7 +329,7 @@ class ZeroOptimizer:
                 lo, hi = b.chunk_range(self.dp_rank)
                 # gloo needs a separate input; NCCL gathers in place.
                 inp = self.flat[lo:hi] if self.device.type == "cuda" else self.flat[lo:hi].clone()
-                _all_gather(self.flat[b.start:b.end], inp, group=self.dp_group.torch_group())
+                _all_gather(self.flat[b.start : b.end], inp, group=self.dp_group.torch_group())
 
     def _join_and_publish(self) -> None:
         if self._thread is not None:
@@ -273,8 +337,9 @@ class ZeroOptimizer:
             self._thread = None
             if self._thread_error is not None:
                 err, self._thread_error = self._thread_error, None
-                raise RuntimeError(f"the delayed (DPU) optimizer step failed: "
-                                   f"{type(err).__name__}: {err}") from err
+                raise RuntimeError(
+                    f"the delayed (DPU) optimizer step failed: {type(err).__name__}: {err}"
+                ) from err
             self._publish()
 
     def flush(self) -> None:
@@ -289,9 +354,14 @@ class ZeroOptimizer:
     def state_dict(self) -> dict:
         """This rank's optimizer slice (host tensors, no copies) and what it needs."""
         self.flush()
-        return dict(master=self._whole("master"), exp_avg=self._whole("exp_avg"),
-                    exp_avg_sq=self._whole("exp_avg_sq"), step=self.step_count,
-                    scaler=self.scaler.state_dict(), layout=self.layout.describe())
+        return dict(
+            master=self._whole("master"),
+            exp_avg=self._whole("exp_avg"),
+            exp_avg_sq=self._whole("exp_avg_sq"),
+            step=self.step_count,
+            scaler=self.scaler.state_dict(),
+            layout=self.layout.describe(),
+        )
 
     def _whole(self, key: str) -> torch.Tensor:
         """The slice's ``key`` unsplit (device share, then host part): checkpoints do not
@@ -303,8 +373,8 @@ class ZeroOptimizer:
 
     def _install(self, key: str, whole: torch.Tensor) -> None:
         if self.share is not None:
-            getattr(self.share, key).copy_(whole[:self.split])
-        getattr(self, key).copy_(whole[self.split:])
+            getattr(self.share, key).copy_(whole[: self.split])
+        getattr(self, key).copy_(whole[self.split :])
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -332,15 +402,22 @@ class ZeroOptimizer:
         steps = max(self.step_calls, 1)
         owned = max(self.layout.host_numel, 1)
         moved = self.reducer.bytes_down + self.bytes_up
-        return dict(host_device_bytes_per_param=moved / steps / owned,
-                    pinned_host_bytes=self.pinned_bytes())
+        return dict(
+            host_device_bytes_per_param=moved / steps / owned, pinned_host_bytes=self.pinned_bytes()
+        )
 
     def memory_bytes(self) -> dict:
         """Bytes this rank holds, by place and category (from the real buffers)."""
+
         def nbytes(t):
             return 0 if t is None else t.numel() * t.element_size()
-        state = dict(master=nbytes(self.master), exp_avg=nbytes(self.exp_avg),
-                     exp_avg_sq=nbytes(self.exp_avg_sq), grads=sum(nbytes(g) for g in self.grads))
+
+        state = dict(
+            master=nbytes(self.master),
+            exp_avg=nbytes(self.exp_avg),
+            exp_avg_sq=nbytes(self.exp_avg_sq),
+            grads=sum(nbytes(g) for g in self.grads),
+        )
         own = self.param_staging is not self.flat  # else the params' own storage
         staging = nbytes(self.param_staging) * own + sum(nbytes(g) for g in self.grad_staging)
         device = dict(params=nbytes(self.flat), grad_buckets=self.reducer.buffer_bytes())
@@ -360,8 +437,13 @@ class ZeroOptimizer:
     def memory_report(self) -> str:
         rep = self.memory_bytes()
         fmt = lambda d: ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in d.items())  # noqa
-        split = (f"; offload fraction {self.actual_offload_fraction:.3f} (asked "
-                 f"{self.offload_fraction:g}): the device updates {self.split} of them"
-                 if self.cpu_offload and self.offload_fraction < 1 else "")
-        return (f"rank memory: device [{fmt(rep['device'])}] host [{fmt(rep['host'])}] "
-                f"(owned {self.layout.host_numel} of {self.layout.numel} elements{split})")
+        split = (
+            f"; offload fraction {self.actual_offload_fraction:.3f} (asked "
+            f"{self.offload_fraction:g}): the device updates {self.split} of them"
+            if self.cpu_offload and self.offload_fraction < 1
+            else ""
+        )
+        return (
+            f"rank memory: device [{fmt(rep['device'])}] host [{fmt(rep['host'])}] "
+            f"(owned {self.layout.host_numel} of {self.layout.numel} elements{split})"
+        )

@@ -53,6 +53,7 @@ Allocator rounding and fragmentation are not modelled; tests/test_plan.py holds 
 against measured CUDA peaks where a GPU is present, and tests/test_llama.py against
 the bytes autograd really saves for a block on CPU, with and without SP.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,13 +72,25 @@ class ActivationEstimate:
     phases: dict | None = None  # every candidate moment's estimate
 
     def as_dict(self) -> dict:
-        return dict(per_layer=self.per_layer, kept=self.kept, outside=self.outside,
-                    loss_kept=self.loss_kept, peak=self.peak, phase=self.phase)
+        return dict(
+            per_layer=self.per_layer,
+            kept=self.kept,
+            outside=self.outside,
+            loss_kept=self.loss_kept,
+            peak=self.peak,
+            phase=self.phase,
+        )
 
 
-def estimate_activations(cfg: GPTConfig, tp: int, micro_batch: int, elem_bytes: int = 2,
-                         recompute: bool | None = None, flash: bool = True,
-                         grads_resident: bool = False) -> ActivationEstimate:
+def estimate_activations(
+    cfg: GPTConfig,
+    tp: int,
+    micro_batch: int,
+    elem_bytes: int = 2,
+    recompute: bool | None = None,
+    flash: bool = True,
+    grads_resident: bool = False,
+) -> ActivationEstimate:
     """Peak activation bytes of one micro-batch on one TP rank (see module docstring).
 
     ``grads_resident``: the optimizer keeps a full .grad per parameter anyway (plain
@@ -120,7 +133,8 @@ def estimate_activations(cfg: GPTConfig, tp: int, micro_batch: int, elem_bytes: 
     if recompute:
         fc1 = f * (2 if cfg.swiglu else 1)
         working = per_layer + s * b * e * (2 * h // r + fc1 // t)
-        phases["backward of a recomputed layer"] = kept + outside + working + \
-            (head_grad if tied else 0)
+        phases["backward of a recomputed layer"] = (
+            kept + outside + working + (head_grad if tied else 0)
+        )
     phase = max(phases, key=phases.get)
     return ActivationEstimate(per_layer, kept, outside, loss_kept, phases[phase], phase, phases)

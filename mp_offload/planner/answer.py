@@ -7,6 +7,7 @@ per node's share; without it the device memory of every GPU counts). ``speed`` p
 throughput model (``throughput.step_time``) on a found model: tokens per day and days
 per billion tokens. ``launch_command`` is the torchrun command line that trains it.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,12 @@ from .memory import MODES, GiB, Hardware, JobPlan, Run
 from .search import Found, max_model
 from .throughput import Machine, StepTime, step_time
 
-MODE_LABELS = {"offload": "ZeRO-Offload (--cpu-offload)", "zero2": "ZeRO-2, no offload",
-               "pytorch": "plain AdamW (no ZeRO)", "pytorch-o2": "apex O2 (20 B/param)"}
+MODE_LABELS = {
+    "offload": "ZeRO-Offload (--cpu-offload)",
+    "zero2": "ZeRO-2, no offload",
+    "pytorch": "plain AdamW (no ZeRO)",
+    "pytorch-o2": "apex O2 (20 B/param)",
+}
 TRAIN_TOKENS = 1e9  # the launch command trains for this many tokens
 
 
@@ -35,15 +40,28 @@ class ModeAnswer:
 def speed(cfg: GPTConfig, run: Run, machine: Machine, batch_per_gpu: int) -> StepTime:
     """The throughput model's step for ``cfg`` laid out as ``run``."""
     mode = run.mode if run.mode in MODES else "pytorch"
-    return step_time(cfg, run.world, machine, tp=run.tp, batch_per_gpu=batch_per_gpu,
-                     micro_batch=run.micro_batch, elem_bytes=run.elem_bytes,
-                     bucket_size=run.bucket_size, mode=mode,
-                     offload_fraction=run.offload_fraction)
+    return step_time(
+        cfg,
+        run.world,
+        machine,
+        tp=run.tp,
+        batch_per_gpu=batch_per_gpu,
+        micro_batch=run.micro_batch,
+        elem_bytes=run.elem_bytes,
+        bucket_size=run.bucket_size,
+        mode=mode,
+        offload_fraction=run.offload_fraction,
+    )
 
 
-def compare_max_models(run: Run, hw: Hardware, family: str, machine: Machine,
-                       batch_per_gpu: int, pick_fraction: bool = False
-                       ) -> dict[str, ModeAnswer]:
+def compare_max_models(
+    run: Run,
+    hw: Hardware,
+    family: str,
+    machine: Machine,
+    batch_per_gpu: int,
+    pick_fraction: bool = False,
+) -> dict[str, ModeAnswer]:
     """The largest GPT of ``family`` in each mode (``run``'s own first), with its speed;
     ``pick_fraction``: offload keeps on the device the optimizer share that fits there."""
     out = {}
@@ -55,8 +73,9 @@ def compare_max_models(run: Run, hw: Hardware, family: str, machine: Machine,
         found = max_model(r, hw, family, pick_fraction=pick_fraction)
         if found.plan is not None:
             r = replace(r, offload_fraction=found.plan.run.offload_fraction)
-        out[mode] = ModeAnswer(mode, found, speed(found.cfg, r, machine, batch_per_gpu)
-                               if found.cfg else None)
+        out[mode] = ModeAnswer(
+            mode, found, speed(found.cfg, r, machine, batch_per_gpu) if found.cfg else None
+        )
     return out
 
 
@@ -73,19 +92,23 @@ def _tokens(n: float) -> str:
 
 
 def format_max_models(answers: dict[str, ModeAnswer]) -> str:
-    lines = [f"  {'mode':<38}{'largest':>9}  {'shape LxH/heads':<16}{'limited by':<13}"
-             f"{'device GiB':>11}{'host GiB/node':>15}{'tokens/day':>12}{'days/1B tok':>13}"]
+    lines = [
+        f"  {'mode':<38}{'largest':>9}  {'shape LxH/heads':<16}{'limited by':<13}"
+        f"{'device GiB':>11}{'host GiB/node':>15}{'tokens/day':>12}{'days/1B tok':>13}"
+    ]
     for mode, a in answers.items():
         f = a.found
         if f.cfg is None:
             lines.append(f"  {mode + ': ' + MODE_LABELS[mode]:<38}{'-':>9}  nothing fits")
             continue
         c = f.cfg
-        lines.append(f"  {mode + ': ' + MODE_LABELS[mode]:<38}{f.params / 1e9:8.2f}B  "
-                     f"{f'{c.num_layers}x{c.hidden_size}/{c.num_attention_heads}':<16}"
-                     f"{f.limit:<13}{f.plan.device_peak / GiB:11.1f}"
-                     f"{f.plan.host_node_peak / GiB:15.1f}"
-                     f"{_tokens(a.speed.tokens_per_day):>12}{_days(a.speed):>13}")
+        lines.append(
+            f"  {mode + ': ' + MODE_LABELS[mode]:<38}{f.params / 1e9:8.2f}B  "
+            f"{f'{c.num_layers}x{c.hidden_size}/{c.num_attention_heads}':<16}"
+            f"{f.limit:<13}{f.plan.device_peak / GiB:11.1f}"
+            f"{f.plan.host_node_peak / GiB:15.1f}"
+            f"{_tokens(a.speed.tokens_per_day):>12}{_days(a.speed):>13}"
+        )
     return "\n".join(lines)
 
 
@@ -95,71 +118,116 @@ def larger_elsewhere(answers: dict[str, ModeAnswer], mode: str) -> str | None:
     best = max(answers.values(), key=lambda a: a.found.params)
     if best.mode == mode or best.found.params <= mine * 1.01:
         return None
-    why = (f"{mode} is limited by {answers[mode].found.limit} memory here"
-           if answers[mode].found.cfg else f"nothing fits with {mode}")
+    why = (
+        f"{mode} is limited by {answers[mode].found.limit} memory here"
+        if answers[mode].found.cfg
+        else f"nothing fits with {mode}"
+    )
     if mode == "offload":
         flag = "--no-cpu-offload" if best.mode == "zero2" else "--optimizer torch-adamw"
     else:
-        flag = "--cpu-offload" if best.mode == "offload" else \
-            "--no-cpu-offload" if best.mode == "zero2" else "--optimizer torch-adamw"
-    return (f"note: {MODE_LABELS[best.mode]} fits a LARGER model on this hardware: "
-            f"{best.found.params / 1e9:.2f}B vs {mine / 1e9:.2f}B ({why}); plan it with {flag}")
+        flag = (
+            "--cpu-offload"
+            if best.mode == "offload"
+            else "--no-cpu-offload"
+            if best.mode == "zero2"
+            else "--optimizer torch-adamw"
+        )
+    return (
+        f"note: {MODE_LABELS[best.mode]} fits a LARGER model on this hardware: "
+        f"{best.found.params / 1e9:.2f}B vs {mine / 1e9:.2f}B ({why}); plan it with {flag}"
+    )
 
 
 def format_split_gain(st: StepTime, full: StepTime) -> str:
     """Partial offload against full offload: the optimizer phase and the step."""
-    return (f"  optimizer at offload fraction {st.offload_fraction:.4f} (actual): CPU Adam "
-            f"{st.adam_host:.3f} s over the host part beside device Adam {st.adam_device:.3f} s "
-            f"over the device share -> {st.adam:.3f} s (all offloaded: CPU Adam "
-            f"{full.adam:.3f} s); step {st.step_sync:.2f} s vs {full.step_sync:.2f} s "
-            f"({full.step_sync / st.step_sync:.2f}x)")
+    return (
+        f"  optimizer at offload fraction {st.offload_fraction:.4f} (actual): CPU Adam "
+        f"{st.adam_host:.3f} s over the host part beside device Adam {st.adam_device:.3f} s "
+        f"over the device share -> {st.adam:.3f} s (all offloaded: CPU Adam "
+        f"{full.adam:.3f} s); step {st.step_sync:.2f} s vs {full.step_sync:.2f} s "
+        f"({full.step_sync / st.step_sync:.2f}x)"
+    )
 
 
 def format_speed(st: StepTime, cfg: GPTConfig, machine: Machine, rate_source: str) -> str:
-    host = (f", PCIe {machine.pcie_gbs:g} GB/s, host {machine.host_mem_gbs:g} GB/s and "
-            f"{machine.cpu_cores_per_node} cores per node, CPU Adam "
-            f"{machine.adam_rate_per_core / 1e6:.0f} M elements/s per core ({rate_source})"
-            if st.mode == "offload" else
-            f", device memory {machine.device_mem_gbs:g} GB/s")
-    return (f"time ({st.mode}, throughput model): {st.step_sync:.2f} s per step of "
-            f"{st.tokens_per_step:,} tokens ({cfg.seq_length} per sequence) = "
-            f"{_tokens(st.tokens_per_day)} tokens/day, {_days(st)} days per 1B tokens; "
-            f"TFLOPS/GPU {st.tflops_sync:.1f}\n"
-            f"  assumes {machine.device_tflops:g} TFLOPS sustained per device, DP links "
-            f"{machine.intra_node_gbs:g} GB/s in a node / {machine.inter_node_gbs:g} GB/s per "
-            f"GPU across nodes{host} (set --device-tflops, --pcie-gbs, ... for your machine)")
+    host = (
+        f", PCIe {machine.pcie_gbs:g} GB/s, host {machine.host_mem_gbs:g} GB/s and "
+        f"{machine.cpu_cores_per_node} cores per node, CPU Adam "
+        f"{machine.adam_rate_per_core / 1e6:.0f} M elements/s per core ({rate_source})"
+        if st.mode == "offload"
+        else f", device memory {machine.device_mem_gbs:g} GB/s"
+    )
+    return (
+        f"time ({st.mode}, throughput model): {st.step_sync:.2f} s per step of "
+        f"{st.tokens_per_step:,} tokens ({cfg.seq_length} per sequence) = "
+        f"{_tokens(st.tokens_per_day)} tokens/day, {_days(st)} days per 1B tokens; "
+        f"TFLOPS/GPU {st.tflops_sync:.1f}\n"
+        f"  assumes {machine.device_tflops:g} TFLOPS sustained per device, DP links "
+        f"{machine.intra_node_gbs:g} GB/s in a node / {machine.inter_node_gbs:g} GB/s per "
+        f"GPU across nodes{host} (set --device-tflops, --pcie-gbs, ... for your machine)"
+    )
 
 
-def launch_command(cfg: GPTConfig, run: Run, plan: JobPlan, st: StepTime, precision: str,
-                   data_path: list[str] | None = None, tokenizer_model: str | None = None,
-                   dpu_warmup_steps: int | None = None) -> str:
+def launch_command(
+    cfg: GPTConfig,
+    run: Run,
+    plan: JobPlan,
+    st: StepTime,
+    precision: str,
+    data_path: list[str] | None = None,
+    tokenizer_model: str | None = None,
+    dpu_warmup_steps: int | None = None,
+) -> str:
     """The torchrun command that trains ``cfg`` as planned, for TRAIN_TOKENS tokens."""
     nodes, per_node = len(plan.node_ranks), max(plan.node_ranks)
     cmd = ["torchrun"]
     if nodes > 1:
-        cmd += ["--nnodes", str(nodes), "--node-rank", "$NODE_RANK", "--master-addr",
-                "$MASTER_ADDR", "--master-port", "29500"]
+        cmd += [
+            "--nnodes",
+            str(nodes),
+            "--node-rank",
+            "$NODE_RANK",
+            "--master-addr",
+            "$MASTER_ADDR",
+            "--master-port",
+            "29500",
+        ]
     else:
         cmd += ["--standalone"]
     cmd += ["--nproc-per-node", str(per_node), "pretrain_gpt.py"]
     flags = []
     if run.tp > 1:
         flags.append(["--tensor-model-parallel-size", str(run.tp)])
-    model = ["--num-layers", str(cfg.num_layers), "--hidden-size", str(cfg.hidden_size),
-             "--num-attention-heads", str(cfg.num_attention_heads)]
+    model = [
+        "--num-layers",
+        str(cfg.num_layers),
+        "--hidden-size",
+        str(cfg.hidden_size),
+        "--num-attention-heads",
+        str(cfg.num_attention_heads),
+    ]
     if cfg.ffn_hidden_size != 4 * cfg.hidden_size:
         model += ["--ffn-hidden-size", str(cfg.ffn_hidden_size)]
     flags.append(model)
     flags.append(model_flags(cfg, OPTION_FIELDS))  # RMSNorm, SwiGLU, rope, GQA, ...
-    seq = ["--seq-length", str(cfg.seq_length), "--max-position-embeddings",
-           str(cfg.max_position_embeddings)]
+    seq = [
+        "--seq-length",
+        str(cfg.seq_length),
+        "--max-position-embeddings",
+        str(cfg.max_position_embeddings),
+    ]
     global_batch = st.tokens_per_step // cfg.seq_length
     iters = math.ceil(TRAIN_TOKENS / st.tokens_per_step)
-    flags.append(seq + ["--micro-batch-size", str(run.micro_batch), "--global-batch-size",
-                        str(global_batch)])
+    flags.append(
+        seq + ["--micro-batch-size", str(run.micro_batch), "--global-batch-size", str(global_batch)]
+    )
     opt = [f"--{precision}"] if precision != "fp32" else []
-    opt += {"offload": ["--cpu-offload"], "zero2": [],
-            "pytorch": ["--optimizer", "torch-adamw"]}.get(run.mode, [])
+    opt += {
+        "offload": ["--cpu-offload"],
+        "zero2": [],
+        "pytorch": ["--optimizer", "torch-adamw"],
+    }.get(run.mode, [])
     if run.mode == "offload" and run.offload_fraction < 1:
         opt += ["--optimizer-offload-fraction", str(run.offload_fraction)]
     if run.mode == "offload" and dpu_warmup_steps is not None:
@@ -169,15 +237,43 @@ def launch_command(cfg: GPTConfig, run: Run, plan: JobPlan, st: StepTime, precis
     if cfg.sequence_parallel and run.tp > 1:  # planned with sequence-sharded activations
         opt += ["--sequence-parallel"]
     flags.append(opt)
-    data = ["--data-path", *(data_path or ["$DATA_PATH"]),
-            "--tokenizer-model", tokenizer_model or "$TOKENIZER_MODEL"]
+    data = [
+        "--data-path",
+        *(data_path or ["$DATA_PATH"]),
+        "--tokenizer-model",
+        tokenizer_model or "$TOKENIZER_MODEL",
+    ]
     flags.append(data)
-    flags.append(["--train-iters", str(iters), "--lr", "1e-4", "--min-lr", "1e-5",
-                  "--lr-warmup-iters", str(max(1, min(2000, iters // 10))),
-                  "--weight-decay", "0.1", "--adam-beta2", "0.95"])
-    flags.append(["--save", "checkpoints", "--load", "checkpoints", "--save-interval", "500",
-                  "--log-json", "checkpoints/log.jsonl"])
+    flags.append(
+        [
+            "--train-iters",
+            str(iters),
+            "--lr",
+            "1e-4",
+            "--min-lr",
+            "1e-5",
+            "--lr-warmup-iters",
+            str(max(1, min(2000, iters // 10))),
+            "--weight-decay",
+            "0.1",
+            "--adam-beta2",
+            "0.95",
+        ]
+    )
+    flags.append(
+        [
+            "--save",
+            "checkpoints",
+            "--load",
+            "checkpoints",
+            "--save-interval",
+            "500",
+            "--log-json",
+            "checkpoints/log.jsonl",
+        ]
+    )
 
     def words(ws):  # $VARS stay expandable: quoted with "..." instead of '...'
         return " ".join(f'"{w}"' if w.startswith("$") else shlex.quote(w) for w in ws)
+
     return " \\\n    ".join([words(cmd), *(words(f) for f in flags if f)])

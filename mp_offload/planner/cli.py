@@ -5,6 +5,7 @@ a training command line can be planned by adding ``--dry-run`` (hardware from th
 environment, see ``hardware_from_env``) or by handing it to ``python -m
 mp_offload.plan`` with hardware flags.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,21 +70,37 @@ def run_from_args(args: Args, world: int, mode: str | None = None, cuda: bool = 
     tp = args.parallel.tensor_model_parallel_size
     low = args.train.fp16 or args.train.bf16
     if mode is None:
-        mode = ("pytorch" if args.optim.optimizer == "torch-adamw"
-                else "offload" if args.optim.cpu_offload else "zero2")
+        mode = (
+            "pytorch"
+            if args.optim.optimizer == "torch-adamw"
+            else "offload"
+            if args.optim.cpu_offload
+            else "zero2"
+        )
     t, o = args.train, args.optim
     dp = world // tp
     gbs = t.global_batch_size or t.micro_batch_size * dp
-    return Run(args.model, tp=tp, dp=dp, mode=mode, elem_bytes=2 if low else 4,
-               micro_batch=t.micro_batch_size, bucket_size=o.reduce_bucket_size,
-               dpu=o.dpu_warmup_steps is not None and mode == "offload", cuda=cuda,
-               micro_batches=max(1, gbs // (t.micro_batch_size * dp)),
-               accumulate_on_device=o.accumulate_grads_on_device,
-               reduce_bytes=4 if o.accumulate_allreduce_grads_in_fp32 else None,
-               moment_bytes=(2 if o.exp_avg_dtype == "bf16" else 4,
-                             2 if o.exp_avg_sq_dtype == "bf16" else 4),
-               offload_fraction=1.0 if o.optimizer_offload_fraction is None
-               else o.optimizer_offload_fraction)
+    return Run(
+        args.model,
+        tp=tp,
+        dp=dp,
+        mode=mode,
+        elem_bytes=2 if low else 4,
+        micro_batch=t.micro_batch_size,
+        bucket_size=o.reduce_bucket_size,
+        dpu=o.dpu_warmup_steps is not None and mode == "offload",
+        cuda=cuda,
+        micro_batches=max(1, gbs // (t.micro_batch_size * dp)),
+        accumulate_on_device=o.accumulate_grads_on_device,
+        reduce_bytes=4 if o.accumulate_allreduce_grads_in_fp32 else None,
+        moment_bytes=(
+            2 if o.exp_avg_dtype == "bf16" else 4,
+            2 if o.exp_avg_sq_dtype == "bf16" else 4,
+        ),
+        offload_fraction=1.0
+        if o.optimizer_offload_fraction is None
+        else o.optimizer_offload_fraction,
+    )
 
 
 def _host_memory_gib() -> float | None:
@@ -99,6 +116,7 @@ def hardware_from_env(world: int) -> tuple[Hardware, list[str]]:
     about itself; else defaults (an 80 GiB GPU, 256 GiB host of which 10% is kept free,
     min(world, 8) per node). Returns the notes saying where each number came from."""
     import torch
+
     notes, hw = [], Hardware()
     cuda = torch.cuda.is_available()
     env = os.environ.get
@@ -140,12 +158,16 @@ def _vocab_from_tokenizer(args: Args) -> str:
     if d.mock_data or d.tokenizer_type == "NullTokenizer" or not d.tokenizer_model:
         return f"vocabulary {args.model.vocab_size} (--vocab-size)"
     if not os.path.exists(d.tokenizer_model):
-        return (f"vocabulary {args.model.vocab_size} (--vocab-size; --tokenizer-model "
-                f"{d.tokenizer_model} not found here)")
+        return (
+            f"vocabulary {args.model.vocab_size} (--vocab-size; --tokenizer-model "
+            f"{d.tokenizer_model} not found here)"
+        )
     try:
         from ..data.tokenizer import build_tokenizer
-        args.model.vocab_size = build_tokenizer(d.tokenizer_type, d.tokenizer_model,
-                                                vocab_size=args.model.vocab_size).vocab_size
+
+        args.model.vocab_size = build_tokenizer(
+            d.tokenizer_type, d.tokenizer_model, vocab_size=args.model.vocab_size
+        ).vocab_size
         return f"vocabulary {args.model.vocab_size} (from {d.tokenizer_model})"
     except Exception as e:  # noqa: BLE001 - a plan is still useful without it
         return f"vocabulary {args.model.vocab_size} (--vocab-size; tokenizer failed: {e})"
@@ -170,14 +192,17 @@ def describe_model(args: Args, world: int) -> str:
     rc = m.recompute_activations
     n = num_parameters(m, tp)
     f = flops_per_token(m, rc, tp)
-    tokens = (args.train.global_batch_size or args.train.micro_batch_size * (world // tp)) \
-        * m.seq_length
-    return (f"GPT {m.num_layers} layers x hidden {m.hidden_size}, {m.num_attention_heads} heads,"
-            f" ffn {m.ffn_hidden_size}, seq {m.seq_length}, padded vocabulary "
-            f"{m.padded_vocab_size(tp)}{_options(m)}\n"
-            f"parameters {n:,} ({n / 1e9:.2f}B); training FLOPs per token {f / 1e9:.2f} G "
-            f"({'with' if rc else 'without'} recomputation); per step "
-            f"{tokens:,} tokens = {f * tokens / 1e15:.2f} PFLOP")
+    tokens = (
+        args.train.global_batch_size or args.train.micro_batch_size * (world // tp)
+    ) * m.seq_length
+    return (
+        f"GPT {m.num_layers} layers x hidden {m.hidden_size}, {m.num_attention_heads} heads,"
+        f" ffn {m.ffn_hidden_size}, seq {m.seq_length}, padded vocabulary "
+        f"{m.padded_vocab_size(tp)}{_options(m)}\n"
+        f"parameters {n:,} ({n / 1e9:.2f}B); training FLOPs per token {f / 1e9:.2f} G "
+        f"({'with' if rc else 'without'} recomputation); per step "
+        f"{tokens:,} tokens = {f * tokens / 1e15:.2f} PFLOP"
+    )
 
 
 def dry_run(args: Args, world: int) -> None:
@@ -209,7 +234,8 @@ def _fraction_line(run: Run, hw: Hardware) -> tuple[Run, str]:
         f"share that fits {hw.device_memory_gb:g} GiB: the first {kept:,} of each rank's "
         f"{s.host_numel:,} elements, {kept / s.host_numel:.1%} of its optimizer state, stay on "
         f"the device; "
-        f"device peak {plan.device_peak / GiB:.2f} GiB)")
+        f"device peak {plan.device_peak / GiB:.2f} GiB)"
+    )
 
 
 # -------------------------------------------------------------- the plan CLI
@@ -222,32 +248,63 @@ def _planner_parser() -> argparse.ArgumentParser:
         if kw.get("action") is None and "choices" not in kw:
             kw["metavar"] = flag[2:].replace("-", "_").upper()
         g.add_argument(flag, dest="plan." + flag[2:].replace("-", "_"), **kw)
+
     add("--device-memory-gb", type=float, default=80.0, help="per device, GiB")
     add("--host-memory-gb", type=float, default=256.0, help="per node, GiB")
-    add("--host-headroom-gb", type=float, default=None,
+    add(
+        "--host-headroom-gb",
+        type=float,
+        default=None,
         help="host memory per node a plan must leave free: OS, page cache, other jobs "
-        f"(default: {HEADROOM_FRACTION * 100:g}%% of --host-memory-gb)")
+        f"(default: {HEADROOM_FRACTION * 100:g}%% of --host-memory-gb)",
+    )
     add("--devices-per-node", type=int, default=8)
-    add("--device-reserved-gb", type=float, default=1.0,
-        help="CUDA context, library workspaces, allocator slack (GiB)")
+    add(
+        "--device-reserved-gb",
+        type=float,
+        default=1.0,
+        help="CUDA context, library workspaces, allocator slack (GiB)",
+    )
     add("--host-process-gb", type=float, default=2.0, help="per-rank process overhead (GiB)")
-    add("--mode", choices=ALL_MODES, default=None,
-        help="plan this mode (default: what the optimizer flags say)")
+    add(
+        "--mode",
+        choices=ALL_MODES,
+        default=None,
+        help="plan this mode (default: what the optimizer flags say)",
+    )
     add("--fp32", action="store_true", help="plan fp32 weights (default: --bf16)")
-    add("--no-cpu-offload", action="store_true",
-        help="plan without ZeRO-Offload (default: --cpu-offload)")
-    add("--no-recompute-activations", action="store_true",
-        help="plan without recomputation (default: --recompute-activations)")
+    add(
+        "--no-cpu-offload",
+        action="store_true",
+        help="plan without ZeRO-Offload (default: --cpu-offload)",
+    )
+    add(
+        "--no-recompute-activations",
+        action="store_true",
+        help="plan without recomputation (default: --recompute-activations)",
+    )
     add("--plan-cpu", action="store_true", help="plan a CPU run (no CUDA gradient staging)")
     add("--json", action="store_true", help="print the plan as JSON")
-    add("--model", choices=sorted(MODEL_PRESETS), default=None,
-        help="start from a published shape's flags (flags given here still win)")
-    add("--machine", choices=sorted(MACHINE_PRESETS), default=None,
+    add(
+        "--model",
+        choices=sorted(MODEL_PRESETS),
+        default=None,
+        help="start from a published shape's flags (flags given here still win)",
+    )
+    add(
+        "--machine",
+        choices=sorted(MACHINE_PRESETS),
+        default=None,
         help="start from a machine's hardware flags (memory, links, TFLOPS; flags given "
-             "here still win)")
+        "here still win)",
+    )
     add("--max-model", action="store_true", help="largest GPT of --family that fits")
-    add("--family", choices=FAMILIES, default="gpt3",
-        help="gpt3: width and depth grow together (depth h/128..h/64); layers: only depth")
+    add(
+        "--family",
+        choices=FAMILIES,
+        default="gpt3",
+        help="gpt3: width and depth grow together (depth h/128..h/64); layers: only depth",
+    )
     add("--paper-table", action="store_true", help="the ZeRO-Offload paper's size claims")
     add("--throughput", action="store_true", help="step-time model, 10B model, 1..128 GPUs")
     add("--throughput-model", choices=("10b", "flags"), default="10b")
@@ -259,12 +316,24 @@ def _planner_parser() -> argparse.ArgumentParser:
     add("--pcie-gbs", type=float, default=Machine.pcie_gbs)
     add("--cpu-cores-per-node", type=int, default=Machine.cpu_cores_per_node)
     add("--host-mem-gbs", type=float, default=Machine.host_mem_gbs)
-    add("--adam-rate-per-core", type=float, default=None,
-        help="elements/s (default: measured here, else 8e7)")
-    add("--tp-devices-per-node", type=int, default=Machine.devices_per_node,
-        help="devices per node for the throughput model")
-    add("--device-mem-gbs", type=float, default=Machine.device_mem_gbs,
-        help="device memory bandwidth (the optimizer step without offload)")
+    add(
+        "--adam-rate-per-core",
+        type=float,
+        default=None,
+        help="elements/s (default: measured here, else 8e7)",
+    )
+    add(
+        "--tp-devices-per-node",
+        type=int,
+        default=Machine.devices_per_node,
+        help="devices per node for the throughput model",
+    )
+    add(
+        "--device-mem-gbs",
+        type=float,
+        default=Machine.device_mem_gbs,
+        help="device memory bandwidth (the optimizer step without offload)",
+    )
     add("--plot", default=None, help="write the throughput PNG here (needs matplotlib)")
     # Flags left out take the launch scripts' values (LAUNCH_DEFAULTS): None marks "not given".
     p.set_defaults(**{dest: None for dest in (*LAUNCH_DEFAULTS, *SHAPE_DESTS)})
@@ -272,12 +341,19 @@ def _planner_parser() -> argparse.ArgumentParser:
 
 
 # What scripts/pretrain_gpt_*.sh train with, assumed by the planner for flags not given.
-LAUNCH_DEFAULTS = {"train.bf16": "--bf16", "optim.cpu_offload": "--cpu-offload",
-                   "model.recompute_activations": "--recompute-activations",
-                   "model.seq_length": "--seq-length 2048",
-                   "model.vocab_size": "--vocab-size 50257"}
-SHAPE_DESTS = ("model.num_layers", "model.hidden_size", "model.num_attention_heads",
-               "model.ffn_hidden_size")
+LAUNCH_DEFAULTS = {
+    "train.bf16": "--bf16",
+    "optim.cpu_offload": "--cpu-offload",
+    "model.recompute_activations": "--recompute-activations",
+    "model.seq_length": "--seq-length 2048",
+    "model.vocab_size": "--vocab-size 50257",
+}
+SHAPE_DESTS = (
+    "model.num_layers",
+    "model.hidden_size",
+    "model.num_attention_heads",
+    "model.ffn_hidden_size",
+)
 HEADROOM_FRACTION = 0.10
 
 
@@ -292,13 +368,17 @@ def _launch_defaults(parts: dict, opt: argparse.Namespace) -> list[str]:
         raise ConfigError("--no-cpu-offload excludes --cpu-offload")
     if opt.no_recompute_activations and m["recompute_activations"]:
         raise ConfigError("--no-recompute-activations excludes --recompute-activations")
-    opt.mode_given = bool(o["cpu_offload"] or opt.no_cpu_offload or opt.mode
-                          or o["optimizer"] != "adam")
-    opt.shape_given = any(parts[g][f] is not None for g, f in
-                          (d.split(".") for d in SHAPE_DESTS))
-    filled = {"train.bf16": not (t["fp16"] or opt.fp32), "optim.cpu_offload": not opt.mode_given,
-              "model.recompute_activations": not opt.no_recompute_activations,
-              "model.seq_length": 2048, "model.vocab_size": 50257}
+    opt.mode_given = bool(
+        o["cpu_offload"] or opt.no_cpu_offload or opt.mode or o["optimizer"] != "adam"
+    )
+    opt.shape_given = any(parts[g][f] is not None for g, f in (d.split(".") for d in SHAPE_DESTS))
+    filled = {
+        "train.bf16": not (t["fp16"] or opt.fp32),
+        "optim.cpu_offload": not opt.mode_given,
+        "model.recompute_activations": not opt.no_recompute_activations,
+        "model.seq_length": 2048,
+        "model.vocab_size": 50257,
+    }
     assumed = []
     for dest, value in filled.items():
         group, name = dest.split(".")
@@ -339,30 +419,42 @@ def parse(argv=None) -> tuple[Args, argparse.Namespace]:
 
 def recipe_plan(recipe) -> tuple[JobPlan, Run]:
     """The plan of one named-model recipe, as ``--model NAME FLAGS`` would make it."""
-    args, opt = parse(["--model", recipe.model, *recipe.flags,
-                       "--world-size", str(recipe.world)])
+    args, opt = parse(["--model", recipe.model, *recipe.flags, "--world-size", str(recipe.world)])
     args.train.dry_run = True
     resolve(args, recipe.world)
-    hw = Hardware(opt.device_memory_gb, opt.host_memory_gb, opt.devices_per_node,
-                  opt.device_reserved_gb, opt.host_process_gb)
+    hw = Hardware(
+        opt.device_memory_gb,
+        opt.host_memory_gb,
+        opt.devices_per_node,
+        opt.device_reserved_gb,
+        opt.host_process_gb,
+    )
     run = run_from_args(args, recipe.world, cuda=True)
     return plan_job(run, hw), run
 
 
 def format_recipe_table() -> str:
-    lines = ["\nthe Llama recipes (scripts/pretrain_llama*.sh), planned per rank (GiB):",
-             f"{'model':<12}{'hardware':<32}{'configuration':<46}{'device':>14}"
-             f"{'host/node':>16}  fits"]
+    lines = [
+        "\nthe Llama recipes (scripts/pretrain_llama*.sh), planned per rank (GiB):",
+        f"{'model':<12}{'hardware':<32}{'configuration':<46}{'device':>14}{'host/node':>16}  fits",
+    ]
     for recipe in RECIPES:
         plan, run = recipe_plan(recipe)
         dev = f"{plan.device_peak / GiB:.1f}/{plan.hw.device_memory_gb:g}"
         host = f"{plan.host_node_peak / GiB:.0f}/{plan.hw.host_usable_gb:g}"
-        why = "yes" if plan.fits else "no (" + ", ".join(
-            w for w, ok in (("device", plan.fits_device), ("host", plan.fits_host))
-            if not ok) + ")"
+        why = (
+            "yes"
+            if plan.fits
+            else "no ("
+            + ", ".join(
+                w for w, ok in (("device", plan.fits_device), ("host", plan.fits_host)) if not ok
+            )
+            + ")"
+        )
         label = f"{recipe_label(recipe)}, k={run.micro_batches}"
-        lines.append(f"{recipe.model:<12}{recipe.hardware:<32}{label:<46}{dev:>14}"
-                     f"{host:>16}  {why}")
+        lines.append(
+            f"{recipe.model:<12}{recipe.hardware:<32}{label:<46}{dev:>14}{host:>16}  {why}"
+        )
     return "\n".join(lines)
 
 
@@ -375,8 +467,9 @@ def main(argv=None) -> int:
     world = args.parallel.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     args.train.dry_run = True  # planning needs no --train-iters
     # No model given and nothing else asked: the question is what fits here.
-    ask_max = opt.max_model or not (opt.shape_given or opt.paper_table or opt.throughput
-                                    or opt.json)
+    ask_max = opt.max_model or not (
+        opt.shape_given or opt.paper_table or opt.throughput or opt.json
+    )
     if ask_max and not opt.shape_given:
         _searchable_base(args)
     try:
@@ -384,14 +477,25 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"plan: error: {e}", file=sys.stderr)
         return 2
-    headroom = opt.host_headroom_gb if opt.host_headroom_gb is not None \
+    headroom = (
+        opt.host_headroom_gb
+        if opt.host_headroom_gb is not None
         else HEADROOM_FRACTION * opt.host_memory_gb
-    hw = Hardware(opt.device_memory_gb, opt.host_memory_gb, opt.devices_per_node,
-                  opt.device_reserved_gb, opt.host_process_gb, host_headroom_gb=headroom)
+    )
+    hw = Hardware(
+        opt.device_memory_gb,
+        opt.host_memory_gb,
+        opt.devices_per_node,
+        opt.device_reserved_gb,
+        opt.host_process_gb,
+        host_headroom_gb=headroom,
+    )
     run = run_from_args(args, world, opt.mode, cuda=not opt.plan_cpu)
     if opt.paper_table:
-        print("largest GPT that fits (family gpt3, seq 1024, micro-batch "
-              f"{args.train.micro_batch_size}, recomputation on, fp16, GPT-2 vocabulary):")
+        print(
+            "largest GPT that fits (family gpt3, seq 1024, micro-batch "
+            f"{args.train.micro_batch_size}, recomputation on, fp16, GPT-2 vocabulary):"
+        )
         print(format_paper_table(paper_table(micro_batch=args.train.micro_batch_size)))
         print(bytes_per_param_note())
         print(format_recipe_table())
@@ -406,12 +510,23 @@ def main(argv=None) -> int:
         plan = plan_job(run, hw, source="meta")
         if opt.json:
             rp = plan.ranks[0]
-            print(json.dumps(dict(mode=run.mode, tp=run.tp, dp=run.dp,
-                                  offload_fraction=run.offload_fraction, device=rp.device,
-                                  host=rp.host, device_total=plan.device_peak,
-                                  host_node=plan.host_node_peak, fits=plan.fits,
-                                  exact=list(EXACT), parameters=num_parameters(args.model,
-                                                                               run.tp))))
+            print(
+                json.dumps(
+                    dict(
+                        mode=run.mode,
+                        tp=run.tp,
+                        dp=run.dp,
+                        offload_fraction=run.offload_fraction,
+                        device=rp.device,
+                        host=rp.host,
+                        device_total=plan.device_peak,
+                        host_node=plan.host_node_peak,
+                        fits=plan.fits,
+                        exact=list(EXACT),
+                        parameters=num_parameters(args.model, run.tp),
+                    )
+                )
+            )
         else:
             _print_assumed(args, opt, run, hw)
             print(describe_model(args, world))
@@ -430,8 +545,12 @@ def _searchable_base(args: Args) -> None:
     matter: heads (and so width) divisible by TP."""
     tp = args.parallel.tensor_model_parallel_size
     heads = math.lcm(16, tp)
-    args.model = replace(args.model, num_attention_heads=heads, hidden_size=128 * heads,
-                         ffn_hidden_size=4 * 128 * heads)
+    args.model = replace(
+        args.model,
+        num_attention_heads=heads,
+        hidden_size=128 * heads,
+        ffn_hidden_size=4 * 128 * heads,
+    )
 
 
 def _precision(args: Args) -> str:
@@ -441,28 +560,50 @@ def _precision(args: Args) -> str:
 def _print_assumed(args: Args, opt, run: Run, hw: Hardware) -> None:
     m = args.model
     nodes = -(-run.world // hw.devices_per_node)
-    print(f"planning {_precision(args)}, {MODE_LABELS.get(run.mode, run.mode)}, recompute "
-          f"{'on' if m.recompute_activations else 'off'}, seq {m.seq_length}, micro-batch "
-          f"{run.micro_batch}, TP={run.tp} x DP={run.dp}"
-          + (f"; assumed (the launch scripts' defaults; give the flag to change it): "
-             f"{' '.join(opt.assumed)}" if opt.assumed else ""))
-    print(f"hardware: {run.world} x {hw.device_memory_gb:g} GiB device(s) on {nodes} node(s) "
-          f"of {hw.devices_per_node}, host {hw.host_memory_gb:g} GiB per node with "
-          f"{hw.host_headroom_gb:.1f} GiB kept free (--host-headroom-gb)")
+    print(
+        f"planning {_precision(args)}, {MODE_LABELS.get(run.mode, run.mode)}, recompute "
+        f"{'on' if m.recompute_activations else 'off'}, seq {m.seq_length}, micro-batch "
+        f"{run.micro_batch}, TP={run.tp} x DP={run.dp}"
+        + (
+            f"; assumed (the launch scripts' defaults; give the flag to change it): "
+            f"{' '.join(opt.assumed)}"
+            if opt.assumed
+            else ""
+        )
+    )
+    print(
+        f"hardware: {run.world} x {hw.device_memory_gb:g} GiB device(s) on {nodes} node(s) "
+        f"of {hw.devices_per_node}, host {hw.host_memory_gb:g} GiB per node with "
+        f"{hw.host_headroom_gb:.1f} GiB kept free (--host-headroom-gb)"
+    )
 
 
 def _machine(opt, hw: Hardware) -> tuple[Machine, str]:
     measured = measure_adam_rate() if opt.adam_rate_per_core is None else None
     rate = opt.adam_rate_per_core or measured or Machine.adam_rate_per_core
-    src = "measured here, 1 thread" if measured else "given" if opt.adam_rate_per_core \
+    src = (
+        "measured here, 1 thread"
+        if measured
+        else "given"
+        if opt.adam_rate_per_core
         else "stated default"
-    return Machine(opt.device_tflops, hw.devices_per_node, opt.intra_node_gbs,
-                   opt.inter_node_gbs, opt.pcie_gbs, opt.cpu_cores_per_node, opt.host_mem_gbs,
-                   rate, opt.device_mem_gbs), src
+    )
+    return Machine(
+        opt.device_tflops,
+        hw.devices_per_node,
+        opt.intra_node_gbs,
+        opt.inter_node_gbs,
+        opt.pcie_gbs,
+        opt.cpu_cores_per_node,
+        opt.host_mem_gbs,
+        rate,
+        opt.device_mem_gbs,
+    ), src
 
 
-def _print_speed_and_launch(args: Args, opt, run: Run, plan, cfg, machine=None,
-                            rate_src: str = "") -> None:
+def _print_speed_and_launch(
+    args: Args, opt, run: Run, plan, cfg, machine=None, rate_src: str = ""
+) -> None:
     if machine is None:
         machine, rate_src = _machine(opt, plan.hw)
     st = speed(cfg, run, machine, opt.batch_per_gpu)
@@ -470,12 +611,28 @@ def _print_speed_and_launch(args: Args, opt, run: Run, plan, cfg, machine=None,
     if run.mode == "offload" and run.offload_fraction < 1:
         full = speed(cfg, replace(run, offload_fraction=1.0), machine, opt.batch_per_gpu)
         print(format_split_gain(st, full))
-    where = "every node, with its NODE_RANK and node 0's MASTER_ADDR" \
-        if len(plan.node_ranks) > 1 else "this node"
-    print(f"launch ({where}; {math.ceil(TRAIN_TOKENS / st.tokens_per_step):,} iterations = "
-          f"{TRAIN_TOKENS / 1e9:g}B tokens):")
-    print("  " + launch_command(cfg, run, plan, st, _precision(args), args.data.data_path,
-                                args.data.tokenizer_model, args.optim.dpu_warmup_steps))
+    where = (
+        "every node, with its NODE_RANK and node 0's MASTER_ADDR"
+        if len(plan.node_ranks) > 1
+        else "this node"
+    )
+    print(
+        f"launch ({where}; {math.ceil(TRAIN_TOKENS / st.tokens_per_step):,} iterations = "
+        f"{TRAIN_TOKENS / 1e9:g}B tokens):"
+    )
+    print(
+        "  "
+        + launch_command(
+            cfg,
+            run,
+            plan,
+            st,
+            _precision(args),
+            args.data.data_path,
+            args.data.tokenizer_model,
+            args.optim.dpu_warmup_steps,
+        )
+    )
 
 
 def _answer_max_model(args: Args, opt, run: Run, hw: Hardware) -> int:
@@ -487,12 +644,16 @@ def _answer_max_model(args: Args, opt, run: Run, hw: Hardware) -> int:
     mine = answers[run.mode].found
     if mine.cfg is not None:
         c = mine.cfg
-        print(f"max model ({opt.family}), {run.mode}: {mine.params / 1e9:.2f}B = --num-layers "
-              f"{c.num_layers} --hidden-size {c.hidden_size} --num-attention-heads "
-              f"{c.num_attention_heads} (stopped by: {mine.limit})")
+        print(
+            f"max model ({opt.family}), {run.mode}: {mine.params / 1e9:.2f}B = --num-layers "
+            f"{c.num_layers} --hidden-size {c.hidden_size} --num-attention-heads "
+            f"{c.num_attention_heads} (stopped by: {mine.limit})"
+        )
         print(format_job(mine.plan))
-    print(f"largest GPT per mode (family {opt.family}), same hardware, TP and batch; "
-          f"{opt.batch_per_gpu} sequences per GPU per step:")
+    print(
+        f"largest GPT per mode (family {opt.family}), same hardware, TP and batch; "
+        f"{opt.batch_per_gpu} sequences per GPU per step:"
+    )
     print(format_max_models(answers))
     note = larger_elsewhere(answers, run.mode)
     if note:
@@ -507,26 +668,50 @@ def _answer_max_model(args: Args, opt, run: Run, hw: Hardware) -> int:
 def _throughput(args: Args, opt) -> None:
     measured = measure_adam_rate() if opt.adam_rate_per_core is None else None
     rate = opt.adam_rate_per_core or measured or Machine.adam_rate_per_core
-    machine = Machine(opt.device_tflops, opt.tp_devices_per_node, opt.intra_node_gbs,
-                      opt.inter_node_gbs, opt.pcie_gbs, opt.cpu_cores_per_node,
-                      opt.host_mem_gbs, rate)
+    machine = Machine(
+        opt.device_tflops,
+        opt.tp_devices_per_node,
+        opt.intra_node_gbs,
+        opt.inter_node_gbs,
+        opt.pcie_gbs,
+        opt.cpu_cores_per_node,
+        opt.host_mem_gbs,
+        rate,
+    )
     cfg = ten_b() if opt.throughput_model == "10b" else args.model
     cfg = replace(cfg, recompute_activations=True) if opt.throughput_model == "10b" else cfg
     tp = 1 if opt.throughput_model == "10b" else args.parallel.tensor_model_parallel_size
-    rows = scaling(cfg, machine, [g for g in opt.gpus if g % tp == 0], tp=tp,
-                   batch_per_gpu=opt.batch_per_gpu, micro_batch=args.train.micro_batch_size)
-    src = "measured here, 1 thread" if measured else "given" if opt.adam_rate_per_core \
+    rows = scaling(
+        cfg,
+        machine,
+        [g for g in opt.gpus if g % tp == 0],
+        tp=tp,
+        batch_per_gpu=opt.batch_per_gpu,
+        micro_batch=args.train.micro_batch_size,
+    )
+    src = (
+        "measured here, 1 thread"
+        if measured
+        else "given"
+        if opt.adam_rate_per_core
         else "stated default"
-    print(f"throughput model: {num_parameters(cfg, tp) / 1e9:.2f}B ({cfg.num_layers}x"
-          f"{cfg.hidden_size}, seq {cfg.seq_length}), TP={tp}, {opt.batch_per_gpu} sequences "
-          f"per GPU per step in micro-batches of {args.train.micro_batch_size}; device "
-          f"{machine.device_tflops:g} TFLOPS sustained, DP link {machine.intra_node_gbs:g} GB/s "
-          f"in a node / {machine.inter_node_gbs:g} GB/s per GPU across, PCIe "
-          f"{machine.pcie_gbs:g} GB/s, host {machine.host_mem_gbs:g} GB/s and "
-          f"{machine.cpu_cores_per_node} cores per {machine.devices_per_node}-GPU node, CPU Adam "
-          f"{rate / 1e6:.0f} M elements/s per core ({src}); times in seconds per step")
+    )
+    print(
+        f"throughput model: {num_parameters(cfg, tp) / 1e9:.2f}B ({cfg.num_layers}x"
+        f"{cfg.hidden_size}, seq {cfg.seq_length}), TP={tp}, {opt.batch_per_gpu} sequences "
+        f"per GPU per step in micro-batches of {args.train.micro_batch_size}; device "
+        f"{machine.device_tflops:g} TFLOPS sustained, DP link {machine.intra_node_gbs:g} GB/s "
+        f"in a node / {machine.inter_node_gbs:g} GB/s per GPU across, PCIe "
+        f"{machine.pcie_gbs:g} GB/s, host {machine.host_mem_gbs:g} GB/s and "
+        f"{machine.cpu_cores_per_node} cores per {machine.devices_per_node}-GPU node, CPU Adam "
+        f"{rate / 1e6:.0f} M elements/s per core ({src}); times in seconds per step"
+    )
     print(format_scaling(rows))
     if opt.plot:
-        ok = plot_scaling(rows, opt.plot, f"{num_parameters(cfg, tp) / 1e9:.1f}B GPT, "
-                          f"ZeRO-Offload DP, predicted vs the paper's claim")
+        ok = plot_scaling(
+            rows,
+            opt.plot,
+            f"{num_parameters(cfg, tp) / 1e9:.1f}B GPT, "
+            f"ZeRO-Offload DP, predicted vs the paper's claim",
+        )
         print(f"wrote {opt.plot}" if ok else "matplotlib is not installed: no plot written")

@@ -6,6 +6,7 @@ with the device share (and host memory only shrinks), so the largest share that 
 device is found by bisection over the boundaries; the F printed is a short decimal that
 the optimizer rounds back to that very boundary.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace

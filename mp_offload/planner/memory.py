@@ -37,6 +37,7 @@ Modes, for comparison on the same model and layout:
   pytorch-o2  the same as 2020-era PyTorch/apex "O2" ran it: fp32 master gradients
            on top, 20Ψ/T (used to explain the paper's PyTorch baseline)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -50,13 +51,22 @@ from .shapes import RankShapes, meta_named_params, rank_shapes, spec_named_param
 GiB = 1 << 30
 MODES = ("offload", "zero2", "pytorch")  # compared by --dry-run
 ALL_MODES = MODES + ("pytorch-o2",)
-EXACT = ("params", "grad_buckets", "grad_accumulation", "master", "exp_avg", "exp_avg_sq",
-         "grads", "staging")
+EXACT = (
+    "params",
+    "grad_buckets",
+    "grad_accumulation",
+    "master",
+    "exp_avg",
+    "exp_avg_sq",
+    "grads",
+    "staging",
+)
 
 
 @dataclass
 class Hardware:
     """Sizes are GiB (2^30 bytes): "32 GB" V100s and "80 GB" H100s are GiB-sized."""
+
     device_memory_gb: float = 80.0
     host_memory_gb: float = 256.0  # per node
     devices_per_node: int = 8
@@ -75,6 +85,7 @@ class Hardware:
 @dataclass
 class Run:
     """One training configuration to plan."""
+
     cfg: GPTConfig
     tp: int = 1
     dp: int = 1
@@ -149,12 +160,18 @@ def plan_rank(run: Run, shapes: RankShapes, hw: Hardware) -> tuple[dict, dict, s
     if run.mode not in ALL_MODES:
         raise ValueError(f"unknown mode {run.mode!r}: one of {ALL_MODES}")
     plain = run.mode.startswith("pytorch")
-    act = estimate_activations(run.cfg, run.tp, run.micro_batch, e, flash=run.flash,
-                               grads_resident=plain)
+    act = estimate_activations(
+        run.cfg, run.tp, run.micro_batch, e, flash=run.flash, grads_resident=plain
+    )
     if plain:
         p = shapes.params
-        device = dict(params=e * p, grads=e * p, master=4 * p if e < 4 else 0,  # fp32: no copy
-                      exp_avg=4 * p, exp_avg_sq=4 * p)
+        device = dict(
+            params=e * p,
+            grads=e * p,
+            master=4 * p if e < 4 else 0,  # fp32: no copy
+            exp_avg=4 * p,
+            exp_avg_sq=4 * p,
+        )
         if run.mode == "pytorch-o2":
             device["master_grads"] = 4 * p
         host = {}
@@ -166,26 +183,29 @@ def plan_rank(run: Run, shapes: RankShapes, hw: Hardware) -> tuple[dict, dict, s
         m1, m2 = run.moment_bytes
         kept = shapes.device_share(run.offload_fraction) if offload else 0
         n -= kept  # the host part of a partially offloaded slice
-        state = dict(master=4 * n, exp_avg=m1 * n, exp_avg_sq=m2 * n,
-                     grads=0 if direct else 4 * n * copies)
-        device = dict(params=e * shapes.flat_numel,
-                      grad_buckets=r * shapes.max_bucket * (
-                          run.bucket_buffers or min(BUCKET_BUFFERS, shapes.num_buckets)))
+        state = dict(
+            master=4 * n, exp_avg=m1 * n, exp_avg_sq=m2 * n, grads=0 if direct else 4 * n * copies
+        )
+        device = dict(
+            params=e * shapes.flat_numel,
+            grad_buckets=r
+            * shapes.max_bucket
+            * (run.bucket_buffers or min(BUCKET_BUFFERS, shapes.num_buckets)),
+        )
         if acc:
             device["grad_accumulation"] = r * shapes.flat_numel
         # Offload only: low-precision params up, gradients down, pinned at exact size.
         # (A CPU "device" with one DP rank, no DPU and the whole slice on the host: Adam
         # writes the params in place.)
         up = e < 4 and (run.cuda or run.dp > 1 or run.dpu or kept > 0)
-        staging = (e * n if up else 0) + r * n * (copies if direct else 1) \
-            if offload else 0
+        staging = (e * n if up else 0) + r * n * (copies if direct else 1) if offload else 0
         host = dict(staging=staging)
         (host if offload else device).update(state)
         if kept:  # the device share: its own master, moments and fp32 gradient
-            device.update(master=4 * kept, exp_avg=m1 * kept, exp_avg_sq=m2 * kept,
-                          grads=4 * kept)
-    rs_out = (run.reduce_bytes or e) * (shapes.max_bucket // run.dp) \
-        if run.dp > 1 and not plain else 0
+            device.update(master=4 * kept, exp_avg=m1 * kept, exp_avg_sq=m2 * kept, grads=4 * kept)
+    rs_out = (
+        (run.reduce_bytes or e) * (shapes.max_bucket // run.dp) if run.dp > 1 and not plain else 0
+    )
     device.update(activations=act.peak, workspace=int(hw.device_reserved_gb * GiB) + rs_out)
     host["process"] = int(hw.host_process_gb * GiB)
     return device, host, act.phase
@@ -203,8 +223,11 @@ def plan_job(run: Run, hw: Hardware, source: str = "spec") -> JobPlan:
     kinds: dict[tuple, RankPlan] = {}
     tp_ranks = range(run.tp) if source == "meta" else [0]
     for r in tp_ranks:
-        named = (meta_named_params(run.cfg, run.tp, r) if source == "meta"
-                 else spec_named_params(run.cfg, run.tp))
+        named = (
+            meta_named_params(run.cfg, run.tp, r)
+            if source == "meta"
+            else spec_named_params(run.cfg, run.tp)
+        )
         shapes = rank_shapes(named, run.dp, run.bucket_size, tp_rank=r)
         device, host, phase = plan_rank(run, shapes, hw)
         key = (tuple(device.items()), tuple(host.items()))
@@ -218,8 +241,7 @@ def plan_job(run: Run, hw: Hardware, source: str = "spec") -> JobPlan:
 
 
 def compare_modes(run: Run, hw: Hardware) -> dict[str, JobPlan]:
-    return {m: plan_job(replace(run, mode=m, dpu=run.dpu and m == "offload"), hw)
-            for m in MODES}
+    return {m: plan_job(replace(run, mode=m, dpu=run.dpu and m == "offload"), hw) for m in MODES}
 
 
 # ------------------------------------------------------------------ printing
@@ -229,44 +251,60 @@ def gib(x: float) -> str:
 
 def format_rank(rp: RankPlan, run: Run) -> str:
     s = rp.shapes
-    lines = [f"  rank kind: TP rank(s) {_ranges(rp.tp_ranks)} x DP ranks 0..{run.dp - 1} "
-             f"({len(rp.tp_ranks) * run.dp} of {run.world} ranks)",
-             f"    this TP rank's params {s.params:,} ({s.sharded:,} split over TP, "
-             f"{s.replicated:,} replicated); flat buffer {s.flat_numel:,} elements in "
-             f"{s.num_buckets} buckets (largest {s.max_bucket:,}); host slice {s.host_numel:,}",
-             f"    {'device':<14}{'GiB':>9}      {'host (this rank)':<18}{'GiB':>9}"]
+    lines = [
+        f"  rank kind: TP rank(s) {_ranges(rp.tp_ranks)} x DP ranks 0..{run.dp - 1} "
+        f"({len(rp.tp_ranks) * run.dp} of {run.world} ranks)",
+        f"    this TP rank's params {s.params:,} ({s.sharded:,} split over TP, "
+        f"{s.replicated:,} replicated); flat buffer {s.flat_numel:,} elements in "
+        f"{s.num_buckets} buckets (largest {s.max_bucket:,}); host slice {s.host_numel:,}",
+        f"    {'device':<14}{'GiB':>9}      {'host (this rank)':<18}{'GiB':>9}",
+    ]
     dev, host = list(rp.device.items()), list(rp.host.items())
     for i in range(max(len(dev), len(host))):
-        left = f"{dev[i][0]:<14}{gib(dev[i][1])}{'' if dev[i][0] in EXACT else ' ~'}" \
-            if i < len(dev) else " " * 23
-        right = f"{host[i][0]:<18}{gib(host[i][1])}{'' if host[i][0] in EXACT else ' ~'}" \
-            if i < len(host) else ""
+        left = (
+            f"{dev[i][0]:<14}{gib(dev[i][1])}{'' if dev[i][0] in EXACT else ' ~'}"
+            if i < len(dev)
+            else " " * 23
+        )
+        right = (
+            f"{host[i][0]:<18}{gib(host[i][1])}{'' if host[i][0] in EXACT else ' ~'}"
+            if i < len(host)
+            else ""
+        )
         lines.append(f"    {left:<29}{right}")
-    lines.append(f"    {'total':<14}{gib(rp.device_total)}      {'total':<18}"
-                 f"{gib(rp.host_total)}")
+    lines.append(f"    {'total':<14}{gib(rp.device_total)}      {'total':<18}{gib(rp.host_total)}")
     lines.append(f"    (~ estimate; activation peak at: {rp.activation_phase})")
     return "\n".join(lines)
 
 
 def _ranges(xs: list[int]) -> str:
-    return f"{xs[0]}" if len(xs) == 1 else f"{xs[0]}..{xs[-1]}" \
-        if xs == list(range(xs[0], xs[-1] + 1)) else ",".join(map(str, xs))
+    return (
+        f"{xs[0]}"
+        if len(xs) == 1
+        else f"{xs[0]}..{xs[-1]}"
+        if xs == list(range(xs[0], xs[-1] + 1))
+        else ",".join(map(str, xs))
+    )
 
 
 def format_job(plan: JobPlan) -> str:
     run, hw = plan.run, plan.hw
-    head = (f"plan: mode {run.mode}{' + DPU' if run.dpu else ''}{_fraction(plan)}, "
-            f"TP={run.tp} DP={run.dp} "
-            f"(world {run.world}, {hw.devices_per_node} devices/node, "
-            f"{len(plan.node_ranks)} node(s)), micro-batch {run.micro_batch} x seq "
-            f"{run.cfg.seq_length}, {run.elem_bytes}-byte params, recompute "
-            f"{'on' if run.cfg.recompute_activations else 'off'}")
+    head = (
+        f"plan: mode {run.mode}{' + DPU' if run.dpu else ''}{_fraction(plan)}, "
+        f"TP={run.tp} DP={run.dp} "
+        f"(world {run.world}, {hw.devices_per_node} devices/node, "
+        f"{len(plan.node_ranks)} node(s)), micro-batch {run.micro_batch} x seq "
+        f"{run.cfg.seq_length}, {run.elem_bytes}-byte params, recompute "
+        f"{'on' if run.cfg.recompute_activations else 'off'}"
+    )
     body = [format_rank(rp, run) for rp in plan.ranks]
-    verdict = (f"  device: {plan.device_peak / GiB:.2f} of {hw.device_memory_gb:g} GiB -> "
-               f"{'fits' if plan.fits_device else 'DOES NOT FIT'}; host per node: "
-               f"{plan.host_node_peak / GiB:.2f} of {hw.host_memory_gb:g} GiB"
-               f"{_headroom(hw)} ({max(plan.node_ranks)} ranks) -> "
-               f"{'fits' if plan.fits_host else 'DOES NOT FIT'}")
+    verdict = (
+        f"  device: {plan.device_peak / GiB:.2f} of {hw.device_memory_gb:g} GiB -> "
+        f"{'fits' if plan.fits_device else 'DOES NOT FIT'}; host per node: "
+        f"{plan.host_node_peak / GiB:.2f} of {hw.host_memory_gb:g} GiB"
+        f"{_headroom(hw)} ({max(plan.node_ranks)} ranks) -> "
+        f"{'fits' if plan.fits_host else 'DOES NOT FIT'}"
+    )
     return "\n".join([head, *body, verdict])
 
 
@@ -276,8 +314,10 @@ def _fraction(plan: JobPlan) -> str:
         return ""
     s = plan.ranks[0].shapes
     kept = s.device_share(run.offload_fraction)
-    return (f" with --optimizer-offload-fraction {run.offload_fraction:g} (actual "
-            f"{1 - kept / s.host_numel:.4f}: the device keeps {kept:,} of {s.host_numel:,})")
+    return (
+        f" with --optimizer-offload-fraction {run.offload_fraction:g} (actual "
+        f"{1 - kept / s.host_numel:.4f}: the device keeps {kept:,} of {s.host_numel:,})"
+    )
 
 
 def _headroom(hw: Hardware) -> str:
@@ -287,8 +327,12 @@ def _headroom(hw: Hardware) -> str:
 
 
 def format_comparison(plans: dict[str, JobPlan]) -> str:
-    lines = ["  mode       device GiB/rank  host GiB/node  fits",
-             *(f"  {m:<9}{p.device_peak / GiB:14.2f}{p.host_node_peak / GiB:15.2f}  "
-               f"{'yes' if p.fits else 'no (' + ('device' if not p.fits_device else 'host') + ')'}"
-               for m, p in plans.items())]
+    lines = [
+        "  mode       device GiB/rank  host GiB/node  fits",
+        *(
+            f"  {m:<9}{p.device_peak / GiB:14.2f}{p.host_node_peak / GiB:15.2f}  "
+            f"{'yes' if p.fits else 'no (' + ('device' if not p.fits_device else 'host') + ')'}"
+            for m, p in plans.items()
+        ),
+    ]
     return "\n".join(lines)

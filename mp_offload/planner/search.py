@@ -10,6 +10,7 @@ Shape families (``--family``):
 For each width the depth is found by bisection (memory only grows with depth); the
 answer is the member with the most parameters that fits.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -19,8 +20,24 @@ from ..model.gpt import GPTConfig, num_parameters
 from .fraction import pick_offload_fraction
 from .memory import GiB, Hardware, JobPlan, Run, plan_job
 
-GPT3_WIDTHS = (768, 1024, 1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192, 10240,
-               12288, 14336, 16384)
+GPT3_WIDTHS = (
+    768,
+    1024,
+    1536,
+    2048,
+    2560,
+    3072,
+    3584,
+    4096,
+    5120,
+    6144,
+    7168,
+    8192,
+    10240,
+    12288,
+    14336,
+    16384,
+)
 FAMILIES = ("gpt3", "layers")
 
 
@@ -44,8 +61,9 @@ def family_widths(family: str, base: GPTConfig, tp: int) -> list[tuple[int, int,
 def _shape(base: GPTConfig, h: int, heads: int, layers: int, family: str) -> GPTConfig:
     if family == "layers":
         return replace(base, num_layers=layers)
-    return replace(base, num_layers=layers, hidden_size=h, num_attention_heads=heads,
-                   ffn_hidden_size=4 * h)
+    return replace(
+        base, num_layers=layers, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=4 * h
+    )
 
 
 @dataclass
@@ -56,11 +74,11 @@ class Found:
     limit: str  # what stops it from growing: device, host, or the family's range
 
 
-def max_model(run: Run, hw: Hardware, family: str = "gpt3",
-              pick_fraction: bool = False) -> Found:
+def max_model(run: Run, hw: Hardware, family: str = "gpt3", pick_fraction: bool = False) -> Found:
     """``pick_fraction`` (offload): each candidate keeps on the device the share of its
     optimizer state that fits there (``--optimizer-offload-fraction``), which lets a
     host-bound model grow; the found plan's ``run.offload_fraction`` is that F."""
+
     def plan_at(h, heads, layers):
         candidate = replace(run, cfg=_shape(run.cfg, h, heads, layers, family))
         if pick_fraction and run.mode == "offload":
@@ -114,37 +132,89 @@ def paper_rows() -> list[Row]:
     dgx2 = Hardware(**V100, name="DGX-2: 16x V100-32GB, 1.5 TB host")
     # This project's targets. Host sizes assumed: a single-GPU slice of a DGX/HGX node
     # gets 1/8 of its 2 TiB (256 GiB); the lent device machine has 128 GiB.
-    h100 = Hardware(device_memory_gb=80, host_memory_gb=256, devices_per_node=1,
-                    name="1x 80GB GPU, 256 GiB host")
-    hgx = Hardware(device_memory_gb=80, host_memory_gb=2048, devices_per_node=8,
-                   name="8x 80GB GPU node, 2 TiB host")
-    h200 = Hardware(device_memory_gb=141, host_memory_gb=256, devices_per_node=1,
-                    name="1x H200-141GB, 256 GiB host")
-    h200_lent = Hardware(device_memory_gb=139, host_memory_gb=128, devices_per_node=1,
-                         name="1x H200 (139 GiB usable), 128 GiB host")
-    h200x8 = Hardware(device_memory_gb=141, host_memory_gb=2048, devices_per_node=8,
-                      name="8x H200-141GB node, 2 TiB host")
+    h100 = Hardware(
+        device_memory_gb=80,
+        host_memory_gb=256,
+        devices_per_node=1,
+        name="1x 80GB GPU, 256 GiB host",
+    )
+    hgx = Hardware(
+        device_memory_gb=80,
+        host_memory_gb=2048,
+        devices_per_node=8,
+        name="8x 80GB GPU node, 2 TiB host",
+    )
+    h200 = Hardware(
+        device_memory_gb=141,
+        host_memory_gb=256,
+        devices_per_node=1,
+        name="1x H200-141GB, 256 GiB host",
+    )
+    h200_lent = Hardware(
+        device_memory_gb=139,
+        host_memory_gb=128,
+        devices_per_node=1,
+        name="1x H200 (139 GiB usable), 128 GiB host",
+    )
+    h200x8 = Hardware(
+        device_memory_gb=141,
+        host_memory_gb=2048,
+        devices_per_node=8,
+        name="8x H200-141GB node, 2 TiB host",
+    )
     return [
         Row("PyTorch (mixed-precision Adam)", one_v100, "pytorch", claim="~1.4B", claim_b=1.4),
-        Row("PyTorch as apex O2 ran it (20 B/param)", one_v100, "pytorch-o2", claim="~1.4B",
-            claim_b=1.4),
-        Row("ZeRO-Offload (fp32 grads on host)", one_v100, "offload", claim="~13B",
-            claim_b=13.0, micro_batches=2),
+        Row(
+            "PyTorch as apex O2 ran it (20 B/param)",
+            one_v100,
+            "pytorch-o2",
+            claim="~1.4B",
+            claim_b=1.4,
+        ),
+        Row(
+            "ZeRO-Offload (fp32 grads on host)",
+            one_v100,
+            "offload",
+            claim="~13B",
+            claim_b=13.0,
+            micro_batches=2,
+        ),
         Row("ZeRO-Offload, no fp32 grad copy", one_v100, "offload"),
         Row("+ bf16 moments", one_v100, "offload", moment_bytes=(2, 2)),
-        Row("model parallelism alone, TP=16", dgx2, "pytorch", tp=16, claim="<15B",
-            claim_b=15.0),
-        Row("model parallelism alone, TP=8 x DP=2", dgx2, "pytorch", tp=8, dp=2, claim="<15B",
-            claim_b=15.0),
-        Row("TP=16, apex O2 (20 B/param)", dgx2, "pytorch-o2", tp=16, claim="<15B",
-            claim_b=15.0),
-        Row("TP=8 x DP=2 + ZeRO-Offload (fp32 grads)", dgx2, "offload", tp=8, dp=2,
-            claim="~70B", claim_b=70.0, micro_batches=2),
-        Row("TP=16 + ZeRO-Offload (fp32 grads)", dgx2, "offload", tp=16, claim="~70B",
-            claim_b=70.0, micro_batches=2),
+        Row("model parallelism alone, TP=16", dgx2, "pytorch", tp=16, claim="<15B", claim_b=15.0),
+        Row(
+            "model parallelism alone, TP=8 x DP=2",
+            dgx2,
+            "pytorch",
+            tp=8,
+            dp=2,
+            claim="<15B",
+            claim_b=15.0,
+        ),
+        Row("TP=16, apex O2 (20 B/param)", dgx2, "pytorch-o2", tp=16, claim="<15B", claim_b=15.0),
+        Row(
+            "TP=8 x DP=2 + ZeRO-Offload (fp32 grads)",
+            dgx2,
+            "offload",
+            tp=8,
+            dp=2,
+            claim="~70B",
+            claim_b=70.0,
+            micro_batches=2,
+        ),
+        Row(
+            "TP=16 + ZeRO-Offload (fp32 grads)",
+            dgx2,
+            "offload",
+            tp=16,
+            claim="~70B",
+            claim_b=70.0,
+            micro_batches=2,
+        ),
         Row("TP=8 x DP=2 + Offload, no fp32 grad copy", dgx2, "offload", tp=8, dp=2),
-        Row("TP=16 + Offload, no fp32 grads, bf16 m/v", dgx2, "offload", tp=16,
-            moment_bytes=(2, 2)),
+        Row(
+            "TP=16 + Offload, no fp32 grads, bf16 m/v", dgx2, "offload", tp=16, moment_bytes=(2, 2)
+        ),
         Row("PyTorch (mixed-precision Adam)", h100, "pytorch"),
         Row("ZeRO-2, no offload (this code)", h100, "zero2"),
         Row("ZeRO-Offload (this code)", h100, "offload"),
@@ -160,36 +230,67 @@ def paper_rows() -> list[Row]:
 
 def paper_base(seq: int = 1024, micro_batch: int = 1, vocab: int = 50257) -> GPTConfig:
     """The shape assumptions of every row: GPT-2 vocabulary, recomputation on."""
-    return GPTConfig(num_layers=1, hidden_size=1024, num_attention_heads=16, seq_length=seq,
-                     vocab_size=vocab, recompute_activations=True)
+    return GPTConfig(
+        num_layers=1,
+        hidden_size=1024,
+        num_attention_heads=16,
+        seq_length=seq,
+        vocab_size=vocab,
+        recompute_activations=True,
+    )
 
 
-def paper_table(base: GPTConfig | None = None, micro_batch: int = 1,
-                family: str = "gpt3") -> list[tuple[Row, Found]]:
+def paper_table(
+    base: GPTConfig | None = None, micro_batch: int = 1, family: str = "gpt3"
+) -> list[tuple[Row, Found]]:
     base = base or paper_base()
-    return [(row, max_model(Run(base, tp=row.tp, dp=row.dp, mode=row.mode,
-                                micro_batch=micro_batch, micro_batches=row.micro_batches,
-                                moment_bytes=row.moment_bytes),
-                            row.hw, family, pick_fraction=row.pick_fraction))
-            for row in paper_rows()]
+    return [
+        (
+            row,
+            max_model(
+                Run(
+                    base,
+                    tp=row.tp,
+                    dp=row.dp,
+                    mode=row.mode,
+                    micro_batch=micro_batch,
+                    micro_batches=row.micro_batches,
+                    moment_bytes=row.moment_bytes,
+                ),
+                row.hw,
+                family,
+                pick_fraction=row.pick_fraction,
+            ),
+        )
+        for row in paper_rows()
+    ]
 
 
 def format_paper_table(results: list[tuple[Row, Found]]) -> str:
-    lines = [f"{'hardware':<42}{'mode':<43}{'largest':>9}  {'shape (LxH/heads)':<19}"
-             f"{'limit':<14}{'paper':>6}"]
+    lines = [
+        f"{'hardware':<42}{'mode':<43}{'largest':>9}  {'shape (LxH/heads)':<19}"
+        f"{'limit':<14}{'paper':>6}"
+    ]
     for row, found in results:
-        shape = (f"{found.cfg.num_layers}x{found.cfg.hidden_size}/"
-                 f"{found.cfg.num_attention_heads}" if found.cfg else "-")
+        shape = (
+            f"{found.cfg.num_layers}x{found.cfg.hidden_size}/{found.cfg.num_attention_heads}"
+            if found.cfg
+            else "-"
+        )
         label = row.label
         if row.pick_fraction and found.plan is not None:
             label += f" F={found.plan.run.offload_fraction:.2f}"
-        lines.append(f"{row.hw.name:<42}{label:<43}{found.params / 1e9:8.2f}B  {shape:<19}"
-                     f"{found.limit:<14}{row.claim or '-':>6}")
+        lines.append(
+            f"{row.hw.name:<42}{label:<43}{found.params / 1e9:8.2f}B  {shape:<19}"
+            f"{found.limit:<14}{row.claim or '-':>6}"
+        )
     return "\n".join(lines)
 
 
 def bytes_per_param_note() -> str:
-    return (f"host bytes per parameter with offload: 12 (fp32 master, m, v) + 2 (param "
-            f"staging) + 2 (grad staging) = 16, and 4 more for an fp32 gradient sum with "
-            f"gradient accumulation (20); a 1.5 TB host holds {1536 * GiB / 16 / 1e9:.0f}B "
-            f"({1536 * GiB / 20 / 1e9:.0f}B) parameters before any process overhead")
+    return (
+        f"host bytes per parameter with offload: 12 (fp32 master, m, v) + 2 (param "
+        f"staging) + 2 (grad staging) = 16, and 4 more for an fp32 gradient sum with "
+        f"gradient accumulation (20); a 1.5 TB host holds {1536 * GiB / 16 / 1e9:.0f}B "
+        f"({1536 * GiB / 20 / 1e9:.0f}B) parameters before any process overhead"
+    )

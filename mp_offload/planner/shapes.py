@@ -11,6 +11,7 @@ Two sources of the same list, so the planner is exact and still fast:
 Both feed ``mp_offload.optimizer.layout.FlatLayout`` itself, so buckets, padding and
 each DP rank's host slice come from the very rules the optimizer allocates with.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,12 +25,15 @@ from ..optimizer.device_share import split_buckets
 from ..optimizer.layout import FlatLayout
 
 
-def meta_named_params(cfg: GPTConfig, tp: int, tp_rank: int = 0,
-                      dtype=torch.bfloat16) -> list[tuple[str, torch.nn.Parameter]]:
+def meta_named_params(
+    cfg: GPTConfig, tp: int, tp_rank: int = 0, dtype=torch.bfloat16
+) -> list[tuple[str, torch.nn.Parameter]]:
     """The real model's ``named_parameters()`` on TP rank ``tp_rank`` of ``tp``, on meta."""
     from ..model.gpt import GPTModel
-    model = GPTModel(cfg, tp_group=ps.ParallelGroup.planned(tp, tp_rank), dtype=dtype,
-                     device="meta")
+
+    model = GPTModel(
+        cfg, tp_group=ps.ParallelGroup.planned(tp, tp_rank), dtype=dtype, device="meta"
+    )
     return list(model.named_parameters())
 
 
@@ -39,8 +43,7 @@ class ShapeParam:
     def __init__(self, shape: tuple[int, ...], sharded: bool, dim: int = -1, stride: int = 1):
         self.shape = torch.Size(shape)
         self.ndim = len(shape)
-        self.tensor_model_parallel, self.partition_dim, self.partition_stride = \
-            sharded, dim, stride
+        self.tensor_model_parallel, self.partition_dim, self.partition_stride = sharded, dim, stride
 
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -67,8 +70,9 @@ def spec_named_params(cfg: GPTConfig, tp: int) -> list[tuple[str, ShapeParam]]:
 
     def column(name, rows, stride=1):
         out = [(name + ".weight", ShapeParam((rows // tp, h), True, 0, stride))]
-        return out + [(name + ".bias", ShapeParam((rows // tp,), True, 0, stride))] \
-            if biases else out
+        return (
+            out + [(name + ".bias", ShapeParam((rows // tp,), True, 0, stride))] if biases else out
+        )
 
     def row(name, cols):
         out = [(name + ".weight", ShapeParam((h, cols // tp), True, 1))]
@@ -79,11 +83,14 @@ def spec_named_params(cfg: GPTConfig, tp: int) -> list[tuple[str, ShapeParam]]:
         out.append(("wpe.weight", rep(cfg.max_position_embeddings, h)))
     for i in range(cfg.num_layers):
         p = f"blocks.{i}."
-        out += [*norm(p + "ln1"),
-                *column(p + "attn.qkv", w["qkv"], 1 if cfg.group_query_attention else 3),
-                *row(p + "attn.proj", h), *norm(p + "ln2"),
-                *column(p + "mlp.fc1", w["fc1"], 2 if cfg.swiglu else 1),
-                *row(p + "mlp.fc2", f)]
+        out += [
+            *norm(p + "ln1"),
+            *column(p + "attn.qkv", w["qkv"], 1 if cfg.group_query_attention else 3),
+            *row(p + "attn.proj", h),
+            *norm(p + "ln2"),
+            *column(p + "mlp.fc1", w["fc1"], 2 if cfg.swiglu else 1),
+            *row(p + "mlp.fc2", f),
+        ]
     out += norm("ln_f")
     if cfg.untie_embeddings_and_output_weights:
         out.append(("output_layer.weight", ShapeParam((vocab, h), True, 0)))
@@ -93,20 +100,30 @@ def spec_named_params(cfg: GPTConfig, tp: int) -> list[tuple[str, ShapeParam]]:
 def check_spec(cfg: GPTConfig, tp: int, tp_rank: int = 0) -> None:
     """Raise if the written-down list differs from what gpt.py really builds (names,
     shapes and the split: tensor_model_parallel, partition_dim, partition_stride)."""
+
     def key(n, p):
-        return (n, tuple(p.shape), bool(p.tensor_model_parallel), p.partition_dim,
-                p.partition_stride)
+        return (
+            n,
+            tuple(p.shape),
+            bool(p.tensor_model_parallel),
+            p.partition_dim,
+            p.partition_stride,
+        )
+
     real = [key(n, p) for n, p in meta_named_params(cfg, tp, tp_rank)]
     spec = [key(n, p) for n, p in spec_named_params(cfg, tp)]
     if real != spec:
         diff = next((a, b) for a, b in zip(real + [None], spec + [None]) if a != b)
-        raise RuntimeError(f"planner: spec_named_params is out of date with gpt.py: "
-                           f"model has {diff[0]}, spec has {diff[1]}")
+        raise RuntimeError(
+            f"planner: spec_named_params is out of date with gpt.py: "
+            f"model has {diff[0]}, spec has {diff[1]}"
+        )
 
 
 @dataclass
 class RankShapes:
     """The exact element counts one rank allocates (see ZeroOptimizer)."""
+
     params: int  # this TP rank's parameters, unpadded (what plain PyTorch would hold)
     sharded: int  # of which split over TP
     replicated: int  # of which held whole by every TP rank
@@ -119,16 +136,22 @@ class RankShapes:
     def device_share(self, offload_fraction: float) -> int:
         """Elements of the slice kept on the device at this offload fraction (the
         optimizer's own split, ``device_share.split_buckets``)."""
-        return sum(self.chunks[:split_buckets(self.chunks, offload_fraction)])
+        return sum(self.chunks[: split_buckets(self.chunks, offload_fraction)])
 
 
-def rank_shapes(named_params, dp: int, bucket_size: int, tp_rank: int = 0,
-                dp_rank: int = 0) -> RankShapes:
+def rank_shapes(
+    named_params, dp: int, bucket_size: int, tp_rank: int = 0, dp_rank: int = 0
+) -> RankShapes:
     layout = FlatLayout(list(named_params), dp, dp_rank, tp_rank, bucket_size)
     sharded = sum(p.numel() for _, p in named_params if p.tensor_model_parallel)
     total = sum(p.numel() for _, p in named_params)
-    return RankShapes(params=total, sharded=sharded, replicated=total - sharded,
-                      flat_numel=layout.numel, host_numel=layout.host_numel,
-                      max_bucket=max(b.numel for b in layout.buckets),
-                      num_buckets=len(layout.buckets),
-                      chunks=tuple(b.chunk for b in layout.buckets))
+    return RankShapes(
+        params=total,
+        sharded=sharded,
+        replicated=total - sharded,
+        flat_numel=layout.numel,
+        host_numel=layout.host_numel,
+        max_bucket=max(b.numel for b in layout.buckets),
+        num_buckets=len(layout.buckets),
+        chunks=tuple(b.chunk for b in layout.buckets),
+    )

@@ -43,6 +43,7 @@ share of the node's network. TFLOPS/GPU = B*s*F/T / step time. Not modelled: ker
 efficiency changing with shapes, collective latency, host contention between the Adam
 thread and accumulation under DPU.
 """
+
 from __future__ import annotations
 
 import time
@@ -63,6 +64,7 @@ DEVICE_SHARE_BYTES_PER_ELEMENT = 34  # fused Adam 28, then master -> params 4 + 
 @dataclass
 class Machine:
     """Defaults: a DGX-2 (16x V100-32GB, 2x 24-core Xeon, 8x 100 Gb/s InfiniBand)."""
+
     device_tflops: float = 50.0  # sustained fwd/bwd, fp16 tensor cores on big GEMMs
     devices_per_node: int = 16
     intra_node_gbs: float = 100.0  # GB/s per GPU in collectives (NVSwitch)
@@ -90,8 +92,19 @@ def measure_adam_rate(numel: int = 1 << 22, repeats: int = 3) -> float | None:
         best = float("inf")
         for step in range(1, repeats + 1):
             t0 = time.perf_counter()
-            cpu_adam.adam_step(p, g, m, v, step=step, lr=1e-4, beta1=0.9, beta2=0.999,
-                               eps=1e-8, weight_decay=0.01, param_out=out)
+            cpu_adam.adam_step(
+                p,
+                g,
+                m,
+                v,
+                step=step,
+                lr=1e-4,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=0.01,
+                param_out=out,
+            )
             best = min(best, time.perf_counter() - t0)
         return numel / best
     finally:
@@ -131,10 +144,18 @@ class StepTime:
         return 1e9 / self.tokens_per_day
 
 
-def step_time(cfg: GPTConfig, gpus: int, machine: Machine, tp: int = 1,
-              batch_per_gpu: int = 16, micro_batch: int = 4, elem_bytes: int = 2,
-              bucket_size: int = DEFAULT_BUCKET_SIZE, mode: str = "offload",
-              offload_fraction: float = 1.0) -> StepTime:
+def step_time(
+    cfg: GPTConfig,
+    gpus: int,
+    machine: Machine,
+    tp: int = 1,
+    batch_per_gpu: int = 16,
+    micro_batch: int = 4,
+    elem_bytes: int = 2,
+    bucket_size: int = DEFAULT_BUCKET_SIZE,
+    mode: str = "offload",
+    offload_fraction: float = 1.0,
+) -> StepTime:
     if gpus % tp:
         raise ValueError(f"{gpus} GPUs do not split into TP={tp}")
     if mode not in ("offload", "zero2", "pytorch"):
@@ -150,8 +171,9 @@ def step_time(cfg: GPTConfig, gpus: int, machine: Machine, tp: int = 1,
     micro = batch_per_gpu // micro_batch
     ranks_node = min(gpus, machine.devices_per_node)
     host_bw = machine.host_mem_gbs * 1e9 / ranks_node
-    dp_bw = (machine.intra_node_gbs if gpus <= machine.devices_per_node
-             else machine.inter_node_gbs) * 1e9
+    dp_bw = (
+        machine.intra_node_gbs if gpus <= machine.devices_per_node else machine.inter_node_gbs
+    ) * 1e9
     pcie = machine.pcie_gbs * 1e9
 
     fb = micro_batch * s * F / tp / (machine.device_tflops * 1e12)
@@ -170,8 +192,10 @@ def step_time(cfg: GPTConfig, gpus: int, machine: Machine, tp: int = 1,
         accumulate = max(0.0, accumulate_work - bwd - grad_exposed)
         zero = ZERO_BYTES_PER_ELEMENT * n / host_bw
         norm = NORM_BYTES_PER_ELEMENT * n / host_bw
-        rate = min(machine.cpu_cores_per_node / ranks_node * machine.adam_rate_per_core,
-                   host_bw / ADAM_BYTES_PER_ELEMENT)
+        rate = min(
+            machine.cpu_cores_per_node / ranks_node * machine.adam_rate_per_core,
+            host_bw / ADAM_BYTES_PER_ELEMENT,
+        )
         adam_host = n / rate
         adam_device = DEVICE_SHARE_BYTES_PER_ELEMENT * kept / (machine.device_mem_gbs * 1e9)
         adam = max(adam_host, adam_device)  # the device share runs beside the CPU Adam
@@ -188,14 +212,35 @@ def step_time(cfg: GPTConfig, gpus: int, machine: Machine, tp: int = 1,
     per_micro = fb + tp_comm + grad_exposed + accumulate
     work = micro * per_micro
     sync = work + zero + norm + adam + up + ag
-    dpu = work + zero + norm + adam_device + max(0.0, adam_host - micro * fb) + up + ag \
-        if mode == "offload" else sync
+    dpu = (
+        work + zero + norm + adam_device + max(0.0, adam_host - micro * fb) + up + ag
+        if mode == "offload"
+        else sync
+    )
     flops = batch_per_gpu * s * F / tp
-    return StepTime(gpus, tp, dp, micro * fb, micro * tp_comm, micro * grad_exposed,
-                    micro * accumulate, zero, norm, adam, up, ag, sync, dpu,
-                    flops / sync / 1e12, flops / dpu / 1e12, mode,
-                    (batch_per_gpu // micro_batch) * micro_batch * dp * s, adam_host,
-                    adam_device, 1.0 - kept / shapes.host_numel if mode == "offload" else 0.0)
+    return StepTime(
+        gpus,
+        tp,
+        dp,
+        micro * fb,
+        micro * tp_comm,
+        micro * grad_exposed,
+        micro * accumulate,
+        zero,
+        norm,
+        adam,
+        up,
+        ag,
+        sync,
+        dpu,
+        flops / sync / 1e12,
+        flops / dpu / 1e12,
+        mode,
+        (batch_per_gpu // micro_batch) * micro_batch * dp * s,
+        adam_host,
+        adam_device,
+        1.0 - kept / shapes.host_numel if mode == "offload" else 0.0,
+    )
 
 
 def scaling(cfg: GPTConfig, machine: Machine, gpus=(1, 2, 4, 8, 16, 32, 64, 128), **kw):
@@ -204,21 +249,31 @@ def scaling(cfg: GPTConfig, machine: Machine, gpus=(1, 2, 4, 8, 16, 32, 64, 128)
 
 def ten_b() -> GPTConfig:
     """The paper's (and DeepSpeed's example) 10B: 50 x 4096, 32 heads, seq 1024."""
-    return GPTConfig(num_layers=50, hidden_size=4096, num_attention_heads=32, seq_length=1024,
-                     vocab_size=50257, recompute_activations=True)
+    return GPTConfig(
+        num_layers=50,
+        hidden_size=4096,
+        num_attention_heads=32,
+        seq_length=1024,
+        vocab_size=50257,
+        recompute_activations=True,
+    )
 
 
 def format_scaling(rows: list[StepTime]) -> str:
-    head = (f"{'GPUs':>5} {'TPxDP':>7} {'compute':>8} {'tp-comm':>8} {'grad-exp':>8} "
-            f"{'accum':>6} {'host':>5} {'adam':>6} {'up':>5} {'gather':>7} {'step s':>7} "
-            f"{'TF/GPU':>7} {'DPU s':>7} {'TF/GPU':>7}")
+    head = (
+        f"{'GPUs':>5} {'TPxDP':>7} {'compute':>8} {'tp-comm':>8} {'grad-exp':>8} "
+        f"{'accum':>6} {'host':>5} {'adam':>6} {'up':>5} {'gather':>7} {'step s':>7} "
+        f"{'TF/GPU':>7} {'DPU s':>7} {'TF/GPU':>7}"
+    )
     lines = [head]
     for r in rows:
-        lines.append(f"{r.gpus:5d} {f'{r.tp}x{r.dp}':>7} {r.compute:8.2f} {r.tp_comm:8.2f} "
-                     f"{r.grad_exposed:8.2f} {r.accumulate:6.2f} {r.zero + r.norm:5.2f} "
-                     f"{r.adam:6.2f} {r.copy_up:5.2f} "
-                     f"{r.all_gather:7.2f} {r.step_sync:7.2f} {r.tflops_sync:7.1f} "
-                     f"{r.step_dpu:7.2f} {r.tflops_dpu:7.1f}")
+        lines.append(
+            f"{r.gpus:5d} {f'{r.tp}x{r.dp}':>7} {r.compute:8.2f} {r.tp_comm:8.2f} "
+            f"{r.grad_exposed:8.2f} {r.accumulate:6.2f} {r.zero + r.norm:5.2f} "
+            f"{r.adam:6.2f} {r.copy_up:5.2f} "
+            f"{r.all_gather:7.2f} {r.step_sync:7.2f} {r.tflops_sync:7.1f} "
+            f"{r.step_dpu:7.2f} {r.tflops_dpu:7.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -226,6 +281,7 @@ def plot_scaling(rows: list[StepTime], path: str, title: str) -> bool:
     """Write the PNG; False (and nothing written) when matplotlib is not installed."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -252,5 +308,13 @@ def plot_scaling(rows: list[StepTime], path: str, title: str) -> bool:
     return True
 
 
-__all__ = ["Machine", "StepTime", "step_time", "scaling", "ten_b", "format_scaling",
-           "plot_scaling", "measure_adam_rate"]
+__all__ = [
+    "Machine",
+    "StepTime",
+    "step_time",
+    "scaling",
+    "ten_b",
+    "format_scaling",
+    "plot_scaling",
+    "measure_adam_rate",
+]

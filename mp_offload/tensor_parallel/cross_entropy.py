@@ -4,6 +4,7 @@ Per token: loss = log(sum_j exp(z_j - m)) - (z_target - m), with the max m, the 
 and the target logit each reduced across the TP group (three small all-reduces of
 [tokens] tensors instead of one all-gather of [tokens, vocab]).
 """
+
 from __future__ import annotations
 
 import torch
@@ -64,9 +65,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                                 group: ParallelGroup,
-                                 vocab_size: int | None = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, group: ParallelGroup, vocab_size: int | None = None
+) -> torch.Tensor:
     """Per-token loss (fp32, shape of ``target``) for logits split over the vocabulary.
 
     ``vocab_size``: the real (unpadded) vocabulary; columns past it are masked out.

@@ -12,6 +12,7 @@ of the tokens while being replicated (row-parallel biases; the norms built by th
 carry ``sequence_parallel = True``; ``register_sequence_parallel_grad_hooks`` sums
 their gradients over the TP group (DESIGN.md §2, reader 4).
 """
+
 from __future__ import annotations
 
 import functools
@@ -56,9 +57,15 @@ def resolve_tp_group(group: ps.ParallelGroup | None) -> ps.ParallelGroup:
     return group
 
 
-def _init_partition(param: torch.Tensor, full_shape: tuple[int, ...], partition_dim: int,
-                    stride: int, init_method: InitMethod | None, group: ps.ParallelGroup,
-                    valid_rows: int | None = None) -> None:
+def _init_partition(
+    param: torch.Tensor,
+    full_shape: tuple[int, ...],
+    partition_dim: int,
+    stride: int,
+    init_method: InitMethod | None,
+    group: ps.ParallelGroup,
+    valid_rows: int | None = None,
+) -> None:
     """Build the full weight once, keep this rank's slice.
 
     ``valid_rows``: only the first rows are drawn and the rest (vocabulary padding) are
@@ -74,8 +81,9 @@ def _init_partition(param: torch.Tensor, full_shape: tuple[int, ...], partition_
         param.copy_(part)
 
 
-def _replicated_param(shape, dtype, device, zero: bool = True,
-                      sequence_parallel: bool = False) -> nn.Parameter:
+def _replicated_param(
+    shape, dtype, device, zero: bool = True, sequence_parallel: bool = False
+) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
     if zero and p.device.type != "meta":
         with torch.no_grad():
@@ -113,8 +121,9 @@ class _SequenceParallelLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             group: ps.ParallelGroup) -> torch.Tensor:
+def sequence_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: ps.ParallelGroup
+) -> torch.Tensor:
     """A TP-split linear layer fed by sequence shards (see ``_SequenceParallelLinear``)."""
     if group.size == 1:
         return F.linear(x, weight, bias)
@@ -153,10 +162,21 @@ class ColumnParallelLinear(nn.Module):
     ``num_valid``: draw only the first output rows, the rest (vocabulary padding) zero.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
-                 gather_output: bool = False, init_method: InitMethod | None = None,
-                 stride: int = 1, tp_group=None, params_dtype=torch.float32, device=None,
-                 sequence_parallel: bool = False, num_valid: int | None = None):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        init_method: InitMethod | None = None,
+        stride: int = 1,
+        tp_group=None,
+        params_dtype=torch.float32,
+        device=None,
+        sequence_parallel: bool = False,
+        num_valid: int | None = None,
+    ):
         super().__init__()
         self.tp_group = resolve_tp_group(tp_group)
         world = self.tp_group.size
@@ -164,14 +184,25 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and world > 1
         self.output_size_per_partition = divide(output_size, world, "output size")
-        self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
-                                               dtype=params_dtype, device=device))
+        self.weight = nn.Parameter(
+            torch.empty(
+                self.output_size_per_partition, input_size, dtype=params_dtype, device=device
+            )
+        )
         set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
-        _init_partition(self.weight, (output_size, input_size), 0, stride,
-                        init_method or init_normal(0.02), self.tp_group, valid_rows=num_valid)
+        _init_partition(
+            self.weight,
+            (output_size, input_size),
+            0,
+            stride,
+            init_method or init_normal(0.02),
+            self.tp_group,
+            valid_rows=num_valid,
+        )
         if bias:
-            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition,
-                                                 dtype=params_dtype, device=device))
+            self.bias = nn.Parameter(
+                torch.zeros(self.output_size_per_partition, dtype=params_dtype, device=device)
+            )
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
         else:
             self.register_parameter("bias", None)
@@ -193,10 +224,19 @@ class RowParallelLinear(nn.Module):
     the bias, added to the shard only, is marked ``sequence_parallel``.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
-                 input_is_parallel: bool = True, init_method: InitMethod | None = None,
-                 tp_group=None, params_dtype=torch.float32, device=None,
-                 sequence_parallel: bool = False):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        init_method: InitMethod | None = None,
+        tp_group=None,
+        params_dtype=torch.float32,
+        device=None,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.tp_group = resolve_tp_group(tp_group)
         world = self.tp_group.size
@@ -206,19 +246,32 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("a sequence-parallel RowParallelLinear needs input_is_parallel")
         self.input_size_per_partition = divide(input_size, world, "input size")
-        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
-                                               dtype=params_dtype, device=device))
+        self.weight = nn.Parameter(
+            torch.empty(
+                output_size, self.input_size_per_partition, dtype=params_dtype, device=device
+            )
+        )
         set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
-        _init_partition(self.weight, (output_size, input_size), 1, 1,
-                        init_method or init_normal(0.02), self.tp_group)
-        self.bias = _replicated_param((output_size,), params_dtype, device,
-                                      sequence_parallel=self.sequence_parallel) if bias else None
+        _init_partition(
+            self.weight,
+            (output_size, input_size),
+            1,
+            1,
+            init_method or init_normal(0.02),
+            self.tp_group,
+        )
+        self.bias = (
+            _replicated_param(
+                (output_size,), params_dtype, device, sequence_parallel=self.sequence_parallel
+            )
+            if bias
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
-        reduce = reduce_scatter_from_tp_region if self.sequence_parallel else \
-            reduce_from_tp_region
+        reduce = reduce_scatter_from_tp_region if self.sequence_parallel else reduce_from_tp_region
         y = reduce(F.linear(x, self.weight), self.tp_group)
         return y + self.bias if self.bias is not None else y
 
@@ -231,10 +284,18 @@ class VocabParallelEmbedding(nn.Module):
     summed and split along the sequence, for sequence parallelism).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *,
-                 init_method: InitMethod | None = None, tp_group=None,
-                 params_dtype=torch.float32, device=None, num_valid: int | None = None,
-                 reduce_scatter: bool = False):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        init_method: InitMethod | None = None,
+        tp_group=None,
+        params_dtype=torch.float32,
+        device=None,
+        num_valid: int | None = None,
+        reduce_scatter: bool = False,
+    ):
         super().__init__()
         self.tp_group = resolve_tp_group(tp_group)
         self.reduce_scatter = reduce_scatter
@@ -242,11 +303,19 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         per = divide(num_embeddings, world, "padded vocabulary size")
         self.vocab_start, self.vocab_end = rank * per, (rank + 1) * per
-        self.weight = nn.Parameter(torch.empty(per, embedding_dim, dtype=params_dtype,
-                                               device=device))
+        self.weight = nn.Parameter(
+            torch.empty(per, embedding_dim, dtype=params_dtype, device=device)
+        )
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
-        _init_partition(self.weight, (num_embeddings, embedding_dim), 0, 1,
-                        init_method or init_normal(0.02), self.tp_group, valid_rows=num_valid)
+        _init_partition(
+            self.weight,
+            (num_embeddings, embedding_dim),
+            0,
+            1,
+            init_method or init_normal(0.02),
+            self.tp_group,
+            valid_rows=num_valid,
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size == 1:

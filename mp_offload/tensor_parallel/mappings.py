@@ -18,6 +18,7 @@ gradient summed and split, so each rank ends with 1/T of the tokens.
 Every function takes the TP group explicitly as a ``ParallelGroup``; for a group of one
 process they are all identities.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,8 +46,9 @@ def _split_last_dim(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     if group.size == 1:
         return x
     if x.shape[-1] % group.size != 0:
-        raise ValueError(f"last dimension {x.shape[-1]} is not divisible by the TP size "
-                         f"{group.size}")
+        raise ValueError(
+            f"last dimension {x.shape[-1]} is not divisible by the TP size {group.size}"
+        )
     return x.chunk(group.size, dim=-1)[group.rank].contiguous()
 
 
@@ -61,8 +63,10 @@ def _gather_last_dim(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
 
 def _check_sequence(x: torch.Tensor, group: ParallelGroup) -> None:
     if x.shape[SEQUENCE_DIM] % group.size != 0:
-        raise ValueError(f"sequence of {x.shape[SEQUENCE_DIM]} tokens is not divisible by the "
-                         f"TP size {group.size} (--sequence-parallel)")
+        raise ValueError(
+            f"sequence of {x.shape[SEQUENCE_DIM]} tokens is not divisible by the "
+            f"TP size {group.size} (--sequence-parallel)"
+        )
 
 
 def split_sequence(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
@@ -102,6 +106,7 @@ def _identity(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
 def _conjugate(name: str, forward_op, backward_op) -> type[torch.autograd.Function]:
     """An autograd Function doing ``forward_op`` in forward and ``backward_op`` on the
     gradient (both ``(tensor, group) -> tensor``)."""
+
     def forward(ctx, x, group):
         ctx.group = group
         return forward_op(x, group)
@@ -109,8 +114,11 @@ def _conjugate(name: str, forward_op, backward_op) -> type[torch.autograd.Functi
     def backward(ctx, grad):
         return backward_op(grad, ctx.group), None
 
-    return type(name, (torch.autograd.Function,),
-                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+    )
 
 
 _CopyToTP = _conjugate("_CopyToTP", _identity, _all_reduce)
@@ -119,10 +127,8 @@ _ScatterToTP = _conjugate("_ScatterToTP", _split_last_dim, _gather_last_dim)
 _GatherFromTP = _conjugate("_GatherFromTP", _gather_last_dim, _split_last_dim)
 _ScatterToSequence = _conjugate("_ScatterToSequence", split_sequence, gather_sequence)
 _GatherFromSequence = _conjugate("_GatherFromSequence", gather_sequence, split_sequence)
-_ReduceScatterFromTP = _conjugate("_ReduceScatterFromTP", reduce_scatter_sequence,
-                                  gather_sequence)
-_GatherSequenceToTP = _conjugate("_GatherSequenceToTP", gather_sequence,
-                                 reduce_scatter_sequence)
+_ReduceScatterFromTP = _conjugate("_ReduceScatterFromTP", reduce_scatter_sequence, gather_sequence)
+_GatherSequenceToTP = _conjugate("_GatherSequenceToTP", gather_sequence, reduce_scatter_sequence)
 
 
 def copy_to_tp_region(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:

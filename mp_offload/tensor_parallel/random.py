@@ -6,6 +6,7 @@ same mask everywhere; the tracker's "model-parallel-rng" stream is seeded per TP
 rank, so dropout on split activations (attention probabilities of each rank's own
 heads) differs across ranks as if the model were unsplit.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -89,9 +90,15 @@ def model_parallel_seed(seed: int, tp_rank: int, device: str | None = None) -> N
 
 def _autocast_state(device_types) -> list[dict]:
     """The autocast settings in force for each device type, as torch.autocast arguments."""
-    return [dict(device_type=t, enabled=torch.is_autocast_enabled(t),
-                 dtype=torch.get_autocast_dtype(t), cache_enabled=torch.is_autocast_cache_enabled())
-            for t in device_types]
+    return [
+        dict(
+            device_type=t,
+            enabled=torch.is_autocast_enabled(t),
+            dtype=torch.get_autocast_dtype(t),
+            cache_enabled=torch.is_autocast_cache_enabled(),
+        )
+        for t in device_types
+    ]
 
 
 class _Checkpoint(torch.autograd.Function):

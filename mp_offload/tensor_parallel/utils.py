@@ -7,6 +7,7 @@ tensor is cut into ``stride`` blocks along ``partition_dim``, each block into ``
 pieces, and rank r keeps piece r of every block (so a fused [q; k; v] weight gives
 each rank its own [q_r; k_r; v_r]).
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,9 @@ import torch
 TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
 
-def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool,
-                                         partition_dim: int, stride: int = 1) -> None:
+def set_tensor_model_parallel_attributes(
+    param: torch.Tensor, is_parallel: bool, partition_dim: int, stride: int = 1
+) -> None:
     param.tensor_model_parallel = is_parallel
     param.partition_dim = partition_dim
     param.partition_stride = stride
@@ -36,14 +38,16 @@ def is_duplicate_across_tp(param: torch.Tensor, tp_rank: int) -> bool:
     return not getattr(param, "tensor_model_parallel", False) and tp_rank != 0
 
 
-def split_for_rank(full: torch.Tensor, dim: int, world: int, rank: int,
-                   stride: int = 1) -> torch.Tensor:
+def split_for_rank(
+    full: torch.Tensor, dim: int, world: int, rank: int, stride: int = 1
+) -> torch.Tensor:
     if world == 1:
         return full
     size = full.shape[dim]
     if size % (world * stride) != 0:
-        raise ValueError(f"dimension {dim} of size {size} does not split into "
-                         f"{world} ranks x stride {stride}")
+        raise ValueError(
+            f"dimension {dim} of size {size} does not split into {world} ranks x stride {stride}"
+        )
     blocks = full.chunk(stride, dim=dim)
     return torch.cat([b.chunk(world, dim=dim)[rank] for b in blocks], dim=dim).contiguous()
 
