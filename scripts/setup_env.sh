@@ -19,7 +19,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 pip_install numpy sentencepiece tqdm pyyaml pybind11 "setuptools>=64" wheel
 # Always (re)register this checkout: another clone's editable install must not shadow it.
-# The test extras (pytest, transformers, safetensors, tokenizers, matplotlib) come with it,
+# The test extras (pytest, transformers, safetensors, tokenizers, matplotlib, ruff) come with it,
 # so every test runs (only CUDA tests skip without a GPU) and the main job draws its plot.
 pip_install --no-build-isolation -e ".[test]"
 "$PY" -c "import torch, mp_offload._cpu_adam as c; print(f'mp_offload ready: torch {torch.__version__}, CPU Adam {c.simd_level()}')"

@@ -1,4 +1,5 @@
-"""The tiny GPT the tests train, and its Adam settings, in one place.
+"""The tiny GPT the tests train, its Adam settings, the repository root and the tool
+loader, in one place.
 
 Importable from test modules and from the ranks they spawn (conftest.py puts tests/ on
 sys.path). Tests that need another size pass it as an override, so each test's model
@@ -6,6 +7,12 @@ stays visible at its call site.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import os
+
+#: the repository's root (tests run scripts and tools from there).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _TINY_GPT = dict(
     num_layers=2,
@@ -41,6 +48,15 @@ def tiny_model_flags(**overrides) -> list[str]:
         else:
             flags += [flag, format(value, "g") if isinstance(value, float) else str(value)]
     return flags
+
+
+def load_tool(name: str):
+    """``tools/<name>.py`` as a module: the tools are scripts, not a package."""
+    path = os.path.join(ROOT, "tools", name + ".py")
+    spec = importlib.util.spec_from_file_location(f"_tool_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 #: pretrain_gpt.py flags of the resume/reshard tests: the tiny GPT (vocabulary 100), mock

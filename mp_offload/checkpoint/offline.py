@@ -87,12 +87,6 @@ class FullTensors:
         )
 
 
-def load_full_fp32_weights(ckpt_dir: str, iteration: int | None = None):
-    """(GPTConfig, {name: full fp32 tensor}) of a checkpoint, saved padding kept."""
-    full = FullTensors(resolve_checkpoint(ckpt_dir, iteration))
-    return full.config, {n: full.get(n) for n in full.names}
-
-
 def load_weights_resharded(ckpt: str, model) -> None:
     """Copy a checkpoint's weights into ``model``'s TP slice (any saved TP size).
 

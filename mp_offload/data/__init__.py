@@ -15,61 +15,10 @@
   loader.py           MockGPTDataset, and BatchIterator: TP rank 0 reads, its TP group
                       receives a broadcast
   build.py            a run's datasets and batch iterators from its flags
+  checks.py           --data-path prefixes, tokenizer files, token ids vs vocabulary
+  hf_tokenizer.py     a run's tokenizer as Hugging Face AutoTokenizer files
 
-The package re-exports the main names of every module but loader.py and build.py,
-which the training loop imports itself (they need torch.distributed and
-parallel_state); the ``tokenizers`` and ``sentencepiece`` packages are imported only
-when used.
+Import from the modules themselves (``from mp_offload.data.tokenizer import ...``): the
+package re-exports nothing, so importing one module does not load the others (the
+``tokenizers`` and ``sentencepiece`` packages are imported only when used).
 """
-
-from .blended_dataset import BlendedDataset, build_blending_indices
-from .default_corpus import prepare_default_corpus
-from .gpt_dataset import (
-    GPTDataset,
-    build_train_valid_test_datasets,
-    parse_data_path,
-    split_bounds,
-)
-from .indexed_dataset import (
-    IndexedDatasetBuilder,
-    MMapIndexedDataset,
-    best_dtype,
-    exists,
-)
-from .preprocess import PreprocessError, preprocess
-from .samplers import PretrainingSampler, collate
-from .sentencepiece_convert import sentencepiece_to_tokenizer_json
-from .tokenizer import (
-    GPT2BPETokenizer,
-    HuggingFaceTokenizer,
-    NullTokenizer,
-    SentencePieceTokenizer,
-    build_tokenizer,
-)
-from .tokenizer_training import train_bpe_bytelevel, train_sentencepiece
-
-__all__ = [
-    "BlendedDataset",
-    "build_blending_indices",
-    "prepare_default_corpus",
-    "GPTDataset",
-    "build_train_valid_test_datasets",
-    "parse_data_path",
-    "split_bounds",
-    "IndexedDatasetBuilder",
-    "MMapIndexedDataset",
-    "best_dtype",
-    "exists",
-    "PreprocessError",
-    "preprocess",
-    "PretrainingSampler",
-    "collate",
-    "NullTokenizer",
-    "SentencePieceTokenizer",
-    "build_tokenizer",
-    "train_sentencepiece",
-    "HuggingFaceTokenizer",
-    "GPT2BPETokenizer",
-    "train_bpe_bytelevel",
-    "sentencepiece_to_tokenizer_json",
-]

@@ -125,11 +125,6 @@ class IndexedDatasetBuilder:
     def end_document(self) -> None:
         self._doc_idx.append(len(self._sizes))
 
-    def add_document(self, tokens) -> None:
-        """Convenience: one sequence that is a whole document."""
-        self.add_item(tokens)
-        self.end_document()
-
     def merge_file_(self, prefix: str) -> None:
         """Append every sequence/document of another dataset with the same dtype."""
         other = MMapIndexedDataset(prefix)

@@ -71,16 +71,6 @@ class ActivationEstimate:
     phase: str  # which moment gives the peak
     phases: dict | None = None  # every candidate moment's estimate
 
-    def as_dict(self) -> dict:
-        return dict(
-            per_layer=self.per_layer,
-            kept=self.kept,
-            outside=self.outside,
-            loss_kept=self.loss_kept,
-            peak=self.peak,
-            phase=self.phase,
-        )
-
 
 def estimate_activations(
     cfg: GPTConfig,
