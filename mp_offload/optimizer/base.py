@@ -1,7 +1,8 @@
 """The contract every optimizer of the training loop implements.
 
-The loop (``training.train_step``) and the checkpoint code call these and nothing
-else, so an optimizer is swappable without either of them probing what it is.
+The loop (``training``) and the checkpoint code (``checkpoint/save.py``, ``load.py``)
+use these members and nothing else, so an optimizer is swappable without either of
+them probing what it is (tests/test_optimizer_protocol.py holds them to that).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from .layout import FlatLayout
 
 # Elements per gradient bucket (reduce-scatter unit). The flat layout, and so the
 # optimizer slices a checkpoint stores, depends on it: keep it fixed for exact resume.
@@ -30,6 +33,9 @@ class Optimizer(Protocol):
     checkpoint_kind: str
     #: dtype to autocast the forward to, or None when the parameters are already in it.
     autocast_dtype: torch.dtype | None
+    #: the flat layout of this rank's slice, by which the checkpoint load re-partitions a
+    #: "zero" checkpoint saved at other sizes; None for the other kinds.
+    layout: FlatLayout | None
 
     def zero_grad(self) -> None:
         """Start accumulating the gradients of a new step."""

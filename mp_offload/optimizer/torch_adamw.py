@@ -24,6 +24,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 class TorchAdamWOptimizer:
     checkpoint_kind = "torch-adamw"
     skipped_steps = 0  # no loss scaling: never skips
+    layout = None  # not partitioned: its checkpoints reload at the saved sizes only
 
     def __init__(
         self,
