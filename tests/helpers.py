@@ -61,28 +61,12 @@ def load_tool(name: str):
 
 #: pretrain_gpt.py flags of the resume/reshard tests: the tiny GPT (vocabulary 100), mock
 #: data, 8 iterations with evaluation every 3, offload, buckets small enough for several.
-CKPT_RUN = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--vocab-size",
-    "100",
-    "--make-vocab-size-divisible-by",
-    "8",
+CKPT_RUN = tiny_model_flags(vocab_size=100) + [
     "--mock-data",
     "--micro-batch-size",
     "2",
     "--global-batch-size",
     "8",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
     "--lr",
     "3e-3",
     "--lr-warmup-iters",

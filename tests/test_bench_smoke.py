@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
+from helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 
 # Every test here runs a bench script in a subprocess (or reads what one wrote).

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 from dist_helpers import pretrain_worker, run_distributed
-from helpers import CKPT_RUN
+from helpers import CKPT_RUN, ROOT
 
 from mp_offload import parallel_state as ps
 from mp_offload.checkpoint import (
@@ -34,8 +34,6 @@ from mp_offload.optimizer import build_optimizer
 from mp_offload.tensor_parallel import random as tp_random
 
 pytestmark = pytest.mark.slow  # every test here spawns ranks
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(world, tp, *extra):

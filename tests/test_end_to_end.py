@@ -6,25 +6,15 @@ import subprocess
 import sys
 
 import pytest
+from helpers import ROOT, tiny_model_flags
 
 pytestmark = pytest.mark.slow  # every test here runs torchrun
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
+MODEL = tiny_model_flags(
+    hidden_size=64, seq_length=32, vocab_size=None, make_vocab_size_divisible_by=None
+) + [
     "--micro-batch-size",
     "2",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
     "--lr",
     "3e-3",
     "--log-interval",

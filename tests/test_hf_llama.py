@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from dist_helpers import run_distributed
+from helpers import ROOT
 
 from mp_offload import parallel_state as ps
 from mp_offload.checkpoint import ConversionError, FullTensors, resolve_checkpoint
@@ -26,7 +27,6 @@ from mp_offload.generation import load_model
 from mp_offload.model.gpt import GPTConfig
 from mp_offload.tensor_parallel import gather_from_tp_region
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, HIDDEN, HEADS, POS = 100, 64, 8, 32
 # name -> LlamaConfig overrides: GQA (G < a), MHA (G = a), one K/V head (G = 1), a tied
 # head with biases, and Llama 3's rope base.

@@ -6,9 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from helpers import tiny_model_flags
+from helpers import ROOT, tiny_model_flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = dict(hidden_size=64, seq_length=32, vocab_size=128, make_vocab_size_divisible_by=None)
 RUN = [
     "--mock-data",

@@ -16,14 +16,13 @@ import time
 import numpy as np
 import pytest
 from dist_helpers import free_port, run_distributed
-from helpers import tiny_model_flags
+from helpers import ROOT, tiny_model_flags
 
 from mp_offload.config import ConfigError, parse_args, resolve
 from mp_offload.data.checks import token_range
 from mp_offload.data.preprocess import preprocess
 from mp_offload.preflight import check_inputs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
 # vocabulary 96 (NullTokenizer: 97 ids with its EOD)
 TINY = tiny_model_flags() + [

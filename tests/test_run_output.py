@@ -11,11 +11,10 @@ import sys
 
 import pytest
 from dist_helpers import free_port, run_distributed
-from helpers import tiny_model_flags
+from helpers import ROOT, tiny_model_flags
 
 from mp_offload.training import pretrain
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = [
     *tiny_model_flags(vocab_size=100),
     "--mock-data",

@@ -1,12 +1,12 @@
 """User tools: TP merge, Hugging Face GPT-2 export/import, generation at any TP, loss plots."""
 
-import importlib.util
 import json
 import os
 
 import pytest
 import torch
 from dist_helpers import pretrain_worker, run_distributed
+from helpers import load_tool, tiny_model_flags
 
 from mp_offload.checkpoint import (
     ConversionError,
@@ -21,30 +21,13 @@ from mp_offload.data.loader import MockGPTDataset
 from mp_offload.generation import load_model, sample_token
 from mp_offload.generation import main as generate_main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, SEQ = 100, 16
-BASE = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    str(SEQ),
-    "--vocab-size",
-    str(VOCAB),
-    "--make-vocab-size-divisible-by",
-    "8",
+BASE = tiny_model_flags(seq_length=SEQ, vocab_size=VOCAB) + [
     "--mock-data",
     "--micro-batch-size",
     "2",
     "--global-batch-size",
     "8",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
     "--lr",
     "1e-2",
     "--lr-warmup-iters",
@@ -61,14 +44,6 @@ BASE = [
     "--reduce-bucket-size",
     "3000",
 ]
-
-
-def _tool(name):
-    """tools/<name>.py as a module (the tools are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", name + ".py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def train(world, tp, *extra):
@@ -103,7 +78,7 @@ def _logits_tp1(ckpt, tokens):
 def test_merged_tp1_checkpoint_continues_like_tp2(trained, tmp_path):
     merged = str(tmp_path / "merged")
     assert (
-        _tool("convert_checkpoint").main(
+        load_tool("convert_checkpoint").main(
             ["--load", str(trained / "ckpt"), "--iteration", "4", "--save-merged", merged]
         )
         == 0
@@ -128,7 +103,9 @@ def test_hf_export_gives_the_same_logits_in_transformers(trained, tmp_path):
     import transformers
 
     hf = str(tmp_path / "hf")
-    assert _tool("convert_checkpoint").main(["--load", str(trained / "ckpt"), "--hf-out", hf]) == 0
+    assert (
+        load_tool("convert_checkpoint").main(["--load", str(trained / "ckpt"), "--hf-out", hf]) == 0
+    )
     with open(os.path.join(hf, "config.json")) as f:
         cfg = json.load(f)
     assert cfg["vocab_size"] == VOCAB and cfg["architectures"] == ["GPT2LMHeadModel"]
@@ -143,7 +120,7 @@ def test_hf_export_gives_the_same_logits_in_transformers(trained, tmp_path):
 
 @pytest.mark.slow
 def test_hf_import_export_round_trip_and_finetune(trained, tmp_path):
-    tool = _tool("convert_checkpoint")
+    tool = load_tool("convert_checkpoint")
     hf1, hf2, imported = (str(tmp_path / n) for n in ("hf1", "hf2", "imported"))
     assert tool.main(["--load", str(trained / "ckpt"), "--hf-out", hf1]) == 0
     assert (
@@ -293,8 +270,10 @@ def test_sampling_never_picks_padded_vocabulary():
 @pytest.mark.slow
 def test_plot_loss_writes_a_png(trained, tmp_path):
     out = str(tmp_path / "loss.png")
-    assert _tool("plot_loss").main(["--log-json", str(trained / "log.jsonl"), "--out", out]) == 0
+    assert (
+        load_tool("plot_loss").main(["--log-json", str(trained / "log.jsonl"), "--out", out]) == 0
+    )
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    train_, valid = _tool("plot_loss").read_log(str(trained / "log.jsonl"))
+    train_, valid = load_tool("plot_loss").read_log(str(trained / "log.jsonl"))
     assert sorted(train_) == list(range(1, 9)) and 0 in valid
