@@ -92,7 +92,7 @@ def sentencepiece_to_tokenizer_json(model_path: str, out_path: str) -> str:
     below). How the pieces map onto ``tokenizers``: see ``_sp_bpe_model``,
     ``_sp_normalizers``, ``_sp_pre_tokenizers`` and ``_sp_decoders``.
 
-    Exactness, and its limits (each checked in tests/test_tokenizer.py):
+    Exactness, and its limits (each checked in tests/test_sentencepiece_convert.py):
 
     * The project's default (code-friendly, identity-normalised) models: ids are
       identical for all text. One input class does not round-trip, in
