@@ -19,3 +19,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# The small tokenizers of the tokenizer tests (tests/tokenizer_inputs.py), trained once.
+@pytest.fixture(scope="session")
+def sp_model(tmp_path_factory):
+    from tokenizer_inputs import small_sentencepiece
+
+    return small_sentencepiece(tmp_path_factory.mktemp("sp"))
+
+
+@pytest.fixture(scope="session")
+def bbpe_dir(tmp_path_factory):
+    from tokenizer_inputs import small_bpe_bytelevel
+
+    return small_bpe_bytelevel(tmp_path_factory.mktemp("bbpe"))

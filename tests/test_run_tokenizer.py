@@ -2,17 +2,7 @@
 rebuilt from the args a checkpoint records (tokenizer_for)."""
 
 import pytest
-from tokenizer_inputs import TEXT, small_bpe_bytelevel, small_sentencepiece
-
-
-@pytest.fixture(scope="module")
-def sp_model(tmp_path_factory):
-    return small_sentencepiece(tmp_path_factory.mktemp("sp"))
-
-
-@pytest.fixture(scope="module")
-def bbpe_dir(tmp_path_factory):
-    return small_bpe_bytelevel(tmp_path_factory.mktemp("bbpe"))
+from tokenizer_inputs import TEXT
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import json
 import random
 
 import pytest
-from tokenizer_inputs import TEXT, VARIED, small_bpe_bytelevel, small_sentencepiece
+from tokenizer_inputs import TEXT, VARIED
 
 from mp_offload.data.tokenizer import (
     EOD_TOKEN_NAMES,
@@ -15,16 +15,6 @@ from mp_offload.data.tokenizer import (
     NullTokenizer,
     build_tokenizer,
 )
-
-
-@pytest.fixture(scope="module")
-def sp_model(tmp_path_factory):
-    return small_sentencepiece(tmp_path_factory.mktemp("sp"))
-
-
-@pytest.fixture(scope="module")
-def bbpe_dir(tmp_path_factory):
-    return small_bpe_bytelevel(tmp_path_factory.mktemp("bbpe"))
 
 
 def test_sentencepiece_round_trip(sp_model):
