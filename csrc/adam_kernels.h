@@ -13,6 +13,23 @@
 // sees the unrounded fp32 moments), and they are stored rounded to nearest
 // even, as torch's .to(torch.bfloat16) does; NaN stays NaN.
 //
+// SPLIT. With remainders (OT == kRem) the fp32 master x lives as two uint16
+// halves: hi, the bf16 param that goes to the device, and lo. The tile joins x
+// from them, runs the very same step, and splits the new x back in place (no fp32
+// param, no separate bf16 copy: 26 B/element with fp32 moments and bf16 grads,
+// 18 with bf16 moments). With t = top half of x, a = |x| bits, r = lo >= 0x8000:
+//   lo = low half of x;  hi = sign | ((t + r) mod 0x7f80) for finite x, t otherwise.
+// For a fixed sign and lo this permutes the 15-bit magnitudes (a cyclic shift of
+// the 0x7f80 finite ones, the identity on inf/NaN), so it is a bijection on all
+// 2^32 patterns; join_hi_lo is its inverse. hi equals round-to-nearest-even except
+// (1) exact ties (lo == 0x8000) under an even t: away from zero (RNE goes to even);
+// (2) |x| >= 0x7f7f8000, which RNE sends to inf: hi = +-0; (3) a signalling NaN:
+// its top half (RNE forces the quiet bit), +-inf if its payload is all in lo.
+// No bijection does better: 0x7f7f is the nearest finite bf16 of 3 * 2^15 floats
+// but offers 2^16 lo codes, and the finite and inf/NaN classes are each exactly
+// full, so the surplus must go to the one free finite code, hi = +-0 with r = 1.
+// adam_step's bf16_rounding = split (OT == kBF16Split) rounds a param_out the same way.
+//
 // Every element's result depends on its own inputs only, never on where a
 // thread, vector or tail boundary falls: any split of the work (threads,
 // weight-decay runs, alignment peeling) gives the same bits.

@@ -225,7 +225,7 @@ def test_remainder_runs_threads_and_views(level, threads):
         _assert_same((pp, out, pm, pv), r, level)
 
 
-def test_bf16_rounding_option():
+def test_bf16_rounding_option(level):
     """'split' rounds even ties away from zero where 'nearest_even' (the default, as
     torch's .to) rounds them to even; everything else the same."""
     n = 1 << 12
