@@ -333,3 +333,22 @@ def test_bad_split_join_inputs():
         ca.join_fp32(x.bfloat16(), x.short(), out=torch.zeros(5))
     hi, lo = ca.split_fp32(torch.zeros(0))
     assert hi.numel() == 0 and ca.join_fp32(hi, lo).numel() == 0
+
+
+def test_raw_remainder_codes_and_addresses_checked_in_cpp():
+    b = _rem_bufs(4)
+    ptrs = [b[k].data_ptr() for k in ("param_hi", "param_lo", "grad")]
+    args = (*ptrs, 0, b["exp_avg"].data_ptr(), b["exp_avg_sq"].data_ptr(), 4, 1)
+    hyper = (1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1.0)
+    with pytest.raises(ValueError, match="exp_avg_dtype must be 0"):
+        _C.adam_step_remainder(*args, *hyper, exp_avg_dtype=1)
+    with pytest.raises(ValueError, match="grad_dtype must be"):
+        _C.adam_step_remainder(*args[:3], 5, *args[4:], *hyper)
+    with pytest.raises(ValueError, match="null param_hi/param_lo"):
+        _C.adam_step_remainder(args[0], 0, *args[2:], *hyper)
+    with pytest.raises(ValueError, match="null param_hi/param_lo"):
+        _C.adam_step_remainder(0, *args[1:], *hyper)
+    with pytest.raises(ValueError, match="step must be >= 1, got 0"):
+        _C.adam_step_remainder(*args[:-1], 0, *hyper)
+    with pytest.raises(ValueError, match="null x/hi/lo address"):
+        _C.split_fp32(0, ptrs[0], ptrs[1], 4)
