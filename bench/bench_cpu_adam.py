@@ -96,7 +96,11 @@ BF16_MODEL_TRAFFIC = {  # name -> (bytes/element, param and grad arrays, moment 
 for _name, (_nbytes, _arrays, _mom) in BF16_MODEL_TRAFFIC.items():
     _moments = [("exp_avg", _mom, _RW), ("exp_avg_sq", _mom, _RW)]
     _out = [("param_out", "bfloat16", _W)] if not _name.startswith("rem") else []
-    hc.TRAFFIC.setdefault(_name, (_nbytes, _arrays + _moments + _out))
+    _spec = _arrays + _moments + _out
+    _moved = sum((2 if dt != "float32" else 4) * (2 if mode == _RW else 1) for _, dt, mode in _spec)
+    assert _moved == _nbytes, f"{_name}: {_moved} B moved, {_nbytes} B claimed"
+    hc.TRAFFIC.setdefault(_name, (_nbytes, _spec))
+
 DECAY_RUNS = 200  # runs of the decay_runs row (~ a GPT slice: matrices decayed, biases/norms not)
 
 
