@@ -10,8 +10,10 @@ a noisy neighbour or a position in the round hurts all rows alike. Each row is w
 "GB/s eff." = bytes the step must move per element x elements / time:
   fp32 Adam step: read p, g, m, v + write p, m, v = 28 B; + bf16 copy out = 30 B;
   bf16/fp16 grads: 26 B; bf16 exp_avg and exp_avg_sq (fp32 grads): 20 B.
+  A bf16 model's step (bf16 grads, bf16 copy out): 28 B, 20 B with bf16 moments; with
+  the master as hi + lo halves (adam_step_remainder, no copy out): 26 B and 18 B.
 
-The ceiling does not use our kernel. For each traffic class (28/30/26/20 B) it is the
+The ceiling does not use our kernel. For each traffic class (28/30/26/20 B, ...) it is the
 best median of several access patterns that move exactly those bytes with trivial
 work (bench/bench_host_ceiling.py: contiguous per-thread ranges, round-robin or
 dynamic tiles, with and without non-temporal stores, one array at a time, torch's own
@@ -78,6 +80,27 @@ import bench_host_ceiling as hc
 from mp_offload.ops import cpu_adam as ca
 
 HP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+
+# The traffic of a bf16 model's step, today's and with remainders (this process only):
+# "param" is the fp32 master, or its bf16 hi half beside the lo half (2-byte elements
+# are all alike to the ceiling: bf16 keeps torch-ops' in-place mul_ legal for lo too).
+_RW, _R, _W = hc.READ_WRITE, hc.READ, hc.WRITE
+_MASTER = [("param", "float32", _RW), ("grad", "bfloat16", _R)]
+_HALVES = [("param", "bfloat16", _RW), ("param_lo", "bfloat16", _RW), ("grad", "bfloat16", _R)]
+BF16_MODEL_TRAFFIC = {  # name -> (bytes/element, param and grad arrays, moment dtype)
+    "bf16g+out": (28, _MASTER, "float32"),
+    "rem": (26, _HALVES, "float32"),
+    "bf16g+bf16mom+out": (20, _MASTER, "bfloat16"),
+    "rem+bf16mom": (18, _HALVES, "bfloat16"),
+}
+for _name, (_nbytes, _arrays, _mom) in BF16_MODEL_TRAFFIC.items():
+    _moments = [("exp_avg", _mom, _RW), ("exp_avg_sq", _mom, _RW)]
+    _out = [("param_out", "bfloat16", _W)] if not _name.startswith("rem") else []
+    _spec = _arrays + _moments + _out
+    _moved = sum((2 if dt != "float32" else 4) * (2 if mode == _RW else 1) for _, dt, mode in _spec)
+    assert _moved == _nbytes, f"{_name}: {_moved} B moved, {_nbytes} B claimed"
+    hc.TRAFFIC.setdefault(_name, (_nbytes, _spec))
+
 DECAY_RUNS = 200  # runs of the decay_runs row (~ a GPT slice: matrices decayed, biases/norms not)
 
 
@@ -123,6 +146,9 @@ def bench_size(n, ds_cls, ds_note, lib):
         torch.zeros(n, dtype=torch.bfloat16),
         torch.zeros(n, dtype=torch.bfloat16),
     )
+    # ours with remainders: the halves of p's copy (fp32 moments) and of pb's (bf16 moments)
+    rem = (*ca.split_fp32(p), m.clone(), v.clone())
+    remb = (*ca.split_fp32(pb), mb.clone(), vb.clone())
     # torch / DeepSpeed: one big param with an fp32 grad, each optimizer with its own state
     tp = torch.nn.Parameter(torch.randn(n, generator=gen))
     tp.grad = torch.randn(n, generator=gen)
@@ -152,6 +178,16 @@ def bench_size(n, ds_cls, ds_note, lib):
                 param_out=param_out,
                 decay_runs=decay_runs,
             )
+
+        return run
+
+    def ours_rem(state):
+        def run():
+            step[0] += 1
+            beta1, beta2 = HP["betas"]
+            hp = {"lr": HP["lr"], "eps": HP["eps"], "weight_decay": HP["weight_decay"]}
+            hi, lo, m, v = state
+            ca.adam_step_remainder(hi, lo, gbf, m, v, step=step[0], beta1=beta1, beta2=beta2, **hp)
 
         return run
 
@@ -191,12 +227,37 @@ def bench_size(n, ds_cls, ds_note, lib):
     ]
     if ds is not None:
         rows.append(("deepspeed", "(10) DeepSpeedCPUAdam", 28, ds.step, "fp32"))
+    rows += [  # a bf16 model's step: today's (fp32 master + bf16 copy) and with remainders
+        (
+            "ours_bf16g_out",
+            "(11) ours bf16 grads + bf16 param_out",
+            28,
+            ours(gbf, out),
+            "bf16g+out",
+        ),
+        ("ours_rem", "(12) ours remainders (hi + lo), bf16 grads", 26, ours_rem(rem), "rem"),
+        (
+            "ours_bf16g_bf16mom_out",
+            "(13) ours bf16 grads + bf16 moments + param_out",
+            20,
+            ours(gbf, out, state=(pb, mb, vb)),
+            "bf16g+bf16mom+out",
+        ),
+        (
+            "ours_rem_bf16mom",
+            "(14) ours remainders + bf16 moments",
+            18,
+            ours_rem(remb),
+            "rem+bf16mom",
+        ),
+    ]
     # the ceiling: every pattern of every traffic class is a row of the round-robin too
     scratch = {}
     shared = {"grad": g32}
     ceil_rows = []  # (traffic, pattern, key)
     for traffic in hc.TRAFFIC:
-        sh = dict(shared, grad=gbf) if traffic == "bf16grad" else shared
+        grad_dtype = next(dt for name, dt, _ in hc.TRAFFIC[traffic][1] if name == "grad")
+        sh = dict(shared, grad=gbf) if grad_dtype == "bfloat16" else shared
         ceiling = hc.HostCeiling(lib, torch, n, ARGS.threads, traffic, shared=sh, scratch=scratch)
         for pattern, fn in ceiling.patterns():
             key = f"ceil_{traffic}_{pattern}"
@@ -210,7 +271,7 @@ def bench_size(n, ds_cls, ds_note, lib):
     rows.append(
         (
             "stream_probe",
-            "(12) stream_probe (our pattern), 28 B",
+            "(16) stream_probe (our pattern), 28 B",
             28,
             lambda: ca.stream_probe(sp, g32, sm, sv),
             "fp32",
@@ -285,7 +346,7 @@ def bench_size(n, ds_cls, ds_note, lib):
     for traffic, c in ceiling.items():
         r = row(
             c["key"],
-            f"(11) ceiling {c['bytes_per_elem']} B: {c['best']}",
+            f"(15) ceiling {traffic} {c['bytes_per_elem']} B: {c['best']}",
             c["bytes_per_elem"],
             traffic,
             out_key=f"ceiling_{traffic}",
@@ -320,6 +381,26 @@ def bench_size(n, ds_cls, ds_note, lib):
             "ours + bf16 copy within 10% of ceiling",
             paired(ceiling["fp32+bf16out"]["key"], "ours_fp32_bf16out"),
             0.90,
+        ),
+        (
+            "remainders within 10% of ceiling (26 B)",
+            paired(ceiling["rem"]["key"], "ours_rem"),
+            0.90,
+        ),
+        (
+            "remainders + bf16 moments within 10% of ceiling (18 B)",
+            paired(ceiling["rem+bf16mom"]["key"], "ours_rem_bf16mom"),
+            0.90,
+        ),
+        (
+            "remainders at <= 0.95x today's bf16 step (t_today / t_rem)",
+            paired("ours_bf16g_out", "ours_rem"),
+            1 / 0.95,
+        ),
+        (
+            "remainders + bf16 moments at <= 0.95x today's (t_today / t_rem)",
+            paired("ours_bf16g_bf16mom_out", "ours_rem_bf16mom"),
+            1 / 0.95,
         ),
     ]
     if ds is not None:
@@ -359,12 +440,12 @@ def print_table(n, results, ceiling):
         )
     print("ceiling patterns (median ms; * = best):")
     names = list(next(iter(ceiling.values()))["patterns_ms"])
-    print(f"  {'traffic':16s}" + "".join(f"{k:>15s}" for k in names))
+    print(f"  {'traffic':24s}" + "".join(f"{k:>15s}" for k in names))
     for traffic, c in ceiling.items():
         cells = "".join(
             f"{_ms(c['patterns_ms'][k], 14)}{'*' if k == c['best'] else ' '}" for k in names
         )
-        print(f"  {traffic + ' ' + str(c['bytes_per_elem']) + ' B':16s}{cells}")
+        print(f"  {traffic + ' ' + str(c['bytes_per_elem']) + ' B':24s}{cells}")
 
 
 def main():

@@ -13,6 +13,23 @@
 // sees the unrounded fp32 moments), and they are stored rounded to nearest
 // even, as torch's .to(torch.bfloat16) does; NaN stays NaN.
 //
+// SPLIT. With remainders (OT == kRem) the fp32 master x lives as two uint16
+// halves: hi, the bf16 param that goes to the device, and lo. The tile joins x
+// from them, runs the very same step, and splits the new x back in place (no fp32
+// param, no separate bf16 copy: 26 B/element with fp32 moments and bf16 grads,
+// 18 with bf16 moments). With t = top half of x, a = |x| bits, r = lo >= 0x8000:
+//   lo = low half of x;  hi = sign | ((t + r) mod 0x7f80) for finite x, t otherwise.
+// For a fixed sign and lo this permutes the 15-bit magnitudes (a cyclic shift of
+// the 0x7f80 finite ones, the identity on inf/NaN), so it is a bijection on all
+// 2^32 patterns; join_hi_lo is its inverse. hi equals round-to-nearest-even except
+// (1) exact ties (lo == 0x8000) under an even t: away from zero (RNE goes to even);
+// (2) |x| >= 0x7f7f8000, which RNE sends to inf: hi = +-0; (3) a signalling NaN:
+// its top half (RNE forces the quiet bit), +-inf if its payload is all in lo.
+// No bijection does better: 0x7f7f is the nearest finite bf16 of 3 * 2^15 floats
+// but offers 2^16 lo codes, and the finite and inf/NaN classes are each exactly
+// full, so the surplus must go to the one free finite code, hi = +-0 with r = 1.
+// adam_step's bf16_rounding = split (OT == kBF16Split) rounds a param_out the same way.
+//
 // Every element's result depends on its own inputs only, never on where a
 // thread, vector or tail boundary falls: any split of the work (threads,
 // weight-decay runs, alignment peeling) gives the same bits.
@@ -83,13 +100,15 @@ Hyper make_hyper(long long step, double lr, double beta1, double beta2, double e
   return h;
 }
 
-// Moments are float* or uint16_t* (bf16) as the tile's template says.
+// Moments are float* or uint16_t* (bf16) as the tile's template says. With
+// OT == kRem there is no fp32 param (p is null): out holds hi, lo the remainders.
 struct Job {
   float* p;
   const void* g;
   void* m;
   void* v;
   void* out;
+  std::uint16_t* lo;
   Hyper h;
 };
 
@@ -101,9 +120,11 @@ void tile_scalar(const Job& j, std::size_t b, std::size_t e) {
   void* const mp = j.m;
   void* const vp = j.v;
   void* const op = j.out;
+  std::uint16_t* const lp = j.lo;
   for (std::size_t i = b; i < e; ++i) {
     float g = load_scalar<GT>(gp, i) * h.grad_scale;
-    float p = pp[i], m = load_scalar<MT>(mp, i), v = load_scalar<VT>(vp, i);
+    float p = OT == kRem ? join_hi_lo(static_cast<std::uint16_t*>(op)[i], lp[i]) : pp[i];
+    float m = load_scalar<MT>(mp, i), v = load_scalar<VT>(vp, i);
     if constexpr (PROBE) {  // same traffic, trivial math
       m = m + g; v = v + g; p = p + g;
     } else {
@@ -114,10 +135,15 @@ void tile_scalar(const Job& j, std::size_t b, std::size_t e) {
       const float d = std::sqrt(v) / h.bc2_sqrt + h.eps;
       p = p + (h.neg_step * m) / d;
     }
-    pp[i] = p;
+    if constexpr (OT != kRem) pp[i] = p;
     store_scalar<MT, false>(mp, i, m);
     store_scalar<VT, false>(vp, i, v);
-    store_scalar<OT, true>(op, i, p);
+    if constexpr (OT == kRem) {
+      static_cast<std::uint16_t*>(op)[i] = split_hi(p);
+      lp[i] = split_lo(p);
+    } else {
+      store_scalar<OT, true>(op, i, p);
+    }
   }
 }
 
@@ -128,23 +154,42 @@ void tile_scalar(const Job& j, std::size_t b, std::size_t e) {
 template <int W>
 struct TailBuf {
   alignas(64) float p[W] = {}, g[W] = {}, m[W] = {}, v[W] = {};
-  alignas(64) std::uint16_t out[W] = {};
+  alignas(64) std::uint16_t out[W] = {}, lo[W] = {};
+  // With remainders (j.lo set) hi (in out) and lo are read as well as written.
   Job load(const Job& j, int gt, int mt, int vt, std::size_t i, std::size_t r) {
-    std::memcpy(p, j.p + i, r * 4);
+    if (j.p) std::memcpy(p, j.p + i, r * 4);
+    if (j.lo) std::memcpy(out, static_cast<const std::uint16_t*>(j.out) + i, r * 2);
+    if (j.lo) std::memcpy(lo, j.lo + i, r * 2);
     std::memcpy(g, static_cast<const char*>(j.g) + i * dsize(gt), r * dsize(gt));
     std::memcpy(m, static_cast<const char*>(j.m) + i * dsize(mt), r * dsize(mt));
     std::memcpy(v, static_cast<const char*>(j.v) + i * dsize(vt), r * dsize(vt));
     Job t = j;
-    t.p = p; t.g = g; t.m = m; t.v = v; t.out = j.out ? out : nullptr;
+    t.p = p; t.g = g; t.m = m; t.v = v; t.out = j.out ? out : nullptr; t.lo = j.lo ? lo : nullptr;
     return t;
   }
   void store(const Job& j, int mt, int vt, std::size_t i, std::size_t r) const {
-    std::memcpy(j.p + i, p, r * 4);
+    if (j.p) std::memcpy(j.p + i, p, r * 4);
     std::memcpy(static_cast<char*>(j.m) + i * dsize(mt), m, r * dsize(mt));
     std::memcpy(static_cast<char*>(j.v) + i * dsize(vt), v, r * dsize(vt));
     if (j.out) std::memcpy(static_cast<std::uint16_t*>(j.out) + i, out, r * 2);
+    if (j.lo) std::memcpy(j.lo + i, lo, r * 2);
   }
 };
+
+// Elements from i up to the param's next W-element boundary (W * 4 bytes of the
+// fp32 param, W * 2 of hi with remainders): no vector load then splits a cache line.
+template <int W, int OT>
+std::size_t head_len(const Job& j, std::size_t i, std::size_t e) {
+  const std::uintptr_t at = OT == kRem ? reinterpret_cast<std::uintptr_t>(static_cast<std::uint16_t*>(j.out) + i) / 2
+                                       : reinterpret_cast<std::uintptr_t>(j.p + i) / 4;
+  return std::min(e - i, (W - at % W) % W);
+}
+
+// param_out is write-only: streamed when aligned. Never with remainders (hi is read too).
+template <int OT, int ALIGN>
+bool stream_out(const Job& j, std::size_t i) {
+  return OT != kNone && OT != kRem && reinterpret_cast<std::uintptr_t>(static_cast<std::uint16_t*>(j.out) + i) % ALIGN == 0;
+}
 
 // One call's buffers, copied out of the Job into a local: stores through them
 // then cannot alias the pointers, so the loop never reloads them.
@@ -154,7 +199,8 @@ struct Ptrs {
   void* m;
   void* v;
   void* out;
-  explicit Ptrs(const Job& j) : p(j.p), g(j.g), m(j.m), v(j.v), out(j.out) {}
+  std::uint16_t* lo;
+  explicit Ptrs(const Job& j) : p(j.p), g(j.g), m(j.m), v(j.v), out(j.out), lo(j.lo) {}
 };
 
 // The vector loops take U vectors per step, stage by stage (all loads, then each
@@ -188,11 +234,32 @@ MPO_AVX2 inline __m256 div_bc2_avx2(__m256 x, const C256& c) {
   return q2;
 }
 
+// The param: fp32, or joined from / split into (hi, lo) with remainders.
+template <int OT>
+MPO_AVX2 inline __m256 load_p_avx2(const Ptrs& s, std::size_t i) {
+  if constexpr (OT != kRem) return _mm256_loadu_ps(s.p + i);
+  else
+    return join_avx2(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const std::uint16_t*>(s.out) + i)),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(s.lo + i)));
+}
+
+template <int OT, bool NT>
+MPO_AVX2 inline void store_p_avx2(const Ptrs& s, std::size_t i, __m256 p) {
+  if constexpr (OT != kRem) {
+    store_out_avx2<OT, NT>(s.out, i, p);
+  } else {
+    __m128i hi, lo;
+    split_avx2(p, &hi, &lo);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<std::uint16_t*>(s.out) + i), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(s.lo + i), lo);
+  }
+}
+
 template <int GT, int MT, int VT, int OT, bool PROBE, bool NT, int U>
 MPO_AVX2 inline void body_avx2(const Ptrs& s, const C256& c, std::size_t i) {
   __m256 g[U], p[U], m[U], v[U];
   MPO_UNROLL for (int u = 0; u < U; ++u) g[u] = load_avx2<GT>(s.g, i + 8 * u);
-  MPO_UNROLL for (int u = 0; u < U; ++u) p[u] = _mm256_loadu_ps(s.p + i + 8 * u);
+  MPO_UNROLL for (int u = 0; u < U; ++u) p[u] = load_p_avx2<OT>(s, i + 8 * u);
   MPO_UNROLL for (int u = 0; u < U; ++u) m[u] = load_avx2<MT>(s.m, i + 8 * u);
   MPO_UNROLL for (int u = 0; u < U; ++u) v[u] = load_avx2<VT>(s.v, i + 8 * u);
   if (c.scale) MPO_UNROLL for (int u = 0; u < U; ++u) g[u] = _mm256_mul_ps(g[u], c.gs);
@@ -210,10 +277,10 @@ MPO_AVX2 inline void body_avx2(const Ptrs& s, const C256& c, std::size_t i) {
     MPO_UNROLL for (int u = 0; u < U; ++u) d[u] = _mm256_add_ps(div_bc2_avx2(_mm256_sqrt_ps(v[u]), c), c.eps);
     MPO_UNROLL for (int u = 0; u < U; ++u) p[u] = _mm256_add_ps(p[u], _mm256_div_ps(_mm256_mul_ps(c.nstep, m[u]), d[u]));
   }
-  MPO_UNROLL for (int u = 0; u < U; ++u) _mm256_storeu_ps(s.p + i + 8 * u, p[u]);
+  if constexpr (OT != kRem) MPO_UNROLL for (int u = 0; u < U; ++u) _mm256_storeu_ps(s.p + i + 8 * u, p[u]);
   MPO_UNROLL for (int u = 0; u < U; ++u) store_mom_avx2<MT>(s.m, i + 8 * u, m[u]);
   MPO_UNROLL for (int u = 0; u < U; ++u) store_mom_avx2<VT>(s.v, i + 8 * u, v[u]);
-  MPO_UNROLL for (int u = 0; u < U; ++u) store_out_avx2<OT, NT>(s.out, i + 8 * u, p[u]);
+  MPO_UNROLL for (int u = 0; u < U; ++u) store_p_avx2<OT, NT>(s, i + 8 * u, p[u]);
 }
 
 template <int GT, int MT, int VT, int OT, bool PROBE>
@@ -240,12 +307,11 @@ MPO_AVX2 void tile_avx2(const Job& j, std::size_t b, std::size_t e) {
   const C256 c(j.h);
   const Ptrs s(j);
   std::size_t i = b;
-  // Peel up to the param's next 32-byte boundary: no vector load splits a cache line.
-  const std::size_t head = std::min(e - i, (8 - (reinterpret_cast<std::uintptr_t>(j.p + i) / 4) % 8) % 8);
+  const std::size_t head = head_len<8, OT>(j, i, e);
   if (head) piece_avx2<GT, MT, VT, OT, PROBE>(j, c, i, head);
   i += head;
-  if (OT != kNone && reinterpret_cast<std::uintptr_t>(static_cast<std::uint16_t*>(j.out) + i) % 16 == 0)
-    i = loop_avx2<GT, MT, VT, OT, PROBE, true>(s, c, i, e);  // param_out is write-only: stream it
+  if (stream_out<OT, 16>(j, i))
+    i = loop_avx2<GT, MT, VT, OT, PROBE, true>(s, c, i, e);
   else
     i = loop_avx2<GT, MT, VT, OT, PROBE, false>(s, c, i, e);
   if (i < e) piece_avx2<GT, MT, VT, OT, PROBE>(j, c, i, e - i);
@@ -273,11 +339,32 @@ MPO_AVX512 inline __m512 div_bc2_avx512(__m512 x, const C512& c) {
   return q2;
 }
 
+template <int OT>
+MPO_AVX512 inline __m512 load_p_avx512(const Ptrs& s, std::size_t i) {
+  if constexpr (OT != kRem) return _mm512_loadu_ps(s.p + i);
+  else
+    return join_avx512(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const std::uint16_t*>(s.out) + i)),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.lo + i)));
+}
+
+template <int OT, bool NT>
+MPO_AVX512 inline void store_p_avx512(const Ptrs& s, std::size_t i, __m512 p) {
+  if constexpr (OT != kRem) {
+    store_out_avx512<OT, NT>(s.out, i, p);
+  } else {
+    __m256i hi, lo;
+    split_avx512(p, &hi, &lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<std::uint16_t*>(s.out) + i), hi);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.lo + i), lo);
+  }
+}
+
 template <int GT, int MT, int VT, int OT, bool PROBE, bool NT, int U>
 MPO_AVX512 inline void body_avx512(const Ptrs& s, const C512& c, std::size_t i) {
   __m512 g[U], p[U], m[U], v[U];
   MPO_UNROLL for (int u = 0; u < U; ++u) g[u] = load_avx512<GT>(s.g, i + 16 * u);
-  MPO_UNROLL for (int u = 0; u < U; ++u) p[u] = _mm512_loadu_ps(s.p + i + 16 * u);
+  MPO_UNROLL for (int u = 0; u < U; ++u) p[u] = load_p_avx512<OT>(s, i + 16 * u);
   MPO_UNROLL for (int u = 0; u < U; ++u) m[u] = load_avx512<MT>(s.m, i + 16 * u);
   MPO_UNROLL for (int u = 0; u < U; ++u) v[u] = load_avx512<VT>(s.v, i + 16 * u);
   if (c.scale) MPO_UNROLL for (int u = 0; u < U; ++u) g[u] = _mm512_mul_ps(g[u], c.gs);
@@ -295,10 +382,10 @@ MPO_AVX512 inline void body_avx512(const Ptrs& s, const C512& c, std::size_t i) 
     MPO_UNROLL for (int u = 0; u < U; ++u) d[u] = _mm512_add_ps(div_bc2_avx512(_mm512_sqrt_ps(v[u]), c), c.eps);
     MPO_UNROLL for (int u = 0; u < U; ++u) p[u] = _mm512_add_ps(p[u], _mm512_div_ps(_mm512_mul_ps(c.nstep, m[u]), d[u]));
   }
-  MPO_UNROLL for (int u = 0; u < U; ++u) _mm512_storeu_ps(s.p + i + 16 * u, p[u]);
+  if constexpr (OT != kRem) MPO_UNROLL for (int u = 0; u < U; ++u) _mm512_storeu_ps(s.p + i + 16 * u, p[u]);
   MPO_UNROLL for (int u = 0; u < U; ++u) store_mom_avx512<MT>(s.m, i + 16 * u, m[u]);
   MPO_UNROLL for (int u = 0; u < U; ++u) store_mom_avx512<VT>(s.v, i + 16 * u, v[u]);
-  MPO_UNROLL for (int u = 0; u < U; ++u) store_out_avx512<OT, NT>(s.out, i + 16 * u, p[u]);
+  MPO_UNROLL for (int u = 0; u < U; ++u) store_p_avx512<OT, NT>(s, i + 16 * u, p[u]);
 }
 
 template <int GT, int MT, int VT, int OT, bool PROBE>
@@ -325,12 +412,11 @@ MPO_AVX512 void tile_avx512(const Job& j, std::size_t b, std::size_t e) {
   const C512 c(j.h);
   const Ptrs s(j);
   std::size_t i = b;
-  // Peel up to the param's next 64-byte boundary: no vector load splits a cache line.
-  const std::size_t head = std::min(e - i, (16 - (reinterpret_cast<std::uintptr_t>(j.p + i) / 4) % 16) % 16);
+  const std::size_t head = head_len<16, OT>(j, i, e);
   if (head) piece_avx512<GT, MT, VT, OT, PROBE>(j, c, i, head);
   i += head;
-  if (OT != kNone && reinterpret_cast<std::uintptr_t>(static_cast<std::uint16_t*>(j.out) + i) % 32 == 0)
-    i = loop_avx512<GT, MT, VT, OT, PROBE, true>(s, c, i, e);  // param_out is write-only: stream it
+  if (stream_out<OT, 32>(j, i))
+    i = loop_avx512<GT, MT, VT, OT, PROBE, true>(s, c, i, e);
   else
     i = loop_avx512<GT, MT, VT, OT, PROBE, false>(s, c, i, e);
   if (i < e) piece_avx512<GT, MT, VT, OT, PROBE>(j, c, i, e - i);
@@ -354,6 +440,10 @@ template <int GT, int MT, int VT, bool PROBE>
 TileFn pick_out(int level, int ot) {
   if (ot == kF16) return pick_level<GT, MT, VT, kF16, PROBE>(level);
   if (ot == kBF16) return pick_level<GT, MT, VT, kBF16, PROBE>(level);
+  if constexpr (!PROBE) {  // stream_probe has neither
+    if (ot == kBF16Split) return pick_level<GT, MT, VT, kBF16Split, PROBE>(level);
+    if (ot == kRem) return pick_level<GT, MT, VT, kRem, PROBE>(level);
+  }
   return pick_level<GT, MT, VT, kNone, PROBE>(level);
 }
 

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "adam_kernels.h"
+#include "split_kernels.h"
 
 namespace py = pybind11;
 
@@ -107,11 +108,30 @@ void check_codes(int grad_dtype, std::uintptr_t out_ptr, int out_dtype, int exp_
                                 std::to_string(exp_avg_sq_dtype));
 }
 
+// The buffers of a call (lo: the remainders, 0 without); Hyper is filled in later.
 Job make_job(std::uintptr_t p, std::uintptr_t g, std::uintptr_t m, std::uintptr_t v, std::uintptr_t out,
-             const Hyper& h) {
-  if (!p || !g || !m || !v) throw std::invalid_argument("null param/grad/exp_avg/exp_avg_sq address");
+             std::uintptr_t lo = 0) {
   return Job{reinterpret_cast<float*>(p), reinterpret_cast<const void*>(g), reinterpret_cast<void*>(m),
-             reinterpret_cast<void*>(v), reinterpret_cast<void*>(out), h};
+             reinterpret_cast<void*>(v), reinterpret_cast<void*>(out), reinterpret_cast<std::uint16_t*>(lo),
+             Hyper{}};
+}
+
+void check_addresses(const Job& j) {
+  if (j.lo && (!j.out || !j.g || !j.m || !j.v))
+    throw std::invalid_argument("null param_hi/param_lo/grad/exp_avg/exp_avg_sq address");
+  if (!j.lo && (!j.p || !j.g || !j.m || !j.v))
+    throw std::invalid_argument("null param/grad/exp_avg/exp_avg_sq address");
+}
+
+// The out code of a bf16 param_out: rounded to nearest even (0) or by the split rule (1).
+int out_code(std::uintptr_t out, int out_dtype, int bf16_rounding) {
+  if (bf16_rounding != 0 && bf16_rounding != 1)
+    throw std::invalid_argument("bf16_rounding must be 0 (nearest even) or 1 (split), got " +
+                                std::to_string(bf16_rounding));
+  if (!out) return kNone;
+  if (bf16_rounding == 1 && out_dtype != kBF16)
+    throw std::invalid_argument("bf16_rounding 1 (split) needs a bf16 param_out (out_dtype 2)");
+  return bf16_rounding == 1 ? kBF16Split : out_dtype;
 }
 
 // Sorted, disjoint runs within [0, n); empty ones dropped.
@@ -134,23 +154,58 @@ Runs clean_runs(const Runs& in, std::size_t n) {
   return out;
 }
 
+// The hyper-parameters of one step, as adam_step and adam_step_remainder take them.
+struct StepArgs {
+  long long step;
+  double lr, beta1, beta2, eps, weight_decay;
+  bool adamw, bias_correction;
+  double grad_scale;
+};
+
+// Checks the step and the runs, then runs tile kind `ot` over the n elements of job
+// (its Hyper filled in here; a second one for the undecayed gaps between runs).
+void run_step(Job job, int grad_dtype, int exp_avg_dtype, int exp_avg_sq_dtype, int ot, std::size_t n,
+              const StepArgs& a, const std::optional<Runs>& decay_runs) {
+  if (a.step < 1) throw std::invalid_argument("step must be >= 1, got " + std::to_string(a.step));
+  std::optional<Runs> runs;
+  if (decay_runs) runs = clean_runs(*decay_runs, n);
+  if (n == 0) return;
+  check_addresses(job);
+  const auto hyper = [&](double wd) {
+    return make_hyper(a.step, a.lr, a.beta1, a.beta2, a.eps, wd, a.adamw, a.bias_correction, a.grad_scale);
+  };
+  job.h = hyper(a.weight_decay);
+  Job nodec = job;
+  const bool mixed = runs && a.weight_decay != 0.0;
+  if (mixed) nodec.h = hyper(0.0);
+  const TileFn fn = pick<false>(g_level, grad_dtype, exp_avg_dtype, exp_avg_sq_dtype, ot);
+  run_all(fn, job, nodec, mixed ? &*runs : nullptr, n);
+}
+
 void adam_step(std::uintptr_t param, std::uintptr_t grad, int grad_dtype, std::uintptr_t exp_avg,
                std::uintptr_t exp_avg_sq, std::uintptr_t out, int out_dtype, std::size_t n, long long step,
                double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
                bool bias_correction, double grad_scale, int exp_avg_dtype, int exp_avg_sq_dtype,
-               const std::optional<Runs>& decay_runs) {
+               const std::optional<Runs>& decay_runs, int bf16_rounding) {
   check_codes(grad_dtype, out, out_dtype, exp_avg_dtype, exp_avg_sq_dtype);
-  if (step < 1) throw std::invalid_argument("step must be >= 1, got " + std::to_string(step));
-  std::optional<Runs> runs;
-  if (decay_runs) runs = clean_runs(*decay_runs, n);
-  if (n == 0) return;
-  const Hyper h = make_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale);
-  const Job dec = make_job(param, grad, exp_avg, exp_avg_sq, out, h);
-  Job nodec = dec;
-  const bool mixed = runs && weight_decay != 0.0;
-  if (mixed) nodec.h = make_hyper(step, lr, beta1, beta2, eps, 0.0, adamw, bias_correction, grad_scale);
-  const TileFn fn = pick<false>(g_level, grad_dtype, exp_avg_dtype, exp_avg_sq_dtype, out ? out_dtype : kNone);
-  run_all(fn, dec, nodec, mixed ? &*runs : nullptr, n);
+  const int ot = out_code(out, out_dtype, bf16_rounding);
+  const StepArgs a{step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale};
+  run_step(make_job(param, grad, exp_avg, exp_avg_sq, out), grad_dtype, exp_avg_dtype, exp_avg_sq_dtype, ot, n, a,
+           decay_runs);
+}
+
+// The same step with the fp32 param kept as (hi, lo) halves (SPLIT in adam_kernels.h):
+// read and written in place, hi being the bf16 param that goes to the device.
+void adam_step_remainder(std::uintptr_t hi, std::uintptr_t lo, std::uintptr_t grad, int grad_dtype,
+                         std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, std::size_t n, long long step,
+                         double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
+                         bool bias_correction, double grad_scale, int exp_avg_dtype, int exp_avg_sq_dtype,
+                         const std::optional<Runs>& decay_runs) {
+  check_codes(grad_dtype, 0, 0, exp_avg_dtype, exp_avg_sq_dtype);
+  const StepArgs a{step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale};
+  if (!lo && n) throw std::invalid_argument("null param_hi/param_lo/grad/exp_avg/exp_avg_sq address");
+  run_step(make_job(0, grad, exp_avg, exp_avg_sq, hi, lo), grad_dtype, exp_avg_dtype, exp_avg_sq_dtype, kRem, n,
+           a, decay_runs);
 }
 
 // Our kernel's memory traffic with trivial math: identical loads, stores, out
@@ -161,11 +216,38 @@ double stream_probe(std::uintptr_t param, std::uintptr_t grad, int grad_dtype, s
                     int exp_avg_sq_dtype) {
   check_codes(grad_dtype, out, out_dtype, exp_avg_dtype, exp_avg_sq_dtype);
   if (n == 0) return 0.0;
-  const Job j = make_job(param, grad, exp_avg, exp_avg_sq, out, make_hyper(1, 0, 0, 0, 0, 0, true, true, 1.0));
+  Job j = make_job(param, grad, exp_avg, exp_avg_sq, out);
+  check_addresses(j);
+  j.h = make_hyper(1, 0, 0, 0, 0, 0, true, true, 1.0);
   const TileFn fn = pick<true>(g_level, grad_dtype, exp_avg_dtype, exp_avg_sq_dtype, out ? out_dtype : kNone);
   const auto t0 = std::chrono::steady_clock::now();
   run_all(fn, j, j, nullptr, n);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// x <-> (hi, lo) over n elements with the threads of adam_step (pure streaming:
+// a static split in kChunkMax pieces is enough).
+template <typename Fn, typename... P>
+void run_split(Fn fn, std::size_t n, P... ptrs) {
+  const std::size_t want = std::max<std::size_t>(1, std::min<std::size_t>(g_threads, n / kMinPerThread));
+  const long long chunks = static_cast<long long>((n + kChunkMax - 1) / kChunkMax);
+#pragma omp parallel for schedule(static) num_threads(static_cast<int>(want)) if (want > 1)
+  for (long long k = 0; k < chunks; ++k) {
+    const std::size_t b = static_cast<std::size_t>(k) * kChunkMax;
+    fn(ptrs..., b, std::min(n, b + kChunkMax));
+  }
+}
+
+void split_fp32(std::uintptr_t x, std::uintptr_t hi, std::uintptr_t lo, std::size_t n) {
+  if (n && (!x || !hi || !lo)) throw std::invalid_argument("null x/hi/lo address");
+  run_split(pick_split(g_level), n, reinterpret_cast<const float*>(x), reinterpret_cast<std::uint16_t*>(hi),
+            reinterpret_cast<std::uint16_t*>(lo));
+}
+
+void join_fp32(std::uintptr_t hi, std::uintptr_t lo, std::uintptr_t x, std::size_t n) {
+  if (n && (!x || !hi || !lo)) throw std::invalid_argument("null hi/lo/x address");
+  run_split(pick_join(g_level), n, reinterpret_cast<const std::uint16_t*>(hi),
+            reinterpret_cast<const std::uint16_t*>(lo), reinterpret_cast<float*>(x));
 }
 
 }  // namespace
@@ -192,15 +274,27 @@ PYBIND11_MODULE(_cpu_adam, m) {
         py::arg("out_ptr"), py::arg("out_dtype"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"),
         py::arg("grad_scale"), py::arg("exp_avg_dtype") = 0, py::arg("exp_avg_sq_dtype") = 0,
-        py::arg("decay_runs") = py::none(),
+        py::arg("decay_runs") = py::none(), py::arg("bf16_rounding") = 0,
         "One fused Adam/AdamW step over n elements at raw addresses (no validation of sizes!).\n"
         "decay_runs: optional [(start, end), ...] sorted disjoint element ranges that get weight_decay;\n"
-        "the rest gets 0. Moments are fp32 (0) or bf16 (2) per exp_avg_dtype / exp_avg_sq_dtype.");
+        "the rest gets 0. Moments are fp32 (0) or bf16 (2) per exp_avg_dtype / exp_avg_sq_dtype.\n"
+        "bf16_rounding: a bf16 param_out rounded to nearest even (0) or by the split rule (1).");
+  m.def("adam_step_remainder", &adam_step_remainder, py::call_guard<py::gil_scoped_release>(),
+        py::arg("hi_ptr"), py::arg("lo_ptr"), py::arg("grad_ptr"), py::arg("grad_dtype"), py::arg("exp_avg_ptr"),
+        py::arg("exp_avg_sq_ptr"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
+        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"),
+        py::arg("grad_scale"), py::arg("exp_avg_dtype") = 0, py::arg("exp_avg_sq_dtype") = 0,
+        py::arg("decay_runs") = py::none(),
+        "adam_step with the fp32 param as (hi, lo) uint16 halves, updated in place (split rule).");
   m.def("stream_probe", &stream_probe, py::call_guard<py::gil_scoped_release>(), py::arg("param_ptr"),
         py::arg("grad_ptr"), py::arg("grad_dtype"), py::arg("exp_avg_ptr"), py::arg("exp_avg_sq_ptr"),
         py::arg("out_ptr"), py::arg("out_dtype"), py::arg("n"), py::arg("exp_avg_dtype") = 0,
         py::arg("exp_avg_sq_dtype") = 0,
         "Same memory traffic as adam_step with trivial math; returns seconds. Overwrites the buffers.");
+  m.def("split_fp32", &split_fp32, py::call_guard<py::gil_scoped_release>(), py::arg("x_ptr"), py::arg("hi_ptr"),
+        py::arg("lo_ptr"), py::arg("n"), "fp32 x -> (hi, lo) uint16 halves by the split rule.");
+  m.def("join_fp32", &join_fp32, py::call_guard<py::gil_scoped_release>(), py::arg("hi_ptr"), py::arg("lo_ptr"),
+        py::arg("x_ptr"), py::arg("n"), "(hi, lo) uint16 halves -> fp32 x, the inverse of split_fp32.");
   m.def("simd_level", []() { return std::string(kLevelNames[g_level]); });
   m.def("available_simd_levels", &available_levels);
   m.def("set_simd_level", [](const std::string& name) { g_level = parse_level(name); }, py::arg("name"));

@@ -13,6 +13,14 @@ fp32 and stores them rounded to nearest even. ``decay_runs`` lets one call cover
 a whole slice whose elements take different weight decay (decayed matrices,
 undecayed biases and norms): one pass, one parallel region, the GIL released.
 
+``adam_step_remainder`` is the same step for a bf16 model whose fp32 master is
+kept as two 16-bit halves (``--store-param-remainders``): ``param_hi``, the bf16
+param that goes to the device, and ``param_lo``, a remainder from which the
+master is rebuilt exactly (``split_fp32`` / ``join_fp32``, the rule in their
+docstrings). The kernel reads and writes the halves in place: no fp32 master,
+no separate bf16 copy. ``adam_step(..., bf16_rounding="split")`` rounds a bf16
+``param_out`` by the same rule, so both paths can hand the device the same bits.
+
 Threads default to the cores this rank may use: ``OMP_NUM_THREADS`` if set,
 else ``len(os.sched_getaffinity(0)) // LOCAL_WORLD_SIZE`` (ranks sharing a host
 must not oversubscribe it). ``set_num_threads(n)`` overrides that default and
@@ -37,13 +45,16 @@ from mp_offload import _cpu_adam as _C
 __all__ = [
     "CPUAdam",
     "adam_step",
+    "adam_step_remainder",
     "available_simd_levels",
     "default_num_threads",
     "get_num_threads",
+    "join_fp32",
     "last_num_threads",
     "set_num_threads",
     "set_simd_level",
     "simd_level",
+    "split_fp32",
     "stream_probe",
 ]
 
@@ -55,6 +66,7 @@ _DTYPE_CODES = {
 _GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _OUT_DTYPES = (torch.float16, torch.bfloat16)
 _MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+_BF16_ROUNDING = {"nearest_even": 0, "split": 1}
 
 
 def default_num_threads() -> int:
@@ -110,7 +122,7 @@ def last_num_threads() -> int:
 
 
 # ------------------------------------------------------------------ checks
-def _check_tensor(fn: str, name: str, t, dtypes, numel: int | None) -> None:
+def _check_tensor(fn: str, name: str, t, dtypes, numel: int | None, of: str = "param") -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -125,7 +137,7 @@ def _check_tensor(fn: str, name: str, t, dtypes, numel: int | None) -> None:
             f"{fn}: {name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})"
         )
     if numel is not None and t.numel() != numel:
-        raise ValueError(f"{fn}: {name} has {t.numel()} elements, param has {numel}")
+        raise ValueError(f"{fn}: {name} has {t.numel()} elements, {of} has {numel}")
 
 
 def _check_no_overlap(fn: str, tensors: dict) -> None:
@@ -207,6 +219,18 @@ def _check_buffers(fn, param, grad, exp_avg, exp_avg_sq, param_out) -> int:
     return n
 
 
+def _check_rounding(fn: str, bf16_rounding, param_out) -> int:
+    """bf16_rounding -> its code; "split" only with a bf16 param_out to round."""
+    if not isinstance(bf16_rounding, str) or bf16_rounding not in _BF16_ROUNDING:
+        raise ValueError(
+            f"{fn}: bf16_rounding must be 'nearest_even' or 'split', got {bf16_rounding!r}"
+        )
+    if bf16_rounding == "split" and (param_out is None or param_out.dtype != torch.bfloat16):
+        got = "none" if param_out is None else str(param_out.dtype).replace("torch.", "")
+        raise ValueError(f"{fn}: bf16_rounding='split' needs a bfloat16 param_out, got {got}")
+    return _BF16_ROUNDING[bf16_rounding]
+
+
 def _check_runs(fn: str, runs, n: int) -> list:
     """decay_runs -> [(start, end), ...]: pairs of ints, 0 <= start <= end <= n,
     sorted and non-overlapping (each starts at or after the previous one's end).
@@ -252,6 +276,51 @@ def _bad_run(fn: str, runs: list, k: int, n: int) -> None:
     raise ValueError(f"{at} overlaps decay_runs[{k - 1}] = ({ps}, {pe})")
 
 
+# ------------------------------------------------------------- remainders
+def split_fp32(
+    x: torch.Tensor, hi: torch.Tensor | None = None, lo: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``x`` -> (hi bf16, lo int16), bijective on all 2^32 bit patterns (the C++
+    split rule, SIMD and threaded; ``hi``/``lo`` may be given to write into).
+
+    lo = the low 16 bits of x. hi = its top 16 bits plus one where lo >= 0x8000, for
+    finite x, the finite magnitudes counted modulo 0x7F80. So hi == x.to(bfloat16)
+    (round to nearest even) except
+      * exact ties (lo == 0x8000) under an even top half: hi rounds away from zero;
+      * |x| >= 0x7F7F8000 (the floats RNE sends to inf): hi = +-0, the one code left
+        free (no finite x rounds to +-0 with lo >= 0x8000);
+      * inf and NaN: hi = their top half (a NaN whose payload lies in the low half
+        only -- a signalling NaN no arithmetic makes -- gives +-inf).
+    A finite x never gets an inf or NaN hi. No bijective rule can give RNE(x) at
+    every non-tie without such a wrap (docs/DESIGN.md §7)."""
+    fn = "split_fp32"
+    _check_tensor(fn, "x", x, (torch.float32,), None)
+    n = x.numel()
+    hi = torch.empty(x.shape, dtype=torch.bfloat16) if hi is None else hi
+    lo = torch.empty(x.shape, dtype=torch.int16) if lo is None else lo
+    _check_tensor(fn, "hi", hi, (torch.bfloat16,), n, of="x")
+    _check_tensor(fn, "lo", lo, (torch.int16,), n, of="x")
+    if n:
+        _check_no_overlap(fn, {"x": x, "hi": hi, "lo": lo})
+        _C.split_fp32(x.data_ptr(), hi.data_ptr(), lo.data_ptr(), n)
+    return hi, lo
+
+
+def join_fp32(hi: torch.Tensor, lo: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(hi bf16, lo int16) -> the fp32 x with split_fp32(x) == (hi, lo), into ``out``
+    if given."""
+    fn = "join_fp32"
+    _check_tensor(fn, "hi", hi, (torch.bfloat16,), None)
+    n = hi.numel()
+    _check_tensor(fn, "lo", lo, (torch.int16,), n, of="hi")
+    out = torch.empty(hi.shape, dtype=torch.float32) if out is None else out
+    _check_tensor(fn, "out", out, (torch.float32,), n, of="hi")
+    if n:
+        _check_no_overlap(fn, {"hi": hi, "lo": lo, "out": out})
+        _C.join_fp32(hi.data_ptr(), lo.data_ptr(), out.data_ptr(), n)
+    return out
+
+
 # ------------------------------------------------------------------ kernels
 def adam_step(
     param: torch.Tensor,
@@ -270,6 +339,7 @@ def adam_step(
     param_out: torch.Tensor | None = None,
     grad_scale: float = 1.0,
     decay_runs: Sequence[tuple[int, int]] | None = None,
+    bf16_rounding: str = "nearest_even",
 ) -> None:
     """One in-place Adam (adamw=False, L2 added to the grad) or AdamW step.
 
@@ -287,11 +357,14 @@ def adam_step(
     other element gets weight decay 0. Bitwise the same as one call per run with
     the right weight_decay, but one pass with the threads splitting the whole slice.
     None (the default): weight_decay applies everywhere.
+    bf16_rounding: how a bf16 param_out is rounded: "nearest_even" (torch's .to) or
+    "split" (split_fp32's hi: the bits adam_step_remainder hands the device).
     """
     fn = "adam_step"
     n = _check_buffers(fn, param, grad, exp_avg, exp_avg_sq, param_out)
     step = _as_step(fn, step)
     _check_hyper(fn, lr, beta1, beta2, eps, weight_decay, grad_scale)
+    rounding = _check_rounding(fn, bf16_rounding, param_out)
     runs = None if decay_runs is None else _check_runs(fn, decay_runs, n)
     if n == 0:
         return
@@ -303,6 +376,68 @@ def adam_step(
         exp_avg_sq.data_ptr(),
         0 if param_out is None else param_out.data_ptr(),
         0 if param_out is None else _DTYPE_CODES[param_out.dtype],
+        n,
+        step,
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        bool(adamw),
+        bool(bias_correction),
+        float(grad_scale),
+        _DTYPE_CODES[exp_avg.dtype],
+        _DTYPE_CODES[exp_avg_sq.dtype],
+        runs,
+        rounding,
+    )
+
+
+def adam_step_remainder(
+    param_hi: torch.Tensor,
+    param_lo: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool = True,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    decay_runs: Sequence[tuple[int, int]] | None = None,
+) -> None:
+    """adam_step on a master kept as halves: param_hi (bf16, the param the device
+    gets) and param_lo (int16), updated in place. Bitwise the same step as adam_step
+    on join_fp32(param_hi, param_lo) with a bf16 param_out and bf16_rounding="split":
+    new master == join_fp32(new hi, new lo), new hi == that param_out, moments equal.
+    Other arguments as adam_step's."""
+    fn = "adam_step_remainder"
+    _check_tensor(fn, "param_hi", param_hi, (torch.bfloat16,), None)
+    n = param_hi.numel()
+    _check_tensor(fn, "param_lo", param_lo, (torch.int16,), n, of="param_hi")
+    _check_tensor(fn, "grad", grad, _GRAD_DTYPES, n, of="param_hi")
+    _check_tensor(fn, "exp_avg", exp_avg, _MOMENT_DTYPES, n, of="param_hi")
+    _check_tensor(fn, "exp_avg_sq", exp_avg_sq, _MOMENT_DTYPES, n, of="param_hi")
+    if n:
+        bufs = {"param_hi": param_hi, "param_lo": param_lo, "grad": grad}
+        _check_no_overlap(fn, {**bufs, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
+    step = _as_step(fn, step)
+    _check_hyper(fn, lr, beta1, beta2, eps, weight_decay, grad_scale)
+    runs = None if decay_runs is None else _check_runs(fn, decay_runs, n)
+    if n == 0:
+        return
+    _C.adam_step_remainder(
+        param_hi.data_ptr(),
+        param_lo.data_ptr(),
+        grad.data_ptr(),
+        _DTYPE_CODES[grad.dtype],
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
         n,
         step,
         float(lr),
