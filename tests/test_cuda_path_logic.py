@@ -167,12 +167,15 @@ class _FakeEvent:
 class _FakeCopyStream:
     """Records the order of operations the CUDA copy stream would queue."""
 
-    def __init__(self):
-        self.log, self.copies = [], 0
+    def __init__(self, log=None):
+        self.log, self.copies, self.dsts = [] if log is None else log, 0, []
 
-    def copy(self, dst, src):
+    def copy(self, dst, src, after=None):
+        if after is not None:  # the copy stream waits for the reduce-scatter
+            after.wait()
         self.copies += 1
         self.log.append(("copy", self.copies))
+        self.dsts.append(dst.data_ptr())
         dst.copy_(src)
         return _FakeEvent(self.log, self.copies)
 
@@ -230,3 +233,59 @@ def test_non_reader_ranks_know_the_end_without_reading_the_device():
     reader = BatchIterator(data, 0, 2, 0, 1, 8, "cpu")
     other = BatchIterator(SizedPlaceholder(len(data)), 0, 2, 0, 1, 8, "cpu", is_reader=False)
     assert len(list(reader)) == len(list(other)) == 5
+
+
+@pytest.mark.parametrize("micro_batches,on_device", [(1, False), (2, False), (2, True)])
+def test_each_copy_is_queued_when_its_bucket_launches(micro_batches, on_device):
+    """DP=1: a bucket's copy down is queued as soon as its last gradient arrived (so it
+    overlaps the backward of the next buckets), and the compute stream waits for it only
+    when it reuses that buffer, after the next bucket's copy has been queued too."""
+    log = []
+    fake = _FakeCopyStream(log)
+    model = _model()
+    layout = FlatLayout(list(model.named_parameters()), 1, 0, 0, 600)
+    bucket_of = {id(s.param): s.bucket for s in layout.slots}
+    for s in layout.slots:  # registered first: runs before the reducer's own hook
+        s.param.register_post_accumulate_grad_hook(lambda p: log.append(("grad", bucket_of[id(p)])))
+    reducer = GradientReducer(
+        layout,
+        SINGLE,
+        torch.device("cpu"),
+        torch.bfloat16,
+        offload=True,
+        micro_batches=micro_batches,
+        accumulate_on_device=on_device,
+        copier=fake,
+    )
+    n = layout.host_numel
+    staging = torch.empty(n, dtype=getattr(reducer, "staging_dtype", torch.bfloat16))
+    grads = None if reducer.direct else torch.empty(n)
+    reducer.start_step(GradTargets(staging=staging, grads=grads))
+    at = {b.host_offset: b.index for b in layout.buckets}
+    for micro in range(micro_batches):
+        first = len(fake.dsts)
+        _loss(model, micro).backward()
+        reducer.finish()
+        if on_device and micro < micro_batches - 1:
+            assert len(fake.dsts) == first, "device accumulation copies the sum only"
+            continue
+        assert len(fake.dsts) - first == len(layout.buckets)
+    elem = staging.element_size()
+    copied = [at[(d - staging.data_ptr()) // elem] for d in fake.dsts]
+    grads_seen: dict[int, int] = {}
+    k = 0
+    for i, e in enumerate(log):
+        if e[0] == "grad":
+            grads_seen[e[1]] = grads_seen.get(e[1], 0) + 1
+        elif e[0] == "copy":
+            b = copied[k]
+            k += 1
+            assert log[i - 1] == ("grad", b), f"copy of bucket {b} not queued at its launch"
+            assert grads_seen[b] % len(layout.buckets[b].slots) == 0
+    reuses = [e[1] for e in log if e[0] == "reuse-after"]
+    if not on_device:
+        assert reuses, "with two buffers and more buckets, buffers are reused"
+    for j in reuses:  # the next bucket's copy was queued before the wait for this one
+        if j % len(layout.buckets) == 0:
+            continue  # the last copy of a micro-batch: reused by the next micro-batch
+        assert log.index(("copy", j + 1)) < log.index(("reuse-after", j))

@@ -25,7 +25,7 @@ from .adam_math import torch_adam_step
 from .base import DEFAULT_BUCKET_SIZE, StepResult
 from .device_share import DeviceShare, actual_fraction, clip_runs, split_buckets
 from .grads import clip_coefficient, reduce_norm_squared
-from .host_memory import host_empty, set_thread_device
+from .host_memory import host_empty, resolve_device, set_thread_device
 from .layout import FlatLayout
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
 from .reducer import CopyStream, GradientReducer, GradTargets
@@ -44,6 +44,8 @@ class ZeroOptimizer:
     ``loss_scale`` (fp16) holds the dynamic loss scaler's settings. ``offload_fraction``
     (with ``cpu_offload``): the share of the slice offloaded; the first buckets, about
     1 - F of it, stay on the device (``device_share.py``); F = 0 is ``cpu_offload=False``.
+    ``accumulate_dtype``: of the buffer that sums the micro-batches with
+    ``accumulate_on_device`` (fp32 by default, as the host path sums them).
     """
 
     checkpoint_kind = "zero"
@@ -72,8 +74,9 @@ class ZeroOptimizer:
         exp_avg_dtype: torch.dtype = torch.float32,
         exp_avg_sq_dtype: torch.dtype = torch.float32,
         offload_fraction: float = 1.0,
+        accumulate_dtype: torch.dtype = torch.float32,
     ):
-        self.model, self.device, self.dtype = model, torch.device(device), dtype
+        self.model, self.device, self.dtype = model, resolve_device(device), dtype
         if cpu_offload and offload_fraction == 0.0:
             cpu_offload = False  # nothing offloaded: exactly the device-resident ZeRO-2
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
@@ -103,6 +106,7 @@ class ZeroOptimizer:
             accumulate_on_device=accumulate_on_device,
             copier=CopyStream(self.device) if pin else None,
             device_buckets=self.device_buckets,
+            accumulate_dtype=accumulate_dtype,
         )
         n, copies = self.layout.host_numel - self.split, 2 if dpu_warmup_steps is not None else 1
 
@@ -121,7 +125,10 @@ class ZeroOptimizer:
         # Adam reads it directly, otherwise the micro-batches are summed in fp32 ``grads``.
         staged = cpu_offload
         self.grad_staging = (
-            [host_empty(n, reduce_dtype, pin) for _ in range(copies if self.reducer.direct else 1)]
+            [
+                host_empty(n, self.reducer.staging_dtype, pin)
+                for _ in range(copies if self.reducer.direct else 1)
+            ]
             if staged
             else []
         )
@@ -322,7 +329,7 @@ class ZeroOptimizer:
             if self.cpu_offload:
                 self.bytes_up += b.chunk * self.flat.element_size()
         if self.device.type == "cuda" and self.cpu_offload:
-            self._uploaded = torch.cuda.Event()
+            self._uploaded = torch.cuda.Event(blocking=True)  # waited on by a (DPU) thread
             self._uploaded.record()
         if self.dp > 1:
             for b in self.layout.buckets:
