@@ -2,6 +2,7 @@
 the copy stream's order, nothing crossing to the host without offload, DPU failures."""
 
 import threading
+import weakref
 
 import pytest
 import torch
@@ -289,3 +290,76 @@ def test_each_copy_is_queued_when_its_bucket_launches(micro_batches, on_device):
         if j % len(layout.buckets) == 0:
             continue  # the last copy of a micro-batch: reused by the next micro-batch
         assert log.index(("copy", j + 1)) < log.index(("reuse-after", j))
+
+
+def test_a_device_without_an_index_is_the_current_cuda_device(monkeypatch):
+    """``cuda`` alone is resolved once to the current device, so each thread that binds it
+    (the host accumulator, the DPU thread) names that GPU; torch.cuda.set_device refuses
+    a device without an index."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
+    assert host_memory.resolve_device("cuda") == torch.device("cuda", 5)
+    assert host_memory.resolve_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert host_memory.resolve_device("cpu") == torch.device("cpu")
+    seen = []
+
+    def set_device(d):
+        if d.index is None:
+            raise ValueError("Expected a cuda device with a specified index")
+        seen.append(d)
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    host_memory.set_thread_device(torch.device("cuda"))
+    acc = HostAccumulator(torch.device("cuda"))
+    acc.add(torch.zeros(1), torch.ones(1))
+    acc.wait()
+    assert seen == [torch.device("cuda", 5)] * 2
+
+
+def test_the_optimizer_resolves_its_device_where_it_enters(monkeypatch):
+    asked = []
+
+    def resolve(d):
+        asked.append(d)
+        return torch.device("cpu")
+
+    monkeypatch.setattr(zero, "resolve_device", resolve)
+    opt = ZeroOptimizer(_model(), **HP, dp=SINGLE, tp=SINGLE, device="cuda", cpu_offload=True)
+    assert asked == ["cuda"] and opt.device == torch.device("cpu")
+
+
+class _FakeCudart:
+    def __init__(self, code):
+        self.code, self.unregistered = code, []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        return self.code
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+
+    @staticmethod
+    def cudaGetErrorString(code):
+        return {2: "out of memory", 712: "part or all of the range is already registered"}[code]
+
+
+def test_a_failed_registration_names_the_cuda_error(monkeypatch):
+    for code, limit in ((2, True), (712, False)):
+        monkeypatch.setattr(torch.cuda, "cudart", lambda c=code: _FakeCudart(c))
+        with pytest.raises(RuntimeError) as e:
+            host_memory.host_empty(1000, torch.bfloat16, pin=True)
+        msg = str(e.value)
+        assert f"cudaHostRegister of 2,000 bytes of host staging failed: CUDA error {code}" in msg
+        assert _FakeCudart.cudaGetErrorString(code) in msg
+        assert ("locked-memory limit" in msg) == limit, msg
+        assert "ulimit" not in msg
+
+
+def test_registration_is_undone_with_the_tensor_but_not_at_exit(monkeypatch):
+    fake = _FakeCudart(0)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    t = host_memory.host_empty(10, torch.float32, pin=True)
+    ptr = t.data_ptr()
+    (fin,) = [f for f in list(weakref.finalize._registry) if f.peek()[1] == fake.cudaHostUnregister]
+    assert fin.atexit is False, "the CUDA context may be gone at interpreter exit"
+    del t
+    assert fake.unregistered == [ptr]
