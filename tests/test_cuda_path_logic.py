@@ -363,3 +363,60 @@ def test_registration_is_undone_with_the_tensor_but_not_at_exit(monkeypatch):
     assert fin.atexit is False, "the CUDA context may be gone at interpreter exit"
     del t
     assert fake.unregistered == [ptr]
+
+
+def test_adam_runs_per_bucket_and_each_upload_follows_its_piece():
+    """The synchronous step runs Adam one bucket at a time, in the order forward t+1 uses
+    the buckets (the reverse of the layout's gradient order), and queues each bucket's
+    upload right after its piece; the result is bitwise one call over the whole slice."""
+    from mp_offload.ops.cpu_adam import adam_step
+    from mp_offload.optimizer.device_share import clip_runs
+
+    model = _model()
+    opt = ZeroOptimizer(
+        model,
+        **HP,
+        dp=SINGLE,
+        tp=SINGLE,
+        device="cpu",
+        dtype=torch.bfloat16,
+        cpu_offload=True,
+        bucket_size=600,
+        micro_batches=2,
+    )
+    log, calls = [], []
+    adam, upload = opt._adam, opt._upload
+    start = {b.host_offset: b.index for b in opt.layout.buckets}
+
+    def logged_adam(param, *a, **k):
+        h = (param.data_ptr() - opt.master.data_ptr()) // 4
+        log.append(("adam", start[h]))
+        calls.append(dict(k))
+        return adam(param, *a, **k)
+
+    def logged_upload(b, h, n):
+        log.append(("upload", b.index))
+        upload(b, h, n)
+
+    opt._adam, opt._upload = logged_adam, logged_upload
+    for step in range(2):
+        opt.zero_grad()
+        for micro in range(2):
+            opt.backward(_loss(model, 2 * step + micro))
+        state = [t.clone() for t in (opt.master, opt.grads[0], opt.exp_avg, opt.exp_avg_sq)]
+        log.clear(), calls.clear()
+        opt.step(1e-3)
+        order = sorted((b.index for b in opt.layout.buckets), reverse=True)
+        assert len(order) >= 3
+        assert log == [(kind, i) for i in order for kind in ("adam", "upload")]
+        # the same step as one kernel call over the slice
+        master, grad, m, v = state
+        out = torch.empty_like(opt.param_staging)
+        k = dict(calls[0], param_out=out)
+        runs = clip_runs(opt.layout.decay_runs(), 0, opt.layout.host_numel)
+        k["decay_runs"] = [(lo, hi) for lo, hi, decay in runs if decay]
+        adam_step(master, grad, m, v, **k)
+        for mine, whole in zip((opt.master, opt.exp_avg, opt.exp_avg_sq), (master, m, v)):
+            assert torch.equal(mine, whole)
+        assert torch.equal(opt.param_staging, out)
+        assert torch.equal(opt.flat.view(-1)[: out.numel()], out)

@@ -156,9 +156,7 @@ class ZeroOptimizer:
             self.flat if in_flat else host_empty(n, dtype, pin) if low and cpu_offload else None
         )
         self._adam = self._pick_adam()
-        # One kernel call per step over the whole slice; weight decay on these ranges only.
-        runs = clip_runs(self.layout.decay_runs(), self.split, self.layout.host_numel)
-        self._decay_ranges = [(lo, hi) for lo, hi, decay in runs if decay]
+        self._pieces = self._adam_pieces()
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         self._uploaded = None  # CUDA event: the last host->device copy of the staging
@@ -200,6 +198,21 @@ class ZeroOptimizer:
             view.copy_(slot.param.detach())
             slot.param.data = view
         model.to(self.device)  # any buffers; the parameters already live there
+
+    def _adam_pieces(self) -> list[tuple]:
+        """The host buckets as (bucket, host-buffer offset, length, weight-decay ranges), in
+        the order forward t+1 uses their parameters: the layout is in gradient order, the
+        reverse. The Adam pass takes one kernel call per piece, so each bucket's upload
+        can start while the CPU steps the next (the kernel is elementwise: bitwise the same
+        as one call over the slice)."""
+        pieces = []
+        for b in reversed(self.layout.buckets[self.device_buckets :]):
+            if b.chunk == 0:
+                continue
+            h = b.host_offset - self.split
+            runs = clip_runs(self.layout.decay_runs(), b.host_offset, b.host_offset + b.chunk)
+            pieces.append((b, h, b.chunk, [(lo, hi) for lo, hi, decay in runs if decay]))
+        return pieces
 
     def _pick_adam(self):
         if self.host.type == "cpu":
@@ -266,8 +279,8 @@ class ZeroOptimizer:
             self._adam_grads().reverse()  # backward t+1 writes into the other buffer
         else:
             self._device_step(lr, grad_scale, self.step_count)  # queued first: beside the host
-            self._adam_pass(grad, lr, grad_scale, self.step_count)
-            self._publish()
+            self._adam_pass(grad, lr, grad_scale, self.step_count, upload=True)
+            self._publish(uploaded=True)
         self._begin_step()
         return StepResult(grad_norm=norm, skipped=False, loss_scale=scale)
 
@@ -293,41 +306,55 @@ class ZeroOptimizer:
                 grad_scale=grad_scale,
             )
 
-    def _adam_pass(self, grad: torch.Tensor, lr: float, grad_scale: float, step: int) -> None:
+    def _adam_pass(
+        self, grad: torch.Tensor, lr: float, grad_scale: float, step: int, upload: bool = False
+    ) -> None:
+        """Adam over the host slice, one piece (bucket) at a time; with ``upload`` each
+        bucket's new params are queued up as soon as its piece is done (the synchronous
+        step; DPU publishes after the join, when forward t+1 no longer reads them)."""
         if self.master.numel() == 0:  # the whole slice is on the device
             return
         if self._uploaded is not None:  # the last copy up may still be reading the staging
             self._uploaded.synchronize()
         b1, b2 = self.betas
-        self._adam(
-            self.master,
-            grad,
-            self.exp_avg,
-            self.exp_avg_sq,
-            step=step,
-            lr=lr,
-            beta1=b1,
-            beta2=b2,
-            eps=self.eps,
-            weight_decay=self.weight_decay,
-            adamw=True,
-            bias_correction=True,
-            grad_scale=grad_scale,
-            param_out=self.param_staging,
-            decay_runs=self._decay_ranges,
-        )
+        out = self.param_staging
+        for b, h, n, decay in self._pieces:
+            self._adam(
+                self.master[h : h + n],
+                grad[h : h + n],
+                self.exp_avg[h : h + n],
+                self.exp_avg_sq[h : h + n],
+                step=step,
+                lr=lr,
+                beta1=b1,
+                beta2=b2,
+                eps=self.eps,
+                weight_decay=self.weight_decay,
+                adamw=True,
+                bias_correction=True,
+                grad_scale=grad_scale,
+                param_out=None if out is None else out[h : h + n],
+                decay_runs=decay,
+            )
+            if upload:
+                self._upload(b, h, n)
 
-    def _publish(self) -> None:
-        """Copy this rank's new params up (one copy per bucket), then all-gather them."""
+    def _upload(self, b, h: int, n: int) -> None:
+        """Queue one host bucket's new params into the flat buffer (asynchronous on CUDA)."""
         src = self.master if self.param_staging is None else self.param_staging
+        lo, hi = b.chunk_range(self.dp_rank)
+        self.flat[lo:hi].copy_(src[h : h + n], non_blocking=True)
+        if self.cpu_offload:
+            self.bytes_up += n * self.flat.element_size()
+
+    def _publish(self, uploaded: bool = False) -> None:
+        """This rank's new params into the flat buffer (the device share's, then the host
+        buckets' unless ``uploaded`` already), then all-gather them."""
         if self.share is not None:
             self.share.publish(self.flat, self.layout.buckets[: self.device_buckets], self.dp_rank)
-        for b in self.layout.buckets[self.device_buckets :]:
-            lo, hi = b.chunk_range(self.dp_rank)
-            h = b.host_offset - self.split
-            self.flat[lo:hi].copy_(src[h : h + b.chunk], non_blocking=True)
-            if self.cpu_offload:
-                self.bytes_up += b.chunk * self.flat.element_size()
+        if not uploaded:
+            for b, h, n, _ in self._pieces:
+                self._upload(b, h, n)
         if self.device.type == "cuda" and self.cpu_offload:
             self._uploaded = torch.cuda.Event(blocking=True)  # waited on by a (DPU) thread
             self._uploaded.record()
