@@ -420,3 +420,58 @@ def test_adam_runs_per_bucket_and_each_upload_follows_its_piece():
             assert torch.equal(mine, whole)
         assert torch.equal(opt.param_staging, out)
         assert torch.equal(opt.flat.view(-1)[: out.numel()], out)
+
+
+def test_norm_parts_on_two_devices_cross_once(monkeypatch):
+    """Partial offload with k > 1: the device share's norm parts are summed on the device
+    and cross to the host once, not once per bucket ("meta" stands in for the GPU)."""
+    model = _model()
+    layout = FlatLayout(list(model.named_parameters()), 1, 0, 0, 600)
+    reducer = GradientReducer(layout, SINGLE, torch.device("cpu"), torch.float32, offload=False)
+    reducer.micro = reducer.micro_batches
+    host = [torch.full((), 2.0, dtype=torch.float64) for _ in range(3)]
+    reducer._norm_parts = host + [torch.empty((), dtype=torch.float64, device="meta")] * 4
+    crossings = []
+
+    def cpu(t):
+        if t.device.type != "cpu":
+            crossings.append(t.device)
+            return torch.full((), 1.0, dtype=torch.float64)
+        return t
+
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    total = reducer.norm_squared()
+    assert crossings == [torch.device("meta")]
+    assert total.device.type == "cpu" and float(total) == 7.0
+
+
+def test_optimizer_time_excludes_the_device_tail_of_backward(monkeypatch):
+    """train_step waits for the device before it starts the optimizer's clock: the tail of
+    backward (which the norm would wait for) is reported apart, as device_tail_ms."""
+    import time
+
+    from mp_offload import training
+    from mp_offload.optimizer.base import StepResult
+
+    class SlowStep:
+        autocast_dtype = None
+
+        def zero_grad(self):
+            pass
+
+        def backward(self, loss):
+            loss.backward()
+
+        def step(self, lr):
+            time.sleep(0.05)
+            return StepResult(grad_norm=1.0)
+
+    waited = []
+    monkeypatch.setattr(training, "_wait_for_device", lambda d: (waited.append(d), time.sleep(0.3)))
+    model = _model()
+    out = training.train_step(
+        model, SlowStep(), iter([_tokens(0)]), 1, 1e-3, SINGLE, torch.device("cpu")
+    )
+    assert waited == [torch.device("cpu")]
+    assert 50 <= out.optimizer_ms < 250, out.optimizer_ms
+    assert out.device_tail_ms >= 300

@@ -193,9 +193,14 @@ class GradientReducer:
         parts = self._norm_parts
         if not parts:
             return torch.zeros((), dtype=torch.float64)
-        if len({p.device for p in parts}) > 1:
-            parts = [p.cpu() for p in parts]
-        return torch.stack(parts).sum()
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in parts:  # partial offload: device-share parts and host parts
+            by_device.setdefault(p.device, []).append(p)
+        sums = [torch.stack(group).sum() for group in by_device.values()]
+        if len(sums) == 1:
+            return sums[0]
+        # summed where they are first: one device->host sync, not one per bucket
+        return torch.stack([t if t.device.type == "cpu" else t.cpu() for t in sums]).sum()
 
     @property
     def _final(self) -> bool:
