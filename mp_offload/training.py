@@ -505,7 +505,8 @@ def _start(args: Args):
     except RendezvousError as e:
         fail(str(e), code=1, everywhere=False)
     ps.initialize_model_parallel(p.tensor_model_parallel_size)
-    log.info(apply_cpu_threads(threads_per_rank(p.cpu_threads_per_rank)))
+    gpu = device.type == "cuda"
+    log.info(apply_cpu_threads(threads_per_rank(p.cpu_threads_per_rank, gpu=gpu)))
     for line in config_warnings(args):
         log.info(line)
     return device, tokenizer
