@@ -6,6 +6,7 @@ import weakref
 
 import pytest
 import torch
+from dist_helpers import run_distributed
 
 from mp_offload import parallel_state as ps
 from mp_offload.data.loader import BatchIterator, MockGPTDataset, SizedPlaceholder
@@ -170,8 +171,10 @@ class _FakeCopyStream:
 
     def __init__(self, log=None):
         self.log, self.copies, self.dsts = [] if log is None else log, 0, []
+        self.afters = []
 
     def copy(self, dst, src, after=None):
+        self.afters.append(after is not None)
         if after is not None:  # the copy stream waits for the reduce-scatter
             after.wait()
         self.copies += 1
@@ -475,3 +478,37 @@ def test_optimizer_time_excludes_the_device_tail_of_backward(monkeypatch):
     assert waited == [torch.device("cpu")]
     assert 50 <= out.optimizer_ms < 250, out.optimizer_ms
     assert out.device_tail_ms >= 300
+
+
+def _early_copy_dp2_worker(rank, world):
+    ps.initialize_model_parallel(1)  # DP=2
+    dp = ps.get_data_parallel_group()
+    out = []
+    for copier in (_FakeCopyStream(), None):
+        model = _model()
+        layout = FlatLayout(list(model.named_parameters()), dp.size, dp.rank, 0, 600)
+        reducer = GradientReducer(
+            layout,
+            dp,
+            torch.device("cpu"),
+            torch.bfloat16,
+            offload=True,
+            micro_batches=2,
+            copier=copier,
+        )
+        n = layout.host_numel
+        reducer.start_step(
+            GradTargets(staging=torch.empty(n, dtype=torch.bfloat16), grads=torch.empty(n))
+        )
+        for micro in range(2):
+            _loss(model, 2 * rank + micro).backward()
+            reducer.finish()
+        out.append((reducer.targets.grads.clone(), reducer.norm_squared()))
+        if copier is not None:  # every copy waited (on its stream) for its reduce-scatter
+            assert copier.copies == 2 * len(layout.buckets)
+            assert len(copier.afters) == copier.copies and all(copier.afters)
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
+def test_dp2_copies_wait_on_the_reduce_scatter_and_equal_the_inline_path():
+    run_distributed(_early_copy_dp2_worker, 2)
