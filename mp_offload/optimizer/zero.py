@@ -156,7 +156,7 @@ class ZeroOptimizer:
             self.flat if in_flat else host_empty(n, dtype, pin) if low and cpu_offload else None
         )
         self._adam = self._pick_adam()
-        self._pieces = self._adam_pieces()
+        self._pieces, self._adam_calls = self._adam_pieces()
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         self._uploaded = None  # CUDA event: the last host->device copy of the staging
@@ -199,12 +199,13 @@ class ZeroOptimizer:
             slot.param.data = view
         model.to(self.device)  # any buffers; the parameters already live there
 
-    def _adam_pieces(self) -> list[tuple]:
-        """The host buckets as (bucket, host-buffer offset, length, weight-decay ranges), in
-        the order forward t+1 uses their parameters: the layout is in gradient order, the
-        reverse. The Adam pass takes one kernel call per piece, so each bucket's upload
-        can start while the CPU steps the next (the kernel is elementwise: bitwise the same
-        as one call over the slice)."""
+    def _adam_pieces(self) -> tuple[list[tuple], list[tuple]]:
+        """(uploads, Adam calls). Uploads: the host buckets as (bucket, host-buffer offset,
+        length, weight-decay ranges), in the order forward t+1 uses their parameters: the
+        layout is in gradient order, the reverse. With offload the Adam pass takes one
+        kernel call per upload, so each bucket's upload can start while the CPU steps the
+        next (the kernel is elementwise: bitwise the same as one call over the slice);
+        without offload nothing goes up: one (device) call over the whole slice."""
         pieces = []
         for b in reversed(self.layout.buckets[self.device_buckets :]):
             if b.chunk == 0:
@@ -212,7 +213,11 @@ class ZeroOptimizer:
             h = b.host_offset - self.split
             runs = clip_runs(self.layout.decay_runs(), b.host_offset, b.host_offset + b.chunk)
             pieces.append((b, h, b.chunk, [(lo, hi) for lo, hi, decay in runs if decay]))
-        return pieces
+        if self.cpu_offload:
+            return pieces, pieces
+        runs = clip_runs(self.layout.decay_runs(), self.split, self.layout.host_numel)
+        n = self.layout.host_numel - self.split
+        return pieces, [(None, 0, n, [(lo, hi) for lo, hi, decay in runs if decay])]
 
     def _pick_adam(self):
         if self.host.type == "cpu":
@@ -280,7 +285,7 @@ class ZeroOptimizer:
         else:
             self._device_step(lr, grad_scale, self.step_count)  # queued first: beside the host
             self._adam_pass(grad, lr, grad_scale, self.step_count, upload=True)
-            self._publish(uploaded=True)
+            self._publish(uploaded=self.cpu_offload)  # with offload, each after its piece
         self._begin_step()
         return StepResult(grad_norm=norm, skipped=False, loss_scale=scale)
 
@@ -309,16 +314,17 @@ class ZeroOptimizer:
     def _adam_pass(
         self, grad: torch.Tensor, lr: float, grad_scale: float, step: int, upload: bool = False
     ) -> None:
-        """Adam over the host slice, one piece (bucket) at a time; with ``upload`` each
-        bucket's new params are queued up as soon as its piece is done (the synchronous
-        step; DPU publishes after the join, when forward t+1 no longer reads them)."""
+        """Adam over the host slice, one piece (bucket) at a time with offload; with
+        ``upload`` each bucket's new params are queued up as soon as its piece is done (the
+        synchronous step; DPU publishes after the join, when forward t+1 no longer reads
+        them)."""
         if self.master.numel() == 0:  # the whole slice is on the device
             return
         if self._uploaded is not None:  # the last copy up may still be reading the staging
             self._uploaded.synchronize()
         b1, b2 = self.betas
         out = self.param_staging
-        for b, h, n, decay in self._pieces:
+        for b, h, n, decay in self._adam_calls:
             self._adam(
                 self.master[h : h + n],
                 grad[h : h + n],
@@ -336,7 +342,7 @@ class ZeroOptimizer:
                 param_out=None if out is None else out[h : h + n],
                 decay_runs=decay,
             )
-            if upload:
+            if upload and b is not None:
                 self._upload(b, h, n)
 
     def _upload(self, b, h: int, n: int) -> None:
