@@ -1,6 +1,7 @@
 """The CUDA path's logic, shown on the CPU: which device threads bind, exact pinned sizes,
 the copy stream's order, nothing crossing to the host without offload, DPU failures."""
 
+import contextlib
 import threading
 import weakref
 
@@ -512,3 +513,77 @@ def _early_copy_dp2_worker(rank, world):
 
 def test_dp2_copies_wait_on_the_reduce_scatter_and_equal_the_inline_path():
     run_distributed(_early_copy_dp2_worker, 2)
+
+
+class _Recorder:
+    """Stands in for torch.cuda's Stream/Event/stream() and logs what CopyStream asks."""
+
+    def __init__(self, monkeypatch):
+        self.log = []
+        rec = self
+
+        class Stream:
+            def __init__(self, name="copy"):
+                self.name = name
+
+            def wait_stream(self, other):
+                rec.log.append(("wait_stream", self.name, other.name))
+
+            def wait_event(self, event):
+                rec.log.append(("wait_event", self.name, event.n))
+
+        class Event:
+            def __init__(self, blocking=False):
+                self.blocking, self.n = blocking, len(rec.log)
+
+            def record(self, stream=None):
+                rec.log.append(("record", getattr(stream, "name", "compute"), self.blocking))
+
+            def synchronize(self):
+                rec.log.append(("host_waits", self.n, self.blocking))
+
+        compute = Stream("compute")
+        current = [compute]
+
+        @contextlib.contextmanager
+        def on(stream):
+            current.append(stream)
+            yield
+            current.pop()
+
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream())
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "stream", on)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: current[-1])
+        monkeypatch.setattr(
+            torch.Tensor, "record_stream", lambda t, s: rec.log.append(("in_use_on", s.name))
+        )
+
+
+def test_copy_stream_waits_where_the_chunk_is_ready_and_its_events_block(monkeypatch):
+    from mp_offload.optimizer.reducer import CopyStream
+
+    rec = _Recorder(monkeypatch)
+    cs = CopyStream(torch.device("cuda", 0))
+
+    class Work:
+        def wait(self):  # NCCL: the current stream (here the copy stream) waits
+            rec.log.append(("work_wait", torch.cuda.current_stream().name))
+
+    dst, src = torch.zeros(4), torch.arange(4.0)
+    done = cs.copy(dst, src)  # DP=1: after what the compute stream queued
+    assert torch.equal(dst, src)
+    cs.copy(torch.zeros(4), src, after=Work())  # DP>1: after the reduce-scatter only
+    cs.before_reuse(done)
+    cs.drain()
+    assert rec.log == [
+        ("wait_stream", "copy", "compute"),
+        ("record", "copy", True),
+        ("in_use_on", "copy"),
+        ("work_wait", "copy"),
+        ("record", "copy", True),
+        ("in_use_on", "copy"),
+        ("wait_event", "compute", done.n),
+        ("record", "copy", True),
+        ("host_waits", 7, True),
+    ]
