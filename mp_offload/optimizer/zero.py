@@ -7,8 +7,9 @@ fp32 master weights, Adam moments and fp32 gradients.
 
 Backward (``reducer.py``): gradients are bucketed, reduce-scattered over the DP
 group and this rank's chunks added into the fp32 gradient slice. Step: global norm
-(overflow check for fp16) -> one Adam pass over the slice that also writes the new
-low-precision parameters -> one copy up -> all-gather of the slices across the DP group.
+(overflow check for fp16) -> the Adam pass over the slice, bucket by bucket, that also
+writes the new low-precision parameters, each bucket's copy up queued after its piece ->
+all-gather of the slices across the DP group.
 Without offload nothing leaves the device.
 """
 
