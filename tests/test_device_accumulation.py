@@ -43,8 +43,8 @@ def _losses(on_device: bool, steps: int = 10, **kw):
     adam = opt._adam
 
     def recording_adam(param, grad, *a, **k):  # keeps what Adam read at the first step
-        if not first_grad:
-            first_grad.append(grad.float().clone())
+        if not losses:
+            first_grad.append(grad.float().clone())  # one piece (bucket) per call
         return adam(param, grad, *a, **k)
 
     opt._adam = recording_adam
@@ -59,7 +59,7 @@ def _losses(on_device: bool, steps: int = 10, **kw):
             total += float(loss.detach())
         opt.step(ADAM_HP["lr"])
         losses.append(total)
-    return losses, first_grad[0]
+    return losses, torch.cat(first_grad)
 
 
 def test_device_accumulation_gives_the_host_accumulation_losses():
