@@ -202,7 +202,7 @@ def test_gradient_copies_leave_the_compute_stream():
 def test_gradient_copies_overlap_backward_in_time():
     """DP=1: each bucket's copy is queued when the bucket is launched, so it runs while
     backward computes the next buckets (measured from the kernels' start and end)."""
-    seq = 512
+    seq = 1024  # backward per bucket long enough to hide a bucket copy behind
     model = _model(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=seq)
     opt = _zero(model, dtype=torch.bfloat16, cpu_offload=True, bucket_size=4_000_000)
     x = torch.randint(0, CFG["vocab_size"], (8, seq + 1), device="cuda")
