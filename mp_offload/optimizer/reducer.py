@@ -16,9 +16,14 @@ never makes a separate pass for it: from each reduced chunk on the device (final
 or on the host in the pass that adds the last micro-batch. Two bucket buffers (double
 buffering): one bucket's reduce-scatter overlaps the backward that fills the next.
 
-With ``accumulate_on_device`` the micro-batches' gradients are summed in one device buffer
-laid out like the flat parameters, and only the last micro-batch reduce-scatters it:
-one reduce-scatter and 4 B/param of host<->device traffic per step for any k.
+With ``accumulate_on_device`` the micro-batches' gradients are summed in one fp32 device
+buffer laid out like the flat parameters (as the host path sums them), and only the last
+micro-batch reduce-scatters it, bucket by bucket as backward completes them: one
+reduce-scatter and 6 B/param of host<->device traffic per step for any k.
+
+On CUDA each host chunk's copy down is queued when its bucket is launched (``CopyStream``),
+so it overlaps the rest of backward; the compute stream waits for it only when it reuses
+that bucket's buffer. At most ``BUCKET_BUFFERS`` reduced chunks are pending.
 
 This is the line Megatron-core draws between its DDP gradient buffers and its
 distributed optimizer; the optimizer (``zero.py``) owns the state and the update.
