@@ -106,9 +106,9 @@ class OptimizerConfig:
     )
     accumulate_grads_on_device: bool = _f(
         False,
-        "sum the micro-batches' gradients in one "
+        "sum the micro-batches' gradients in one fp32 "
         "device buffer and reduce-scatter/copy down once "
-        "per step (costs a full gradient on the device)",
+        "per step (costs a full fp32 gradient on the device)",
     )
     accumulate_allreduce_grads_in_fp32: bool = _f(
         False, "reduce (and stage) gradients in fp32 in bf16/fp16 runs"

@@ -21,6 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .cpu_threads import default_threads_per_rank
+
 PROG = "pretrain_gpt.py"
 
 
@@ -156,18 +158,15 @@ def pick_device(choice: str | None = None) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def threads_per_rank(requested: int | None = None) -> int:
-    """CPU threads for this rank's host work (C++ Adam, torch intra-op).
-
-    Default: the cores in this process's affinity mask shared among the ranks of the node
-    (LOCAL_WORLD_SIZE). OMP_NUM_THREADS is ignored on purpose: torchrun sets it to 1 for
-    every multi-process job, which would leave the CPU Adam on one core per rank.
-    """
+def threads_per_rank(requested: int | None = None, gpu: bool = False) -> int:
+    """CPU threads for this rank's host work: ``--cpu-threads-per-rank`` if given, else
+    the one rule of ``cpu_threads.py`` (cores of the affinity mask and cgroup quota per
+    rank of the node, one kept for the launching threads on a GPU)."""
     if requested is not None:
         if requested < 1:
             raise DeviceError(f"--cpu-threads-per-rank must be >= 1, got {requested}")
         return requested
-    return max(1, len(os.sched_getaffinity(0)) // max(1, env_int("LOCAL_WORLD_SIZE", 1)))
+    return default_threads_per_rank(gpu)
 
 
 def apply_cpu_threads(n: int) -> str:

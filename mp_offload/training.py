@@ -78,6 +78,17 @@ class StepOutput:
     loss: float  # mean over the global batch (all DP ranks)
     result: StepResult
     optimizer_ms: float = 0.0  # wall time of optimizer.step (the host phase with offload)
+    # the device's tail of backward, which the step's norm would wait for: kept apart so
+    # optimizer_ms is the optimizer's own time
+    device_tail_ms: float = 0.0
+
+
+def _wait_for_device(device: torch.device) -> None:
+    """Until the device has run what was queued (a blocking event: the thread sleeps)."""
+    if device.type == "cuda":
+        done = torch.cuda.Event(blocking=True)
+        done.record()
+        done.synchronize()
 
 
 def train_step(
@@ -106,9 +117,16 @@ def train_step(
         optimizer.backward(loss)
         loss_sum += loss.detach()
     t0 = time.perf_counter()
+    _wait_for_device(device)
+    t1 = time.perf_counter()
     result = optimizer.step(lr)
-    optimizer_ms = (time.perf_counter() - t0) * 1e3
-    return StepOutput(loss=dp_mean(loss_sum, dp), result=result, optimizer_ms=optimizer_ms)
+    optimizer_ms = (time.perf_counter() - t1) * 1e3
+    return StepOutput(
+        loss=dp_mean(loss_sum, dp),
+        result=result,
+        optimizer_ms=optimizer_ms,
+        device_tail_ms=(t1 - t0) * 1e3,
+    )
 
 
 def evaluate(model, optimizer: Optimizer, batches, device, num_iters: int) -> float | None:
@@ -214,6 +232,7 @@ def _record(
         tokens_per_sec=tokens_per_sec,
         elapsed_ms=elapsed * 1e3,
         optimizer_ms=out.optimizer_ms,
+        device_tail_ms=out.device_tail_ms,
         tflops_per_device=flops_tok * tokens_per_sec / dist.get_world_size() / 1e12,
     )
     rec.update(optimizer.stats())
@@ -486,7 +505,8 @@ def _start(args: Args):
     except RendezvousError as e:
         fail(str(e), code=1, everywhere=False)
     ps.initialize_model_parallel(p.tensor_model_parallel_size)
-    log.info(apply_cpu_threads(threads_per_rank(p.cpu_threads_per_rank)))
+    gpu = device.type == "cuda"
+    log.info(apply_cpu_threads(threads_per_rank(p.cpu_threads_per_rank, gpu=gpu)))
     for line in config_warnings(args):
         log.info(line)
     return device, tokenizer

@@ -176,14 +176,15 @@ def test_threads_ignore_omp_num_threads():
         "ca.adam_step(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,\n"
         "             weight_decay=0.1,\n"
         "             decay_runs=[(0, 10)])\n"
-        "print(before, ca.get_num_threads(), ca.last_num_threads())\n"
+        "print(before == ca.default_num_threads(), ca.get_num_threads(), ca.last_num_threads())\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
     env.update(OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE="1")
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
-    assert out.stdout.split() == ["1", "2", "2"]
+    # the default is the run's rule, not OMP_NUM_THREADS; set_num_threads(2) gives two
+    assert out.stdout.split() == ["True", "2", "2"]
 
 
 def test_simd_level_controls():
@@ -216,17 +217,19 @@ def test_env_var_forces_level_at_import():
     assert bad.returncode != 0 and "MP_OFFLOAD_CPU_ADAM_SIMD" in bad.stderr
 
 
-def test_default_num_threads(monkeypatch):
+def test_default_num_threads(monkeypatch, tmp_path):
+    """The run's one rule (cpu_threads.py), OMP_NUM_THREADS ignored."""
+    from mp_offload import cpu_threads
+
+    monkeypatch.setattr(cpu_threads, "CGROUP", str(tmp_path))  # no quota
     cores = len(os.sched_getaffinity(0))
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert ca.default_num_threads() == cores
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores * 4))
     assert ca.default_num_threads() == 1  # never below one
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert ca.default_num_threads() == max(1, cores // 2)
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert ca.default_num_threads() == 3
 
 
 def test_stream_probe_runs(level):

@@ -5,6 +5,7 @@ import sys
 import pytest
 import torch
 
+from mp_offload import cpu_threads
 from mp_offload import distributed as d
 
 
@@ -52,12 +53,14 @@ def test_cuda_requested_without_gpu_is_refused(fake_gpus):
         d.pick_device("cuda")
 
 
-def test_threads_per_rank_shares_cores_and_ignores_torchrun_omp(monkeypatch):
+def test_threads_per_rank_shares_cores_and_ignores_torchrun_omp(monkeypatch, tmp_path):
     # torchrun with 4 workers on a 16-core node sets OMP_NUM_THREADS=1 for each.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    monkeypatch.setattr(d.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(cpu_threads, "CGROUP", str(tmp_path))  # no quota
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: set(range(16)))
     assert d.threads_per_rank() == 4
+    assert d.threads_per_rank(gpu=True) == 3  # a core for the launching threads
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
     assert d.threads_per_rank() == 1
     assert d.threads_per_rank(6) == 6

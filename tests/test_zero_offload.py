@@ -246,7 +246,7 @@ def test_offload_off_equals_offload():
     run_distributed(_offload_off_worker, 2)
 
 
-def _traffic(micro_batches, on_device, dtype=torch.bfloat16, reduce_dtype=None):
+def _traffic(micro_batches, on_device, dtype=torch.bfloat16, reduce_dtype=None, **kw):
     single = ps.ParallelGroup.single()
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**CFG), tp_group=single)
@@ -262,6 +262,7 @@ def _traffic(micro_batches, on_device, dtype=torch.bfloat16, reduce_dtype=None):
         micro_batches=micro_batches,
         accumulate_on_device=on_device,
         reduce_dtype=reduce_dtype,
+        **kw,
     )
     for step in range(2):
         x, y = _batch(step)
@@ -277,9 +278,12 @@ def test_host_device_bytes_per_param_with_and_without_device_accumulation():
     assert _traffic(1, False)[0] == 4.0  # 2 down + 2 up, the paper's minimum
     assert _traffic(4, False)[0] == 10.0  # 2k + 2: every micro-batch comes down
     on_device, mem = _traffic(4, True)
-    assert on_device == 4.0  # summed on the device, down once
-    assert mem["device"]["grad_accumulation"] == mem["device"]["params"]  # bf16 both
+    assert on_device == 6.0  # summed on the device in fp32 (as the host sums), down once
+    assert mem["device"]["grad_accumulation"] == 2 * mem["device"]["params"]  # fp32 vs bf16
     assert mem["host"]["grads"] == 0, "the staging is the whole gradient: no fp32 copy"
+    on_device, mem = _traffic(4, True, accumulate_dtype=torch.bfloat16)
+    assert on_device == 4.0  # asked to sum in bf16: 2 down + 2 up
+    assert mem["device"]["grad_accumulation"] == mem["device"]["params"]
     assert _traffic(1, False, reduce_dtype=torch.float32)[0] == 6.0  # 4 down (fp32) + 2 up
 
 

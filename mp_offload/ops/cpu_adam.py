@@ -14,19 +14,19 @@ a whole slice whose elements take different weight decay (decayed matrices,
 undecayed biases and norms): one pass, one parallel region, the GIL released.
 
 ``adam_step_remainder`` is the same step for a bf16 model whose fp32 master is
-kept as two 16-bit halves (``--store-param-remainders``): ``param_hi``, the bf16
+kept as two 16-bit halves (the kernel of the planned ``--store-param-remainders``): ``param_hi``, the bf16
 param that goes to the device, and ``param_lo``, a remainder from which the
 master is rebuilt exactly (``split_fp32`` / ``join_fp32``, the rule in their
 docstrings). The kernel reads and writes the halves in place: no fp32 master,
 no separate bf16 copy. ``adam_step(..., bf16_rounding="split")`` rounds a bf16
 ``param_out`` by the same rule, so both paths can hand the device the same bits.
 
-Threads default to the cores this rank may use: ``OMP_NUM_THREADS`` if set,
-else ``len(os.sched_getaffinity(0)) // LOCAL_WORLD_SIZE`` (ranks sharing a host
-must not oversubscribe it). ``set_num_threads(n)`` overrides that default and
-holds whatever OMP_NUM_THREADS says (torchrun sets it to 1 per worker): the
-kernel passes n in a num_threads clause; ``last_num_threads()`` reports the team
-the last call really ran with. ``MP_OFFLOAD_CPU_ADAM_SIMD`` = scalar|avx2|avx512|auto
+Threads default to the run's one rule (``mp_offload/cpu_threads.py``: the cores of
+the affinity mask and cgroup quota shared among the node's ranks), applied at the first
+call that needs it, not at import. ``set_num_threads(n)`` overrides it and holds whatever
+OMP_NUM_THREADS says (torchrun sets it to 1 per worker): the kernel passes n in a
+num_threads clause; ``last_num_threads()`` reports the team the last call really ran
+with. ``MP_OFFLOAD_CPU_ADAM_SIMD`` = scalar|avx2|avx512|auto
 forces the SIMD path at import.
 """
 
@@ -35,12 +35,12 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-import os
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from mp_offload import _cpu_adam as _C
+from mp_offload.cpu_threads import default_threads_per_rank
 
 __all__ = [
     "CPUAdam",
@@ -70,22 +70,17 @@ _BF16_ROUNDING = {"nearest_even": 0, "split": 1}
 
 
 def default_num_threads() -> int:
-    """Cores available to this rank (see module docstring); at least 1."""
-    env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if env:
-        try:
-            return max(1, int(env.split(",")[0]))  # "8,2" (nested) -> outer level
-        except ValueError:
-            pass
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    try:
-        local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local_world = 1
-    return max(1, cores // local_world)
+    """The rule of ``cpu_threads.py`` for a CPU process (the training run applies the
+    same rule through ``distributed.apply_cpu_threads``, with the GPU's launch core)."""
+    return default_threads_per_rank(gpu=False)
+
+
+_threads_chosen = False  # set_num_threads called (by the run, the user, or the default)
+
+
+def _ensure_threads() -> None:
+    if not _threads_chosen:
+        set_num_threads(default_num_threads())
 
 
 def simd_level() -> str:
@@ -107,11 +102,14 @@ def set_simd_level(name: str) -> None:
 
 def set_num_threads(n: int) -> None:
     """Threads used by adam_step / stream_probe (>= 1), whatever OMP_NUM_THREADS says."""
+    global _threads_chosen
     _C.set_num_threads(int(n))
+    _threads_chosen = True
 
 
 def get_num_threads() -> int:
     """The count set by set_num_threads (calls on small slices may use fewer)."""
+    _ensure_threads()
     return _C.get_num_threads()
 
 
@@ -368,6 +366,7 @@ def adam_step(
     runs = None if decay_runs is None else _check_runs(fn, decay_runs, n)
     if n == 0:
         return
+    _ensure_threads()
     _C.adam_step(
         param.data_ptr(),
         grad.data_ptr(),
@@ -471,6 +470,7 @@ def stream_probe(
     n = _check_buffers(fn, param, grad, exp_avg, exp_avg_sq, param_out)
     if n == 0:
         return 0.0
+    _ensure_threads()
     return _C.stream_probe(
         param.data_ptr(),
         grad.data_ptr(),
@@ -569,6 +569,3 @@ class CPUAdam(torch.optim.Optimizer):
                     bias_correction=group.get("bias_correction", True),
                 )
         return loss
-
-
-set_num_threads(default_num_threads())

@@ -16,9 +16,14 @@ never makes a separate pass for it: from each reduced chunk on the device (final
 or on the host in the pass that adds the last micro-batch. Two bucket buffers (double
 buffering): one bucket's reduce-scatter overlaps the backward that fills the next.
 
-With ``accumulate_on_device`` the micro-batches' gradients are summed in one device buffer
-laid out like the flat parameters, and only the last micro-batch reduce-scatters it:
-one reduce-scatter and 4 B/param of host<->device traffic per step for any k.
+With ``accumulate_on_device`` the micro-batches' gradients are summed in one fp32 device
+buffer laid out like the flat parameters (as the host path sums them), and only the last
+micro-batch reduce-scatters it, bucket by bucket as backward completes them: one
+reduce-scatter and 6 B/param of host<->device traffic per step for any k.
+
+On CUDA each host chunk's copy down is queued when its bucket is launched (``CopyStream``),
+so it overlaps the rest of backward; the compute stream waits for it only when it reuses
+that bucket's buffer. At most ``BUCKET_BUFFERS`` reduced chunks are pending.
 
 This is the line Megatron-core draws between its DDP gradient buffers and its
 distributed optimizer; the optimizer (``zero.py``) owns the state and the update.
@@ -46,20 +51,27 @@ class CopyStream:
     """Device->host copies of reduced chunks on their own CUDA stream.
 
     On the compute stream the copies would queue behind the rest of backward's kernels,
-    adding PCIe time to backward instead of overlapping it. The copy stream first waits
-    for the compute stream (where the reduced chunk became ready), records an event when
-    the copy is done, and tells the caching allocator that the source is in use there.
+    adding PCIe time to backward instead of overlapping it. A copy is queued as soon as
+    its bucket is launched: the copy stream first waits for where the chunk becomes ready
+    (the reduce-scatter's work with DP > 1, else the compute stream), records an event
+    when the copy is done, and tells the caching allocator the source is in use there.
+    The events are blocking: a thread that waits on one sleeps instead of spinning.
     """
 
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor):
-        """Queue ``dst.copy_(src)``; returns the event that marks it done."""
-        self.stream.wait_stream(torch.cuda.current_stream())
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None):
+        """Queue ``dst.copy_(src)`` after ``after`` (a collective's work, or None: after
+        what the compute stream queued so far); returns the event that marks it done."""
+        compute = torch.cuda.current_stream()
         with torch.cuda.stream(self.stream):
+            if after is not None:
+                after.wait()  # NCCL: this stream waits for the collective, the host does not
+            else:
+                self.stream.wait_stream(compute)
             dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)
             done.record(self.stream)
         src.record_stream(self.stream)
         return done
@@ -70,8 +82,10 @@ class CopyStream:
         torch.cuda.current_stream().wait_event(done)
 
     def drain(self) -> None:
-        """The host is about to read what was copied: wait for every copy."""
-        self.stream.synchronize()
+        """The host is about to read what was copied: wait (sleeping) for every copy."""
+        done = torch.cuda.Event(blocking=True)
+        done.record(self.stream)
+        done.synchronize()
 
 
 @dataclass
@@ -89,8 +103,10 @@ def _sum_squares(t: torch.Tensor, ranges) -> torch.Tensor:
     views = [t[a:z] for a, z in ranges]
     if not views:
         return torch.zeros((), dtype=torch.float64, device=t.device)
-    norms = torch._foreach_norm(views, 2, dtype=torch.float32)
-    return torch.stack(norms).double().square().sum()
+    # fp64 accumulation, as the host's C++ pass sums squares: the device and host paths
+    # of the same gradient then clip by the same factor (fp32 partial norms differ ~1e-7).
+    norms = torch._foreach_norm(views, 2, dtype=torch.float64)
+    return torch.stack(norms).square().sum()
 
 
 class GradientReducer:
@@ -106,10 +122,12 @@ class GradientReducer:
         accumulate_on_device: bool = False,
         copier=None,
         device_buckets: int = 0,
+        accumulate_dtype: torch.dtype = torch.float32,
     ):
         """``copier`` (a ``CopyStream``) on CUDA with offload; ``micro_batches``: backward
         calls per step; ``device_buckets``: with offload, the leading buckets whose chunks
-        stay on the device (partial offload); host targets start after them."""
+        stay on the device (partial offload); host targets start after them;
+        ``accumulate_dtype``: of the device accumulation buffer (fp32, as the host sums)."""
         self.layout, self.dp, self.device, self.dtype = layout, dp, device, reduce_dtype
         self.offload, self.copier = offload, copier
         self.device_buckets = device_buckets if offload else 0
@@ -134,8 +152,10 @@ class GradientReducer:
         self.max_bucket = max(b.numel for b in layout.buckets)
         self.num_buffers = 0
         self.acc_buffer = None
+        # The dtype of the chunks that come down: the sum itself with device accumulation.
+        self.staging_dtype = accumulate_dtype if self.accumulate_on_device else reduce_dtype
         if self.accumulate_on_device:  # padding stays zero: no slot ever writes it
-            self.acc_buffer = torch.zeros(layout.numel, dtype=reduce_dtype, device=device)
+            self.acc_buffer = torch.zeros(layout.numel, dtype=accumulate_dtype, device=device)
             self._touched: set[int] = set()
         for s in layout.slots:
             s.param.register_post_accumulate_grad_hook(self._grad_ready)
@@ -160,7 +180,7 @@ class GradientReducer:
 
     def buffer_bytes(self) -> int:
         """Device bytes of the bucket buffers."""
-        e = torch.empty((), dtype=self.dtype).element_size()
+        e = self.dtype.itemsize
         return self.max_bucket * e * max(self.num_buffers, 1)
 
     # ------------------------------------------------------------- one step
@@ -178,9 +198,14 @@ class GradientReducer:
         parts = self._norm_parts
         if not parts:
             return torch.zeros((), dtype=torch.float64)
-        if len({p.device for p in parts}) > 1:
-            parts = [p.cpu() for p in parts]
-        return torch.stack(parts).sum()
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in parts:  # partial offload: device-share parts and host parts
+            by_device.setdefault(p.device, []).append(p)
+        sums = [torch.stack(group).sum() for group in by_device.values()]
+        if len(sums) == 1:
+            return sums[0]
+        # summed where they are first: one device->host sync, not one per bucket
+        return torch.stack([t if t.device.type == "cpu" else t.cpu() for t in sums]).sum()
 
     @property
     def _final(self) -> bool:
@@ -239,30 +264,42 @@ class GradientReducer:
             buf[: b.numel].zero_()
         return buf[: b.numel], buf
 
+    def _to_host(self, b) -> bool:
+        return self.offload and b.index >= self.device_buckets
+
     def _launch(self, b) -> None:
+        # Each pending bucket holds a reduced chunk: at most BUCKET_BUFFERS stay alive.
+        while len(self._pending) >= BUCKET_BUFFERS:
+            self._drain_one()
         data, buf = self._bucket_data(b)
         data.div_(self.dp.size)  # average before summing: keeps fp16 sums in range
         if self.dp.size > 1:
-            out = torch.empty(b.chunk, dtype=self.dtype, device=self.device)
+            out = torch.empty(b.chunk, dtype=data.dtype, device=self.device)
             work = _reduce_scatter(out, data, group=self.dp.torch_group(), async_op=True)
         else:
             out, work = data, None
-        self._pending.append((b, work, out, buf))
+        # On CUDA the copy down is queued now, so it overlaps the rest of backward; the
+        # compute stream waits for it only when it reuses the buffer (``_take_buffer``).
+        early = self.copier is not None and self._to_host(b)
+        landed = self._copy_down(b, out, work) if early else None
+        self._pending.append((b, work, out, buf, early, landed))
         self._launched[b.index] = True
 
     def _drain_one(self) -> None:
-        b, work, out, buf = self._pending.pop(0)
+        b, work, out, buf, copied, landed = self._pending.pop(0)
         if work is not None:
-            work.wait()
-        landed = self._deliver(b, out)
+            work.wait()  # the compute stream (gloo: the host) after the reduce-scatter
+        self._reduce_on_device(b, out)
+        if self._to_host(b) and not copied:
+            landed = self._copy_down(b, out, None)
         if buf is not None:
-            # With DP=1 the chunk is the buffer itself: reuse waits for its copy (DP>1
-            # copies a separate output tensor, kept alive for its stream by record_stream).
-            same = out.data_ptr() == buf.data_ptr()
-            self._pool.append((buf, landed if same else None))
+            # Reuse waits for the bucket's copy down: with DP=1 it reads the buffer itself;
+            # with DP>1 it reads the chunk, and the wait bounds the chunks still in flight.
+            self._pool.append((buf, landed))
 
-    def _deliver(self, b, out: torch.Tensor):
-        """Put one reduced chunk where the optimizer wants it; returns the copy's event."""
+    def _reduce_on_device(self, b, out: torch.Tensor) -> None:
+        """The device's part of a reduced chunk: its norm where it is final, and the copy
+        or add into the device gradient (no offload, or a bucket of the device share)."""
         lo, hi = b.host_offset, b.host_offset + b.chunk
         ranges, final = self._norm_ranges[b.index], self._final
         # With device accumulation a chunk is delivered once per step: it is the whole sum.
@@ -270,23 +307,29 @@ class GradientReducer:
         once = self.micro_batches == 1 or self.accumulate_on_device
         if final and once:
             self._norm_parts.append(_sum_squares(out, ranges))  # on the device, no host pass
-        if not self.offload or b.index < self.device_buckets:
-            grads = self.targets.grads if not self.offload else self.targets.device_grads
-            grad = grads[lo:hi]
-            grad.copy_(out) if first else grad.add_(out)
-            if final and not once:
-                self._norm_parts.append(_sum_squares(grad, ranges))
-            return None
-        lo, hi = lo - self.host_start, hi - self.host_start  # host buffers start after them
-        stage = self.targets.staging[lo:hi]
+        if self._to_host(b):
+            return
+        grads = self.targets.grads if not self.offload else self.targets.device_grads
+        grad = grads[lo:hi]
+        grad.copy_(out) if first else grad.add_(out)
+        if final and not once:
+            self._norm_parts.append(_sum_squares(grad, ranges))
+
+    def _copy_down(self, b, out: torch.Tensor, work):
+        """Copy one reduced chunk into the host staging (after ``work``, its collective);
+        queue the host sum of it; returns the copy's event (None: copied already)."""
+        lo = b.host_offset - self.host_start  # host buffers start after the device share
+        stage = self.targets.staging[lo : lo + b.chunk]
         self.bytes_down += b.chunk * out.element_size()
         landed = None
         if self.copier is not None:
-            landed = self.copier.copy(stage, out)
+            landed = self.copier.copy(stage, out, after=work)
         else:
             stage.copy_(out)
         if not self.direct:
-            work = self._host_accumulate(self.targets.grads[lo:hi], stage, first, final, ranges)
+            first, final = self.micro == 0, self._final
+            grad = self.targets.grads[lo : lo + b.chunk]
+            work = self._host_accumulate(grad, stage, first, final, self._norm_ranges[b.index])
             if self._accumulator is not None:
                 self._accumulator.submit(work, landed)  # overlaps the rest of backward
             else:

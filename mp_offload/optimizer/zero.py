@@ -7,8 +7,9 @@ fp32 master weights, Adam moments and fp32 gradients.
 
 Backward (``reducer.py``): gradients are bucketed, reduce-scattered over the DP
 group and this rank's chunks added into the fp32 gradient slice. Step: global norm
-(overflow check for fp16) -> one Adam pass over the slice that also writes the new
-low-precision parameters -> one copy up -> all-gather of the slices across the DP group.
+(overflow check for fp16) -> the Adam pass over the slice, bucket by bucket, that also
+writes the new low-precision parameters, each bucket's copy up queued after its piece ->
+all-gather of the slices across the DP group.
 Without offload nothing leaves the device.
 """
 
@@ -25,7 +26,7 @@ from .adam_math import torch_adam_step
 from .base import DEFAULT_BUCKET_SIZE, StepResult
 from .device_share import DeviceShare, actual_fraction, clip_runs, split_buckets
 from .grads import clip_coefficient, reduce_norm_squared
-from .host_memory import host_empty, set_thread_device
+from .host_memory import host_empty, resolve_device, set_thread_device
 from .layout import FlatLayout
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
 from .reducer import CopyStream, GradientReducer, GradTargets
@@ -44,6 +45,8 @@ class ZeroOptimizer:
     ``loss_scale`` (fp16) holds the dynamic loss scaler's settings. ``offload_fraction``
     (with ``cpu_offload``): the share of the slice offloaded; the first buckets, about
     1 - F of it, stay on the device (``device_share.py``); F = 0 is ``cpu_offload=False``.
+    ``accumulate_dtype``: of the buffer that sums the micro-batches with
+    ``accumulate_on_device`` (fp32 by default, as the host path sums them).
     """
 
     checkpoint_kind = "zero"
@@ -72,8 +75,9 @@ class ZeroOptimizer:
         exp_avg_dtype: torch.dtype = torch.float32,
         exp_avg_sq_dtype: torch.dtype = torch.float32,
         offload_fraction: float = 1.0,
+        accumulate_dtype: torch.dtype = torch.float32,
     ):
-        self.model, self.device, self.dtype = model, torch.device(device), dtype
+        self.model, self.device, self.dtype = model, resolve_device(device), dtype
         if cpu_offload and offload_fraction == 0.0:
             cpu_offload = False  # nothing offloaded: exactly the device-resident ZeRO-2
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
@@ -103,6 +107,7 @@ class ZeroOptimizer:
             accumulate_on_device=accumulate_on_device,
             copier=CopyStream(self.device) if pin else None,
             device_buckets=self.device_buckets,
+            accumulate_dtype=accumulate_dtype,
         )
         n, copies = self.layout.host_numel - self.split, 2 if dpu_warmup_steps is not None else 1
 
@@ -121,7 +126,10 @@ class ZeroOptimizer:
         # Adam reads it directly, otherwise the micro-batches are summed in fp32 ``grads``.
         staged = cpu_offload
         self.grad_staging = (
-            [host_empty(n, reduce_dtype, pin) for _ in range(copies if self.reducer.direct else 1)]
+            [
+                host_empty(n, self.reducer.staging_dtype, pin)
+                for _ in range(copies if self.reducer.direct else 1)
+            ]
             if staged
             else []
         )
@@ -149,9 +157,7 @@ class ZeroOptimizer:
             self.flat if in_flat else host_empty(n, dtype, pin) if low and cpu_offload else None
         )
         self._adam = self._pick_adam()
-        # One kernel call per step over the whole slice; weight decay on these ranges only.
-        runs = clip_runs(self.layout.decay_runs(), self.split, self.layout.host_numel)
-        self._decay_ranges = [(lo, hi) for lo, hi, decay in runs if decay]
+        self._pieces, self._adam_calls = self._adam_pieces()
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         self._uploaded = None  # CUDA event: the last host->device copy of the staging
@@ -193,6 +199,26 @@ class ZeroOptimizer:
             view.copy_(slot.param.detach())
             slot.param.data = view
         model.to(self.device)  # any buffers; the parameters already live there
+
+    def _adam_pieces(self) -> tuple[list[tuple], list[tuple]]:
+        """(uploads, Adam calls). Uploads: the host buckets as (bucket, host-buffer offset,
+        length, weight-decay ranges), in the order forward t+1 uses their parameters: the
+        layout is in gradient order, the reverse. With offload the Adam pass takes one
+        kernel call per upload, so each bucket's upload can start while the CPU steps the
+        next (the kernel is elementwise: bitwise the same as one call over the slice);
+        without offload nothing goes up: one (device) call over the whole slice."""
+        pieces = []
+        for b in reversed(self.layout.buckets[self.device_buckets :]):
+            if b.chunk == 0:
+                continue
+            h = b.host_offset - self.split
+            runs = clip_runs(self.layout.decay_runs(), b.host_offset, b.host_offset + b.chunk)
+            pieces.append((b, h, b.chunk, [(lo, hi) for lo, hi, decay in runs if decay]))
+        if self.cpu_offload:
+            return pieces, pieces
+        runs = clip_runs(self.layout.decay_runs(), self.split, self.layout.host_numel)
+        n = self.layout.host_numel - self.split
+        return pieces, [(None, 0, n, [(lo, hi) for lo, hi, decay in runs if decay])]
 
     def _pick_adam(self):
         if self.host.type == "cpu":
@@ -259,8 +285,8 @@ class ZeroOptimizer:
             self._adam_grads().reverse()  # backward t+1 writes into the other buffer
         else:
             self._device_step(lr, grad_scale, self.step_count)  # queued first: beside the host
-            self._adam_pass(grad, lr, grad_scale, self.step_count)
-            self._publish()
+            self._adam_pass(grad, lr, grad_scale, self.step_count, upload=True)
+            self._publish(uploaded=self.cpu_offload)  # with offload, each after its piece
         self._begin_step()
         return StepResult(grad_norm=norm, skipped=False, loss_scale=scale)
 
@@ -286,43 +312,58 @@ class ZeroOptimizer:
                 grad_scale=grad_scale,
             )
 
-    def _adam_pass(self, grad: torch.Tensor, lr: float, grad_scale: float, step: int) -> None:
+    def _adam_pass(
+        self, grad: torch.Tensor, lr: float, grad_scale: float, step: int, upload: bool = False
+    ) -> None:
+        """Adam over the host slice, one piece (bucket) at a time with offload; with
+        ``upload`` each bucket's new params are queued up as soon as its piece is done (the
+        synchronous step; DPU publishes after the join, when forward t+1 no longer reads
+        them)."""
         if self.master.numel() == 0:  # the whole slice is on the device
             return
         if self._uploaded is not None:  # the last copy up may still be reading the staging
             self._uploaded.synchronize()
         b1, b2 = self.betas
-        self._adam(
-            self.master,
-            grad,
-            self.exp_avg,
-            self.exp_avg_sq,
-            step=step,
-            lr=lr,
-            beta1=b1,
-            beta2=b2,
-            eps=self.eps,
-            weight_decay=self.weight_decay,
-            adamw=True,
-            bias_correction=True,
-            grad_scale=grad_scale,
-            param_out=self.param_staging,
-            decay_runs=self._decay_ranges,
-        )
+        out = self.param_staging
+        for b, h, n, decay in self._adam_calls:
+            self._adam(
+                self.master[h : h + n],
+                grad[h : h + n],
+                self.exp_avg[h : h + n],
+                self.exp_avg_sq[h : h + n],
+                step=step,
+                lr=lr,
+                beta1=b1,
+                beta2=b2,
+                eps=self.eps,
+                weight_decay=self.weight_decay,
+                adamw=True,
+                bias_correction=True,
+                grad_scale=grad_scale,
+                param_out=None if out is None else out[h : h + n],
+                decay_runs=decay,
+            )
+            if upload and b is not None:
+                self._upload(b, h, n)
 
-    def _publish(self) -> None:
-        """Copy this rank's new params up (one copy per bucket), then all-gather them."""
+    def _upload(self, b, h: int, n: int) -> None:
+        """Queue one host bucket's new params into the flat buffer (asynchronous on CUDA)."""
         src = self.master if self.param_staging is None else self.param_staging
+        lo, hi = b.chunk_range(self.dp_rank)
+        self.flat[lo:hi].copy_(src[h : h + n], non_blocking=True)
+        if self.cpu_offload:
+            self.bytes_up += n * self.flat.element_size()
+
+    def _publish(self, uploaded: bool = False) -> None:
+        """This rank's new params into the flat buffer (the device share's, then the host
+        buckets' unless ``uploaded`` already), then all-gather them."""
         if self.share is not None:
             self.share.publish(self.flat, self.layout.buckets[: self.device_buckets], self.dp_rank)
-        for b in self.layout.buckets[self.device_buckets :]:
-            lo, hi = b.chunk_range(self.dp_rank)
-            h = b.host_offset - self.split
-            self.flat[lo:hi].copy_(src[h : h + b.chunk], non_blocking=True)
-            if self.cpu_offload:
-                self.bytes_up += b.chunk * self.flat.element_size()
+        if not uploaded:
+            for b, h, n, _ in self._pieces:
+                self._upload(b, h, n)
         if self.device.type == "cuda" and self.cpu_offload:
-            self._uploaded = torch.cuda.Event()
+            self._uploaded = torch.cuda.Event(blocking=True)  # waited on by a (DPU) thread
             self._uploaded.record()
         if self.dp > 1:
             for b in self.layout.buckets:

@@ -9,7 +9,8 @@ Exact (they are the optimizer's own buffers, sized by FlatLayout):
                        that fills the next; a third waits for the oldest). Gradients
                        arrive in layout order for this GPT; the pool grows past two
                        only if more than two buckets are filling at once.
-  device grad_accumulation  r * flat_numel with --accumulate-grads-on-device (k > 1)
+  device grad_accumulation  4 * flat_numel with --accumulate-grads-on-device (k > 1): the
+                       micro-batches are summed in fp32, as the host sums them
   master / exp_avg / exp_avg_sq  4 * host_numel each (moments 2 in bf16): 12Ψ/(T·D)
                        on the host with offload (8 with bf16 moments), on the device without
   partial offload      --optimizer-offload-fraction F < 1: the slice's first buckets (about
@@ -22,12 +23,14 @@ Exact (they are the optimizer's own buffers, sized by FlatLayout):
   host staging         offload only, pinned at its exact size: e * host_numel for the new
                        low-precision params (not in fp32; none on a CPU "device" with one
                        DP rank and no DPU, where Adam writes the params in place) +
-                       r * host_numel for gradients coming down (twice with DPU when Adam
-                       reads them directly)
+                       r * host_numel for gradients coming down (4 * host_numel, the fp32
+                       sum, with device accumulation; twice with DPU when Adam reads them
+                       directly)
   (r: bytes of the reduce dtype, e unless --accumulate-allreduce-grads-in-fp32)
 Estimates: device activations (see activations.py), device workspace (a fixed
 reserve for the CUDA context, cuBLAS/NCCL workspaces and allocator slack, plus the
-reduce-scatter output chunk), host process (Python, torch, CUDA runtime, data).
+reduce-scatter output chunks: one per bucket buffer, the reducer keeps no more pending),
+host process (Python, torch, CUDA runtime, data).
 
 Modes, for comparison on the same model and layout:
   offload  this code with --cpu-offload (ZeRO-Offload)
@@ -192,7 +195,8 @@ def plan_rank(run: Run, shapes: RankShapes, hw: Hardware) -> tuple[dict, dict, s
             * shapes.max_bucket
             * (run.bucket_buffers or min(BUCKET_BUFFERS, shapes.num_buckets)),
         )
-        if acc:
+        if acc:  # fp32 sum: the chunks that come down and are reduced are fp32 too
+            r = 4
             device["grad_accumulation"] = r * shapes.flat_numel
         # Offload only: low-precision params up, gradients down, pinned at exact size.
         # (A CPU "device" with one DP rank, no DPU and the whole slice on the host: Adam
@@ -203,8 +207,11 @@ def plan_rank(run: Run, shapes: RankShapes, hw: Hardware) -> tuple[dict, dict, s
         (host if offload else device).update(state)
         if kept:  # the device share: its own master, moments and fp32 gradient
             device.update(master=4 * kept, exp_avg=m1 * kept, exp_avg_sq=m2 * kept, grads=4 * kept)
+    rs_bytes = 4 if run.accumulate_on_device and run.micro_batches > 1 else run.reduce_bytes or e
     rs_out = (
-        (run.reduce_bytes or e) * (shapes.max_bucket // run.dp) if run.dp > 1 and not plain else 0
+        rs_bytes * (shapes.max_bucket // run.dp) * min(BUCKET_BUFFERS, shapes.num_buckets)
+        if run.dp > 1 and not plain
+        else 0
     )
     device.update(activations=act.peak, workspace=int(hw.device_reserved_gb * GiB) + rs_out)
     host["process"] = int(hw.host_process_gb * GiB)

@@ -1,0 +1,74 @@
+"""The one CPU-thread rule (mp_offload/cpu_threads.py): affinity and cgroup quota per
+rank, one core kept for launching on a GPU, OMP_NUM_THREADS ignored, nothing at import."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mp_offload import cpu_threads as ct
+from mp_offload import distributed as d
+
+
+def _cgroup(tmp_path, files: dict) -> str:
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "files,cpus",
+    [
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu.max": "400000 100000\n"}, 4),
+        ({"cpu.max": "250000 100000\n"}, 2),  # 2.5 CPUs: two whole ones
+        ({"cpu.max": "50000 100000\n"}, 1),  # never below one
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3),
+        (
+            {"cpu,cpuacct/cpu.cfs_quota_us": "600000", "cpu,cpuacct/cpu.cfs_period_us": "100000"},
+            6,
+        ),
+        ({}, None),
+    ],
+)
+def test_cgroup_quota_v1_and_v2(tmp_path, files, cpus):
+    assert ct.cgroup_cpu_limit(_cgroup(tmp_path, files)) == cpus
+
+
+def test_threads_per_rank_honours_the_quota_keeps_a_launch_core_and_ignores_omp(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(ct.os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(ct, "CGROUP", str(tmp_path))  # no quota files there
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun's: ignored
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    root = _cgroup(tmp_path / "q", {"cpu.max": "1600000 100000"})
+    assert ct.default_threads_per_rank(gpu=False) == 16
+    assert ct.default_threads_per_rank(gpu=True) == 15  # one core for the launch threads
+    assert ct.default_threads_per_rank(gpu=False, root=root) == 4  # 16 CPUs / 4 ranks
+    assert ct.default_threads_per_rank(gpu=True, root=root) == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "128")
+    assert ct.default_threads_per_rank(gpu=True) == 1  # never below one
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert d.threads_per_rank(gpu=True) == 15 and d.threads_per_rank(6, gpu=True) == 6
+    with pytest.raises(d.DeviceError, match="--cpu-threads-per-rank must be >= 1, got 0"):
+        d.threads_per_rank(0)
+
+
+def test_the_cpu_adam_sets_nothing_at_import_and_uses_the_rule_at_first_use():
+    code = (
+        "import mp_offload.ops.cpu_adam as ca, mp_offload.cpu_threads as ct\n"
+        "assert not ca._threads_chosen\n"
+        "ct.available_cores = lambda root=None: 12\n"
+        "print(ca.get_num_threads(), ca._threads_chosen)\n"
+    )
+    env = {"OMP_NUM_THREADS": "5", "LOCAL_WORLD_SIZE": "3"}
+    env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["4", "True"]  # 12 cores / 3 ranks; OMP_NUM_THREADS=5 ignored
