@@ -14,8 +14,8 @@ a whole slice whose elements take different weight decay (decayed matrices,
 undecayed biases and norms): one pass, one parallel region, the GIL released.
 
 ``adam_step_remainder`` is the same step for a bf16 model whose fp32 master is
-kept as two 16-bit halves (the kernel of the planned ``--store-param-remainders``): ``param_hi``, the bf16
-param that goes to the device, and ``param_lo``, a remainder from which the
+kept as two 16-bit halves (the kernel of the planned ``--store-param-remainders``):
+``param_hi``, the bf16 param that goes to the device, and ``param_lo``, a remainder from which the
 master is rebuilt exactly (``split_fp32`` / ``join_fp32``, the rule in their
 docstrings). The kernel reads and writes the halves in place: no fp32 master,
 no separate bf16 copy. ``adam_step(..., bf16_rounding="split")`` rounds a bf16
