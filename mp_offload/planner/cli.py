@@ -67,7 +67,7 @@ from .throughput import (
 
 
 def run_from_args(args: Args, world: int, mode: str | None = None, cuda: bool = True) -> Run:
-    """The plan's view of a training command line."""
+    """The plan's view of a training command line (its resolved ``Args``)."""
     tp = args.parallel.tensor_model_parallel_size
     low = args.train.fp16 or args.train.bf16
     if mode is None:
@@ -80,7 +80,6 @@ def run_from_args(args: Args, world: int, mode: str | None = None, cuda: bool = 
         )
     t, o = args.train, args.optim
     dp = world // tp
-    gbs = t.global_batch_size or t.micro_batch_size * dp
     return Run(
         args.model,
         tp=tp,
@@ -91,7 +90,7 @@ def run_from_args(args: Args, world: int, mode: str | None = None, cuda: bool = 
         bucket_size=o.reduce_bucket_size,
         dpu=o.dpu_warmup_steps is not None and mode == "offload",
         cuda=cuda,
-        micro_batches=max(1, gbs // (t.micro_batch_size * dp)),
+        micro_batches=t.num_micro_batches,  # (args are resolved: config.resolve)
         accumulate_on_device=o.accumulate_grads_on_device,
         reduce_bytes=4 if o.accumulate_allreduce_grads_in_fp32 else None,
         moment_bytes=(
@@ -172,9 +171,7 @@ def describe_model(args: Args, world: int) -> str:
     rc = m.recompute_activations
     n = num_parameters(m, tp)
     f = flops_per_token(m, rc, tp)
-    tokens = (
-        args.train.global_batch_size or args.train.micro_batch_size * (world // tp)
-    ) * m.seq_length
+    tokens = args.train.global_batch_size * m.seq_length  # (resolved)
     return (
         f"GPT {m.num_layers} layers x hidden {m.hidden_size}, {m.num_attention_heads} heads,"
         f" ffn {m.ffn_hidden_size}, seq {m.seq_length}, padded vocabulary "
