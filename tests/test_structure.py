@@ -112,6 +112,16 @@ def test_no_import_circle_inside_the_package():
     assert not cycles, "import circles: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
+def test_the_planner_and_the_config_file_reach_only_what_they_need():
+    """The planner plans from the model's config, not from checkpoint code; the --config
+    file reader knows the schema only (no parser, no checks)."""
+    graph = import_graph()
+    planner = {m for m in graph if m.startswith("mp_offload.planner")}
+    reach = {(m, d) for m in planner for d in graph[m] if d.startswith("mp_offload.checkpoint")}
+    assert not reach, reach
+    assert graph["mp_offload.config_file"] <= {"mp_offload.config_schema", "mp_offload.fields"}
+
+
 def _long_functions() -> list[str]:
     out = []
     for module, path in _modules().items():
