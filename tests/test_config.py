@@ -219,6 +219,19 @@ def test_flags_given_in_a_config_file_count_as_given(tmp_path):
         validate(parse_args(argv), 1, given_flags(argv))
 
 
+def test_parse_reads_argv_and_the_config_file_once(tmp_path, monkeypatch):
+    from mp_offload import config
+
+    path = _yaml(tmp_path, "eval-interval: 5\nlr: 1e-3\n")
+    reads = []
+    real = config.load_config_file
+    monkeypatch.setattr(config, "load_config_file", lambda p: reads.append(p) or real(p))
+    args, given = config.parse(["--config", path, "--train-iters", "10", "--lr", "2e-3"])
+    assert reads == [path]
+    assert (args.train.eval_interval, args.optim.lr, args.train.train_iters) == (5, 2e-3, 10)
+    assert given == {"eval_interval", "lr", "train_iters"}  # defaults are not given
+
+
 def test_dumped_config_reads_back_as_the_same_run(tmp_path):
     from mp_offload.config import resolve
     from mp_offload.config_file import dump_config
