@@ -380,9 +380,9 @@ def _text_sampler(args: Args, data: RunData) -> TextSampler | None:
 
 
 def _record_config(flags: Args) -> None:
-    """``<--save>/config.yaml`` of the flags (as resolved: ``--config`` reads them back to
-    the same run), written once the run has started from its directory, so a refused
-    resume leaves the one of the checkpoints there."""
+    """``<--save>/config.yaml``: the flags as resolved (``--config`` reads them back to the
+    same run; the values the data fixed follow from them again), written once the run has
+    started from its directory: a resume the checkpoints refuse leaves the file as it was."""
     error = first_error(write_run_config(flags, log.info) if dist.get_rank() == 0 else None)
     if error:
         fail(error, code=1)
