@@ -371,6 +371,8 @@ def with_data(args: Args, data: RunData) -> Args:
 def _text_sampler(args: Args, data: RunData) -> TextSampler | None:
     if args.log.sample_prompt is None:
         return None
+    if data.tokenizer is None:
+        raise TrainingError("--sample-prompt: a vocabulary of one id (--vocab-size 1) has no text")
     try:
         return TextSampler(
             data.tokenizer, data.stops_at_eod, args.log.sample_prompt, args.log.sample_tokens

@@ -166,6 +166,14 @@ def test_a_refused_resume_leaves_config_yaml_alone(tmp_path, capfd):
         assert f.read() == recorded
 
 
+def test_mock_data_of_a_one_id_vocabulary_still_trains():
+    """The run's tokenizer for mock data reads ids; one id has none to read, and the run
+    needs none (only --sample-prompt would)."""
+    flags = RUN[: RUN.index("--sample-prompt")]
+    flags[flags.index("--vocab-size") + 1] = "1"
+    assert pretrain_here([*flags, "--train-iters", "1"])["iteration"] == 1
+
+
 def test_a_run_puts_back_the_signal_handlers_it_replaced(tmp_path):
     def mine(signum, frame):
         pass

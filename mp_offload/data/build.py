@@ -33,13 +33,10 @@ class RunData:
     train: object
     valid: object
     test: object
-    tokenizer: object
+    tokenizer: object | None  # None: mock data of a one-id vocabulary (no text at all)
     stops_at_eod: bool
     tokenizer_model: str | None
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
+    vocab_size: int
 
 
 def num_samples(args) -> tuple[int, int, int]:
@@ -73,8 +70,13 @@ def build_datasets(args, tokenizer=None) -> RunData:
     n_train, n_valid, n_test = num_samples(args)
     if d.mock_data:
         mk = lambda n, k: MockGPTDataset(max(n, 1), m.seq_length, m.vocab_size, t.seed + k)  # noqa
-        tok, stops = tokenizer_for({"data": dataclasses.asdict(d)}, m.vocab_size)
-        return RunData(mk(n_train, 0), mk(n_valid, 1), mk(n_test, 2), tok, stops, None)
+        tok, stops = (
+            tokenizer_for({"data": dataclasses.asdict(d)}, m.vocab_size)
+            if m.vocab_size > 1
+            else (None, False)
+        )
+        splits = mk(n_train, 0), mk(n_valid, 1), mk(n_test, 2)
+        return RunData(*splits, tok, stops, None, m.vocab_size)
     from .gpt_dataset import build_train_valid_test_datasets, parse_data_path
 
     set_phase("building the datasets")
@@ -130,7 +132,7 @@ def build_datasets(args, tokenizer=None) -> RunData:
         ds if is_reader else (None if n < 0 else SizedPlaceholder(n))
         for ds, n in zip(datasets, lengths.tolist())
     )
-    return RunData(*datasets, tokenizer, True, data.tokenizer_model)
+    return RunData(*datasets, tokenizer, True, data.tokenizer_model, tokenizer.vocab_size)
 
 
 def batch_iterator(dataset, args, consumed: int, device):
