@@ -636,7 +636,7 @@ def test_resume_from_an_iteration_directory(tmp_path):
     ck = str(tmp_path / "ck")
     first, again = str(tmp_path / "first.jsonl"), str(tmp_path / "again.jsonl")
     run(1, 1, "--save", ck, "--save-interval", "4", "--log-json", first)
-    # (config.yaml: the run's resolved configuration, written at start)
+    # (config.yaml: the run's resolved configuration, written once the run has started)
     assert sorted(os.listdir(ck)) == [
         "config.yaml",
         "iter_0000004",
