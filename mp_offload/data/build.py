@@ -58,6 +58,17 @@ def _default_corpus(cache: str) -> tuple[list[str], str]:
     return [prefix], model
 
 
+def _mock_data(args) -> RunData:
+    """Synthetic splits; the tokenizer reads ids as text (one id has no text at all)."""
+    d, m, t = args.data, args.model, args.train
+    mk = lambda n, k: MockGPTDataset(max(n, 1), m.seq_length, m.vocab_size, t.seed + k)  # noqa
+    tok, stops = (None, False)
+    if m.vocab_size > 1:
+        tok, stops = tokenizer_for({"data": dataclasses.asdict(d)}, m.vocab_size)
+    splits = (mk(n, k) for k, n in enumerate(num_samples(args)))
+    return RunData(*splits, tok, stops, None, m.vocab_size)
+
+
 def build_datasets(args, tokenizer=None) -> RunData:
     """The run's data (``RunData``); only global rank 0 builds caches first. ``args`` is
     left as it is: what the data fixes (the vocabulary, the default corpus's tokenizer
@@ -69,14 +80,7 @@ def build_datasets(args, tokenizer=None) -> RunData:
     d, m, t = args.data, args.model, args.train
     n_train, n_valid, n_test = num_samples(args)
     if d.mock_data:
-        mk = lambda n, k: MockGPTDataset(max(n, 1), m.seq_length, m.vocab_size, t.seed + k)  # noqa
-        tok, stops = (
-            tokenizer_for({"data": dataclasses.asdict(d)}, m.vocab_size)
-            if m.vocab_size > 1
-            else (None, False)
-        )
-        splits = mk(n_train, 0), mk(n_valid, 1), mk(n_test, 2)
-        return RunData(*splits, tok, stops, None, m.vocab_size)
+        return _mock_data(args)
     from .gpt_dataset import build_train_valid_test_datasets, parse_data_path
 
     set_phase("building the datasets")
