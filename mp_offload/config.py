@@ -1,11 +1,10 @@
-"""Run configuration: one dataclass per concern, with argparse generated from them.
+"""The run's flags: argparse generated from the dataclasses of ``config_schema.py``, the
+checks that need several fields (and the world size), and ``resolve``, which fills in
+every derived value. After ``resolve`` the ``Args`` are final: nothing changes them.
 
-Field ``foo_bar`` becomes flag ``--foo-bar`` (Megatron's names); a bool that defaults
-to False is a switch; ``help`` and ``choices`` live in the field metadata. Checks
-that need several fields (and the world size) are in ``validate``, which runs on
-every rank before any collective, so a bad config fails everywhere, never hangs.
-Every problem is one line naming the flag (an unknown flag gets "did you mean");
-argparse never prints its usage text.
+``validate`` runs on every rank before any collective, so a bad config fails everywhere,
+never hangs. Every problem is one line naming the flag (an unknown flag gets "did you
+mean"); argparse never prints its usage text.
 """
 
 from __future__ import annotations
@@ -13,332 +12,47 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import types
+import sys
 import typing
-from dataclasses import dataclass, field
 
+from .config_file import load_config_file
+from .config_schema import (
+    CONFIG_CLASSES,
+    Args,
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    TrainingConfig,
+)
+from .fields import field_problems, flag_fields, unwrap_optional
 from .help_format import DefaultsHelpFormatter
-from .model.gpt import GPTConfig
-from .model.layers import NORMALIZATIONS, POSITION_EMBEDDINGS
-from .optimizer.base import DEFAULT_BUCKET_SIZE
+from .model.config import GPTConfig
 from .parallel_state import ParallelConfigError, validate_parallel_sizes
 
-
-class ConfigError(ValueError):
-    """A bad flag value; the message names the flag (one line per problem)."""
-
-
-def _f(default, help: str, **extra):
-    return field(default=default, metadata={"help": help, **extra})
-
-
-@dataclass
-class ParallelConfig:
-    tensor_model_parallel_size: int = _f(1, "ranks that split each layer (TP, innermost)")
-    world_size: int | None = _f(None, "ranks to plan for with --dry-run; default WORLD_SIZE or 1")
-    device: str | None = _f(
-        None,
-        "auto: cuda:LOCAL_RANK when CUDA is available, else the CPU "
-        "(default: $MP_OFFLOAD_DEVICE, else auto)",
-        choices=("auto", "cuda", "cpu"),
-    )
-    cpu_threads_per_rank: int | None = _f(
-        None,
-        "CPU threads for the CPU Adam and torch on each "
-        "rank (default: the cores of its affinity mask / "
-        "LOCAL_WORLD_SIZE; OMP_NUM_THREADS is ignored)",
-    )
-    distributed_timeout_minutes: float = _f(
-        10.0, "a collective waiting longer than this ends the job with an error"
-    )
-
-
-@dataclass
-class TrainingConfig:
-    micro_batch_size: int = _f(4, "samples per rank per forward/backward")
-    global_batch_size: int | None = _f(
-        None, "samples per step over all DP ranks (default micro-batch x DP: no accumulation)"
-    )
-    train_iters: int | None = _f(None, "optimizer steps to run")
-    train_samples: int | None = _f(None, "samples to train on (instead of --train-iters)")
-    seed: int = _f(1234, "random seed (model init, data order, dropout)")
-    fp16: bool = _f(False, "fp16 params and compute with dynamic loss scaling")
-    bf16: bool = _f(False, "bf16 params and compute")
-    eval_interval: int = _f(1000, "iterations between validation runs")
-    eval_iters: int = _f(10, "batches per validation run")
-    max_consecutive_skipped_steps: int = _f(
-        100, "fp16: stop (without saving) after this many consecutive steps skipped for overflow"
-    )
-    exit_interval: int | None = _f(None, "stop after this iteration (for tests)")
-    dry_run: bool = _f(False, "build the model on the meta device, print the plan, exit")
-
-
-@dataclass
-class OptimizerConfig:
-    optimizer: str = _f(
-        "adam",
-        "adam: the ZeRO optimizer (partitioned over DP; on the CPU "
-        "with --cpu-offload); torch-adamw: unpartitioned reference",
-        choices=("adam", "torch-adamw"),
-    )
-    cpu_offload: bool = _f(False, "keep optimizer partitions on the CPU (ZeRO-Offload)")
-    lr: float = _f(3e-4, "peak learning rate")
-    min_lr: float = _f(0.0, "learning rate at the end of decay")
-    lr_decay_style: str = _f(
-        "cosine", "decay after warmup", choices=("constant", "linear", "cosine")
-    )
-    lr_warmup_iters: int = _f(0, "iterations of linear warmup")
-    lr_decay_iters: int | None = _f(None, "iterations to decay over (default: train iters)")
-    weight_decay: float = _f(0.01, "decoupled weight decay (not on biases or LayerNorm)")
-    clip_grad: float = _f(1.0, "global gradient-norm clipping threshold (0 = off)")
-    adam_beta1: float = _f(0.9, "Adam beta1")
-    adam_beta2: float = _f(0.999, "Adam beta2")
-    adam_eps: float = _f(1e-8, "Adam epsilon")
-    initial_loss_scale: float = _f(2.0**16, "fp16: starting loss scale")
-    min_loss_scale: float = _f(1.0, "fp16: lowest loss scale")
-    loss_scale_window: int = _f(1000, "fp16: clean steps before the scale doubles")
-    hysteresis: int = _f(2, "fp16: overflows tolerated before the scale halves")
-    reduce_bucket_size: int = _f(
-        DEFAULT_BUCKET_SIZE, "elements per gradient bucket (reduce-scatter)"
-    )
-    dpu_warmup_steps: int | None = _f(
-        None, "enable the one-step delayed parameter update after this many synchronous steps"
-    )
-    accumulate_grads_on_device: bool = _f(
-        False,
-        "sum the micro-batches' gradients in one fp32 "
-        "device buffer and reduce-scatter/copy down once "
-        "per step (costs a full fp32 gradient on the device)",
-    )
-    accumulate_allreduce_grads_in_fp32: bool = _f(
-        False, "reduce (and stage) gradients in fp32 in bf16/fp16 runs"
-    )
-    optimizer_offload_fraction: float | None = _f(
-        None,
-        "with --cpu-offload: the fraction of each rank's optimizer state offloaded to "
-        "the CPU (Megatron-core's flag); the rest, the first buckets of its slice, stays on "
-        "the device and is updated there by torch's fused AdamW, beside the CPU Adam. Split "
-        "at the bucket boundary nearest 1-F; 0 = ZeRO-2 on the device (default 1: all on "
-        "the CPU)",
-    )
-    exp_avg_dtype: str = _f(
-        "fp32", "dtype of Adam's first moment (bf16 halves it)", choices=("fp32", "bf16")
-    )
-    exp_avg_sq_dtype: str = _f(
-        "fp32", "dtype of Adam's second moment (bf16 halves it)", choices=("fp32", "bf16")
-    )
-
-
-@dataclass
-class DataConfig:
-    data_path: list[str] | None = _f(
-        None,
-        "prefix, or weight prefix weight prefix ... "  # noqa: RUF009
-        "(default: the embedded stdlib corpus)",
-    )
-    split: str = _f("969,30,1", "train,valid,test proportions of the documents")
-    tokenizer_type: str = _f(
-        "SentencePieceTokenizer",
-        "tokenizer class",
-        choices=(
-            "SentencePieceTokenizer",
-            "HuggingFaceTokenizer",
-            "GPT2BPETokenizer",
-            "NullTokenizer",
-        ),
-    )
-    tokenizer_model: str | None = _f(
-        None,
-        "SentencePiece model file; for HuggingFaceTokenizer "
-        "a tokenizer.json or a directory holding one",
-    )
-    vocab_file: str | None = _f(None, "GPT2BPETokenizer: the GPT-2 vocab.json")
-    merge_file: str | None = _f(None, "GPT2BPETokenizer: the GPT-2 merges.txt")
-    mock_data: bool = _f(False, "train on a synthetic, learnable token stream")
-    data_cache_dir: str | None = _f(None, "where index arrays / the default corpus are cached")
-
-
-@dataclass
-class LoggingConfig:
-    log_interval: int = _f(10, "iterations between log lines")
-    log_json: str | None = _f(None, "append one JSON object per iteration/evaluation here")
-    tensorboard_dir: str | None = _f(None, "write TensorBoard scalars here (if installed)")
-    sample_prompt: str | None = _f(
-        None,
-        "print a greedy continuation of this text at each "
-        'evaluation and at the end ("": start a document)',
-    )
-    sample_tokens: int = _f(32, "tokens to generate for --sample-prompt")
-    wandb_project: str | None = _f(
-        None, "also log to this Weights & Biases project (if wandb is installed)"
-    )
-
-
-@dataclass
-class CheckpointConfig:
-    save: str | None = _f(None, "directory to save checkpoints to")
-    load: str | None = _f(
-        None,
-        "directory to resume from (its latest checkpoint), or one "
-        "iter_* directory (that iteration)",
-    )
-    save_interval: int | None = _f(None, "iterations between checkpoints (and one at the end)")
-    keep_checkpoints: int | None = _f(None, "keep only the newest K checkpoints")
-    finetune: bool = _f(False, "load weights only; start at iteration 0")
-    no_load_optim: bool = _f(False, "do not load the optimizer state (weights only)")
-    no_load_rng: bool = _f(False, "do not restore the RNG state")
-    override_existing_checkpoints: bool = _f(
-        False,
-        "save even into a --save directory holding "
-        "checkpoints this run did not resume from "
-        "(they may be overwritten)",
-    )
-
-
-CONFIG_CLASSES = {
-    "model": GPTConfig,
-    "parallel": ParallelConfig,
-    "train": TrainingConfig,
-    "optim": OptimizerConfig,
-    "data": DataConfig,
-    "log": LoggingConfig,
-    "ckpt": CheckpointConfig,
-}
-
-_MODEL_HELP = {
-    "num_layers": "transformer layers",
-    "hidden_size": "model width",
-    "num_attention_heads": "attention heads",
-    "ffn_hidden_size": "MLP width (default 4h)",
-    "seq_length": "tokens per sample",
-    "max_position_embeddings": "position table size",
-    "vocab_size": "vocabulary size (mock data / NullTokenizer; else from the tokenizer)",
-    "make_vocab_size_divisible_by": "pad the vocabulary to a multiple of this x TP",
-    "hidden_dropout": "dropout on residual branches",
-    "attention_dropout": "attention dropout",
-    "layernorm_epsilon": "LayerNorm (and RMSNorm) epsilon",
-    "init_method_std": "init std",
-    "recompute_activations": "recompute each layer in backward (activation checkpointing)",
-    "normalization": "LayerNorm (GPT-2's, the default) or RMSNorm (Llama)",
-    "swiglu": "SwiGLU MLP: silu(gate) * up, gate and up fused in fc1 (2 x --ffn-hidden-size)",
-    "position_embedding_type": "learned_absolute (a table of --max-position-embeddings; "
-    "the default) or rope (rotary, rotate-half layout)",
-    "rotary_base": "rope: the base of the rotation frequencies (default 10000; Llama 3: 500000)",
-    "rotary_percent": "rope: the fraction of each head's channels that rotate (default 1)",
-    "group_query_attention": "grouped-query attention: --num-query-groups key/value heads",
-    "num_query_groups": "key/value heads with --group-query-attention (default 1); a "
-    "multiple of --tensor-model-parallel-size",
-    "untie_embeddings_and_output_weights": "an output layer of its own instead of the input "
-    "embedding (output_layer.weight)",
-    "disable_bias_linear": "no biases in the QKV, projection and MLP linear layers",
-    "sequence_parallel": "keep norms, dropout and residuals as sequence shards over the TP "
-    "ranks (Megatron-SP): activations between the layers divide by TP",
-}
-_MODEL_CHOICES = {"normalization": NORMALIZATIONS, "position_embedding_type": POSITION_EMBEDDINGS}
-
-
-# Valid range of every numeric flag, checked with the others before any process group
-# starts: "lo.." means >= lo, "lo<.." means > lo, "lo..hi)" means lo <= x < hi,
-# "lo..hi]" means lo <= x <= hi.
-RANGES = {
-    "num_layers": "1..",
-    "hidden_size": "1..",
-    "num_attention_heads": "1..",
-    "ffn_hidden_size": "1..",
-    "seq_length": "1..",
-    "max_position_embeddings": "1..",
-    "vocab_size": "1..",
-    "make_vocab_size_divisible_by": "1..",
-    "hidden_dropout": "0..1)",
-    "attention_dropout": "0..1)",
-    "layernorm_epsilon": "0<..",
-    "init_method_std": "0..",
-    "tensor_model_parallel_size": "1..",
-    "world_size": "1..",
-    "cpu_threads_per_rank": "1..",
-    "distributed_timeout_minutes": "0<..",
-    "micro_batch_size": "1..",
-    "global_batch_size": "1..",
-    "train_iters": "0..",
-    "train_samples": "0..",
-    "eval_interval": "1..",
-    "eval_iters": "0..",
-    "max_consecutive_skipped_steps": "1..",
-    "exit_interval": "1..",
-    "lr": "0..",
-    "min_lr": "0..",
-    "lr_warmup_iters": "0..",
-    "lr_decay_iters": "1..",
-    "weight_decay": "0..",
-    "clip_grad": "0..",
-    "adam_beta1": "0..1)",
-    "adam_beta2": "0..1)",
-    "adam_eps": "0<..",
-    "initial_loss_scale": "0<..",
-    "min_loss_scale": "0<..",
-    "loss_scale_window": "1..",
-    "hysteresis": "1..",
-    "reduce_bucket_size": "1..",
-    "dpu_warmup_steps": "0..",
-    "optimizer_offload_fraction": "0..1]",
-    "log_interval": "1..",
-    "save_interval": "1..",
-    "keep_checkpoints": "1..",
-    "rotary_base": "1..",
-    "rotary_percent": "0<..1]",
-    "num_query_groups": "1..",
-    "sample_tokens": "1..",
-}
-
-
-def _range_problem(name: str, value, spec: str) -> str | None:
-    lo_part, _, hi_part = spec.partition("..")
-    strict = lo_part.endswith("<")
-    lo = float(lo_part.rstrip("<"))
-    hi = float(hi_part.rstrip(")]")) if hi_part else None
-    closed = hi_part.endswith("]")
-    ok = (value > lo if strict else value >= lo) and (
-        hi is None or (value <= hi if closed else value < hi)
-    )
-    if ok:
-        return None
-    want = f"> {lo:g}" if strict else f">= {lo:g}"
-    if hi is not None:
-        want += f" and {'<=' if closed else '<'} {hi:g}"
-    return f"--{name.replace('_', '-')} must be {want}, got {value}"
-
-
-# Defaults computed from another flag: out of range only because that one is, unless given.
-_DERIVED_FROM = {"ffn_hidden_size": "hidden_size", "max_position_embeddings": "seq_length"}
-
-
-def _range_problems(args) -> list[str]:
-    found = {}
-    for group in vars(args).values():
-        for f in dataclasses.fields(group):
-            value = getattr(group, f.name)
-            if f.name in RANGES and value is not None and not isinstance(value, bool):
-                found[f.name] = _range_problem(f.name, value, RANGES[f.name])
-    return [p for name, p in found.items() if p and not found.get(_DERIVED_FROM.get(name))]
-
-
-@dataclass
-class Args:
-    model: GPTConfig
-    parallel: ParallelConfig
-    train: TrainingConfig
-    optim: OptimizerConfig
-    data: DataConfig
-    log: LoggingConfig
-    ckpt: CheckpointConfig
-
-
-def _inner(tp):
-    """Strip ``X | None`` to ``X``."""
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0]
-    return tp
+__all__ = [  # the schema's names too: callers import the run's flags from here
+    "CONFIG_CLASSES",
+    "Args",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "GPTConfig",
+    "LoggingConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "TrainingConfig",
+    "build_parser",
+    "config_problems",
+    "config_warnings",
+    "given_flags",
+    "parse",
+    "parse_args",
+    "parse_with_config",
+    "resolve",
+    "validate",
+]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -392,45 +106,34 @@ def build_parser() -> argparse.ArgumentParser:
     for group_name, cls in CONFIG_CLASSES.items():
         group = parser.add_argument_group(group_name)
         hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
+        for f in flag_fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            tp = _inner(hints[f.name])
-            help_ = f.metadata.get("help", _MODEL_HELP.get(f.name, ""))
-            choices = f.metadata.get("choices", _MODEL_CHOICES.get(f.name))
+            tp = unwrap_optional(hints[f.name])
+            help_, choices = f.metadata["help"], f.metadata.get("choices")
             dest = f"{group_name}.{f.name}"
-            default = f.default
             if tp is bool:
                 group.add_argument(flag, dest=dest, action="store_true", help=help_)
             elif typing.get_origin(tp) is list:
                 group.add_argument(
-                    flag, dest=dest, nargs="+", default=default, help=help_, metavar=f.name.upper()
+                    flag,
+                    dest=dest,
+                    nargs="+",
+                    default=f.default,
+                    help=help_,
+                    metavar=f.name.upper(),
                 )
             else:
                 group.add_argument(
                     flag,
                     dest=dest,
                     type=tp,
-                    default=default,
+                    default=f.default,
                     help=help_,
                     choices=choices,
                     metavar=None if choices else f.name.upper(),
                 )
     add_config_flag(parser)
     return parser
-
-
-def parse_args(argv=None) -> Args:
-    """The flags (over a ``--config`` file's values) as dataclasses; ConfigError, one line
-    per problem, for unknown flags, values of the wrong type, choices not offered, or a
-    bad --config file."""
-    ns = vars(parse_with_config(build_parser(), argv))
-    parts = {name: {} for name in CONFIG_CLASSES}
-    for key, value in ns.items():
-        if key == "config":
-            continue
-        group_name, fname = key.split(".", 1)
-        parts[group_name][fname] = value
-    return Args(**{name: CONFIG_CLASSES[name](**kw) for name, kw in parts.items()})
 
 
 def add_config_flag(parser: argparse.ArgumentParser) -> None:
@@ -450,85 +153,67 @@ def _config_path(argv) -> str | None:
     return pre.parse_known_args(argv)[0].config
 
 
-def parse_with_config(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
-    """``parser``'s flags with a ``--config`` file's values as the defaults, so the command
-    line wins. A bad file (naming the key) or an unknown flag (with the closest known
-    one) is a ConfigError, never argparse's usage text."""
-    path = _config_path(argv)
-    if path is not None:
-        from .config_file import load_config_file  # deferred: it imports this module
+_UNSET = object()  # a flag neither typed out nor in the --config file
 
-        parser.set_defaults(**load_config_file(path))
-    ns, extra = parser.parse_known_args(argv)
+
+def parse_namespace(
+    parser: argparse.ArgumentParser, argv=None
+) -> tuple[argparse.Namespace, frozenset[str]]:
+    """``parser``'s flags over a ``--config`` file's values (the command line wins), and
+    the field names given explicitly in either (a default and the same value typed out
+    differ there; for checks such as --eval-interval with --eval-iters 0). argv is
+    parsed and the file read once. A bad file (naming the key) or an unknown flag (with
+    the closest known one) is a ConfigError, never argparse's usage text."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = _config_path(argv)
+    from_file = load_config_file(path) if path is not None else {}
+    parser.set_defaults(**from_file)  # (--help then shows the file's values)
+    # argparse leaves alone what the namespace already holds: _UNSET marks the defaults.
+    dests = [a.dest for a in parser._actions if a.dest not in ("help", "config")]
+    ns = argparse.Namespace(**{d: from_file.get(d, _UNSET) for d in dests})
+    ns, extra = parser.parse_known_args(argv, namespace=ns)
     if extra:
         raise ConfigError("\n".join(unknown_flag_problems(extra, parser)))
-    return ns
+    given = set()
+    for action in parser._actions:
+        if getattr(ns, action.dest, None) is _UNSET:
+            setattr(ns, action.dest, action.default)
+        elif action.dest in dests:
+            given.add(action.dest.split(".", 1)[-1])
+    return ns, frozenset(given)
+
+
+def parse_with_config(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """``parse_namespace`` without the given flags."""
+    return parse_namespace(parser, argv)[0]
+
+
+def args_from_namespace(ns: argparse.Namespace) -> Args:
+    """The "group.field" values of a namespace as the dataclasses (other keys ignored)."""
+    parts = {name: {} for name in CONFIG_CLASSES}
+    for key, value in vars(ns).items():
+        group_name, _, fname = key.partition(".")
+        if group_name in parts:
+            parts[group_name][fname] = value
+    return Args(**{name: CONFIG_CLASSES[name](**kw) for name, kw in parts.items()})
+
+
+def parse(argv=None) -> tuple[Args, frozenset[str]]:
+    """pretrain_gpt.py's flags (over a ``--config`` file's values) as dataclasses, and the
+    field names given explicitly; ConfigError, one line per problem, for unknown flags,
+    values of the wrong type, choices not offered, or a bad --config file."""
+    ns, given = parse_namespace(build_parser(), argv)
+    return args_from_namespace(ns), given
+
+
+def parse_args(argv=None) -> Args:
+    """``parse`` without the given flags."""
+    return parse(argv)[0]
 
 
 def given_flags(argv=None) -> frozenset[str]:
-    """Field names of the flags ``argv`` gives explicitly, on the command line or in its
-    --config file (a default and the same value typed out differ here); for checks such
-    as --eval-interval with --eval-iters 0."""
-    parser = build_parser()
-    for action in parser._actions:  # (set_defaults would put SUPPRESS in the namespace)
-        action.default = argparse.SUPPRESS
-    ns, _ = parser.parse_known_args(argv)
-    given = {key.split(".", 1)[1] for key in vars(ns) if key != "config"}
-    path = _config_path(argv)
-    if path is not None:
-        from .config_file import load_config_file
-
-        given.update(key.split(".", 1)[1] for key in load_config_file(path))
-    return frozenset(given)
-
-
-def _model_problems(m: GPTConfig, tp: int):
-    """The model's shape against itself and the TP size (heads against TP: parallel_state)."""
-    if m.hidden_size % m.num_attention_heads:
-        yield (
-            f"--hidden-size {m.hidden_size} is not divisible by "
-            f"--num-attention-heads {m.num_attention_heads}"
-        )
-    if m.ffn_hidden_size % tp:
-        yield (
-            f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by "
-            f"--tensor-model-parallel-size {tp}"
-        )
-    if m.seq_length > m.max_position_embeddings:
-        yield (
-            f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
-            f"{m.max_position_embeddings}"
-        )
-    if m.num_query_groups is not None and not m.group_query_attention:
-        yield "--num-query-groups needs --group-query-attention"
-    if m.group_query_attention:
-        g = m.num_query_groups
-        if m.num_attention_heads % g:
-            yield (
-                f"--num-attention-heads {m.num_attention_heads} is not divisible "
-                f"by --num-query-groups {g}"
-            )
-        if g % tp:
-            yield (
-                f"--num-query-groups {g} is not divisible by "
-                f"--tensor-model-parallel-size {tp}: key/value heads are split "
-                f"across the TP ranks, never replicated"
-            )
-    if m.position_embedding_type == "rope":
-        head_dim = m.hidden_size // m.num_attention_heads
-        percent = m.rotary[1]
-        rotated = int(head_dim * percent)
-        if rotated < 2 or rotated % 2:
-            yield (
-                f"--rotary-percent {percent} rotates {rotated} of the "
-                f"{head_dim} channels of a head: that must be an even number >= 2"
-            )
-    if m.sequence_parallel and m.seq_length % tp:
-        yield (
-            f"--seq-length {m.seq_length} is not divisible by "
-            f"--tensor-model-parallel-size {tp} (--sequence-parallel splits "
-            f"the sequence over the TP ranks)"
-        )
+    """``parse``'s given flags alone."""
+    return parse(argv)[1]
 
 
 def _data_path_problems(d: DataConfig):
@@ -624,13 +309,12 @@ def _parallel_problems(args: Args, world_size: int):
         )
     except ParallelConfigError as e:
         yield str(e)
-    yield from _model_problems(m, tp)
+    yield from m.problems(tp)
 
 
 def _training_problems(args: Args, world_size: int, given: frozenset):
     t, o = args.train, args.optim
-    dp = world_size // args.parallel.tensor_model_parallel_size
-    gbs = t.micro_batch_size * dp if t.global_batch_size is None else t.global_batch_size
+    gbs, dp = _global_batch(args, world_size)
     if gbs % (t.micro_batch_size * dp):
         yield (
             f"--global-batch-size {gbs} is not a multiple of "
@@ -683,18 +367,28 @@ def _schedule_problems(args: Args, gbs: int, given: frozenset):
         )
 
 
-def resolve(args: Args, world_size: int, given: frozenset = frozenset()) -> Args:
-    """Check the flags, then fill in the values derived from others (the default global
-    batch, iterations from --train-samples); raises ConfigError naming the flag.
-    ``given``: the flags typed out (``given_flags``), for checks that need to know."""
-    validate(args, world_size, given)
+def _global_batch(args: Args, world_size: int) -> tuple[int, int]:
+    """(global batch, data-parallel size): --global-batch-size, default micro-batch x DP."""
     t = args.train
     dp = world_size // args.parallel.tensor_model_parallel_size
-    if t.global_batch_size is None:
-        t.global_batch_size = t.micro_batch_size * dp
-    if t.train_samples is not None:
-        t.train_iters = t.train_samples // t.global_batch_size
-    return args
+    return (t.micro_batch_size * dp if t.global_batch_size is None else t.global_batch_size), dp
+
+
+def resolve(args: Args, world_size: int, given: frozenset = frozenset()) -> Args:
+    """Check the flags, then the final ``Args`` with every value derived from others filled
+    in (the global batch, iterations from --train-samples, micro-batches per step);
+    ``args`` itself is left as it was. Raises ConfigError naming the flag. ``given``: the
+    flags typed out (``parse``), for checks that need to know."""
+    validate(args, world_size, given)
+    t = args.train
+    gbs, dp = _global_batch(args, world_size)
+    train = dataclasses.replace(
+        t,
+        global_batch_size=gbs,
+        train_iters=t.train_iters if t.train_samples is None else t.train_samples // gbs,
+        num_micro_batches=gbs // (t.micro_batch_size * dp),
+    )
+    return dataclasses.replace(args, train=train)
 
 
 def config_warnings(args: Args) -> list[str]:
@@ -715,7 +409,7 @@ def config_warnings(args: Args) -> list[str]:
 def config_problems(args: Args, world_size: int, given: frozenset = frozenset()) -> list[str]:
     """Every problem of the flags, one line each, changing nothing. In stages: ranges,
     then the parallel layout, then the rest (a later stage assumes the earlier passed)."""
-    found = _range_problems(args)
+    found = [p for group in vars(args).values() for p in field_problems(group)]
     if not found:
         found = list(_parallel_problems(args, world_size))
     if not found:

@@ -1,16 +1,18 @@
 """``--config run.yaml``: a YAML file of flag values, read as the parser's defaults (so
 flags given on the command line win), and the run's resolved configuration written back
-in the same form (``<--save>/config.yaml``). Every mistake in a file is a ConfigError
-naming the file and the key.
+in the same form (``write_run_config``: ``<--save>/config.yaml``). Every mistake in a
+file is a ConfigError naming the file and the key.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 
-from .config import CONFIG_CLASSES, Args, ConfigError, _inner
+from .config_schema import CONFIG_CLASSES, Args, ConfigError
+from .fields import flag_fields, unwrap_optional
 
 
 def _fields_by_name() -> dict[str, tuple[str, dataclasses.Field, object]]:
@@ -18,15 +20,15 @@ def _fields_by_name() -> dict[str, tuple[str, dataclasses.Field, object]]:
     out = {}
     for group, cls in CONFIG_CLASSES.items():
         hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
+        for f in flag_fields(cls):
             out[f.name] = (group, f, hints[f.name])
     return out
 
 
 def _coerce(where: str, value, tp, choices):
     """A YAML value as the flag's type; ConfigError (naming ``where``) if it is not one."""
-    optional = _inner(tp) is not tp
-    tp = _inner(tp)
+    optional = unwrap_optional(tp) is not tp
+    tp = unwrap_optional(tp)
     if value is None:
         if optional:
             return None
@@ -105,7 +107,7 @@ def dump_config(args: Args) -> str:
         "# Rerun it: pretrain_gpt.py --config <this file> [flags that override it]",
     ]
     for group, cls in CONFIG_CLASSES.items():
-        values = {f.name: getattr(getattr(args, group), f.name) for f in dataclasses.fields(cls)}
+        values = {f.name: getattr(getattr(args, group), f.name) for f in flag_fields(cls)}
         if group == "train" and values.get("train_samples") is not None:
             values["train_iters"] = None  # derived from train_samples; both would clash
         if group == "model":  # left to follow --hidden-size / --seq-length when they are
@@ -120,3 +122,26 @@ def dump_config(args: Args) -> str:
             ).rstrip()
         )
     return "\n".join(lines) + "\n"
+
+
+def write_run_config(args: Args, log=print) -> str | None:
+    """``<--save>/config.yaml``: the resolved configuration, readable by ``--config``.
+    Returns an error message instead of raising (the caller makes every rank agree)."""
+    if not args.ckpt.save:
+        return None
+    path = os.path.join(args.ckpt.save, "config.yaml")
+    try:
+        text = dump_config(args)
+    except ImportError:
+        log("PyYAML is not installed: no config.yaml written (pip install pyyaml)")
+        return None
+    try:
+        os.makedirs(args.ckpt.save, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        return f"--save {args.ckpt.save}: cannot write config.yaml ({e.strerror or e})"
+    log(f"configuration written to {path} (rerun: pretrain_gpt.py --config {path})")
+    return None

@@ -27,7 +27,7 @@ from .checkpoint import (
     resolve_checkpoint,
 )
 from .checkpoint.format import tokenizer_args
-from .data.tokenizer import TOKENIZER_TYPES
+from .data.tokenizer import TOKENIZER_TYPES, tokenizer_for
 from .distributed import first_error
 from .help_format import DefaultsHelpFormatter
 from .model.gpt import GPTModel
@@ -125,35 +125,34 @@ def load_model(
     return model.eval()
 
 
-def tokenizer_for(
-    saved_args: dict,
-    vocab_size: int,
-    tokenizer_type: str | None = None,
-    tokenizer_model: str | None = None,
-    vocab_file: str | None = None,
-    merge_file: str | None = None,
-):
-    """(tokenizer, stops_at_eod): the flags' tokenizer, else the one the run trained with.
+class TextSampler:
+    """``--sample-prompt``: a short greedy continuation, printed at each evaluation and at
+    the end of the run, with the run's own tokenizer (not ``data.PretrainingSampler``,
+    which picks the training samples).
 
-    The run's is rebuilt from its recorded data args (``--tokenizer-type``,
-    ``--tokenizer-model``, ``--vocab-file``, ``--merge-file``); a flag given here
-    overrides the recorded value. A NullTokenizer gets the model's vocabulary (its EOD
-    is the last id). Mock-data runs had no tokenizer and no documents: ids as text,
-    and no EOD to stop at.
+    Every rank takes part: ``generate`` gathers the vocabulary-parallel logits over the
+    TP group and broadcasts TP rank 0's token, so the ranks of a TP group stay in step;
+    each DP replica computes the same text and global rank 0 prints it. Greedy, so no
+    random numbers are drawn and training is unchanged by it.
     """
-    from .data.tokenizer import build_tokenizer
 
-    data = saved_args.get("data", {})
-    mock = tokenizer_type is None and data.get("mock_data", False)
-    tokenizer_type = tokenizer_type or ("NullTokenizer" if mock else data.get("tokenizer_type"))
-    if tokenizer_type == "NullTokenizer":
-        return build_tokenizer("NullTokenizer", vocab_size=vocab_size - 1), not mock
-    return build_tokenizer(
-        tokenizer_type,
-        tokenizer_model or data.get("tokenizer_model"),
-        vocab_file=vocab_file or data.get("vocab_file"),
-        merge_file=merge_file or data.get("merge_file"),
-    ), True
+    def __init__(self, tokenizer, stops_at_eod: bool, text: str, tokens: int):
+        self.tok = tokenizer
+        try:
+            ids = tokenizer.tokenize(text) if text else []
+        except ValueError as e:
+            raise ValueError(f"--sample-prompt {text!r}: {e}") from None
+        self.prompt, self.show_prompt = (ids, True) if ids else ([tokenizer.eod], False)
+        self.eod = tokenizer.eod if stops_at_eod else None
+        self.tokens = tokens
+
+    def __call__(self, model, precision) -> str:
+        """The text; ``precision``: the run's autocast context (a fresh one per call)."""
+        with torch.no_grad(), precision:
+            new = generate(model, self.prompt, self.tokens, eod=self.eod, greedy=True)
+        model.train()
+        # Prompt and continuation decoded together, so pieces join as they should.
+        return self.tok.detokenize(self.prompt + new if self.show_prompt else new)
 
 
 # ------------------------------------------------------------------------ CLI
@@ -217,18 +216,16 @@ def sampling_problem(a) -> str | None:
 
 
 def _setup(tp: int):
-    """Join torchrun's world when there is one; returns (device, created_group)."""
-    from .distributed import DeviceError, pick_device
+    """Join torchrun's world when there is one, through the run's own start-up (its
+    rendezvous message and timeout); returns (device, created_group)."""
+    from .distributed import DeviceError, RendezvousError, init_distributed, pick_device
 
-    try:
-        device = pick_device()
-    except DeviceError as e:
-        raise SystemExit(f"generate: {e}") from None
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    created = False
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        created = True
+    created = world > 1 and not dist.is_initialized()
+    try:
+        device = init_distributed() if created else pick_device()
+    except (DeviceError, RendezvousError) as e:
+        raise SystemExit(f"generate: {e}") from None
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.is_initialized():
@@ -241,6 +238,38 @@ def _setup(tp: int):
     return device, created
 
 
+def _load(a, device):
+    """(checkpoint, model, tokenizer, stops at EOD, prompt ids) on every rank, or one
+    SystemExit for all of them: one bad rank must not hang the rest."""
+    error, loaded = None, None
+    try:
+        ckpt = resolve_checkpoint(a.load, a.iteration)
+        full = FullTensors(ckpt)
+        saved = dict(full.common().get("args", {}), data=tokenizer_args(ckpt, full.common()))
+        tok, stops = tokenizer_for(
+            saved,
+            full.config.vocab_size,
+            a.tokenizer_type,
+            a.tokenizer_model,
+            a.vocab_file,
+            a.merge_file,
+        )
+        if tok.vocab_size > full.config.vocab_size:
+            raise CheckpointError(
+                f"the tokenizer has {tok.vocab_size} ids, the model only {full.config.vocab_size}"
+            )
+        prompt = tok.tokenize(a.prompt) if a.prompt else [tok.eod]
+        tp = ps.get_tensor_model_parallel_group() if dist.is_initialized() else None
+        model = load_model(ckpt, tp, getattr(torch, a.dtype), device)
+        loaded = ckpt, model, tok, stops, prompt
+    except (CheckpointError, ValueError, OSError) as e:
+        error = f"{type(e).__name__}: {e}"
+    error = first_error(error)
+    if error:
+        raise SystemExit(f"generate: {error}")
+    return loaded
+
+
 def main(argv=None) -> dict:
     a = build_parser().parse_args(argv)
     problem = sampling_problem(a)
@@ -251,36 +280,7 @@ def main(argv=None) -> dict:
     device, created = _setup(a.tensor_model_parallel_size)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     try:
-        error, model = None, None
-        try:  # load everywhere, then agree on failure: one bad rank must not hang the rest
-            ckpt = resolve_checkpoint(a.load, a.iteration)
-            full = FullTensors(ckpt)
-            saved = dict(full.common().get("args", {}), data=tokenizer_args(ckpt, full.common()))
-            tok, stops = tokenizer_for(
-                saved,
-                full.config.vocab_size,
-                a.tokenizer_type,
-                a.tokenizer_model,
-                a.vocab_file,
-                a.merge_file,
-            )
-            if tok.vocab_size > full.config.vocab_size:
-                raise CheckpointError(
-                    f"the tokenizer has {tok.vocab_size} ids, the model "
-                    f"only {full.config.vocab_size}"
-                )
-            prompt = tok.tokenize(a.prompt) if a.prompt else [tok.eod]
-            tp = (
-                ps.get_tensor_model_parallel_group()
-                if dist.is_initialized()
-                else ps.ParallelGroup.single()
-            )
-            model = load_model(ckpt, tp, getattr(torch, a.dtype), device)
-        except (CheckpointError, ValueError, OSError) as e:
-            error = f"{type(e).__name__}: {e}"
-        error = first_error(error)
-        if error:
-            raise SystemExit(f"generate: {error}")
+        ckpt, model, tok, stops, prompt = _load(a, device)
         gen = torch.Generator().manual_seed(a.seed)  # same stream on every rank
         new = generate(
             model,

@@ -189,3 +189,29 @@ class Logger:
             tb.close()
         if wb:
             wb.finish()
+
+
+def run_summary(
+    args, logger: Logger, summary: dict, start_iteration: int, start_consumed: int
+) -> str:
+    """The lines that end a run (``args``: its ``config.Args``): time, tokens, final losses
+    and the checkpoint."""
+    seq, it = args.model.seq_length, summary["iteration"]
+    seconds = time.time() - logger.start
+    session = (summary["consumed_samples"] - start_consumed) * seq
+    losses = ([f"train {summary['loss']:.4f}"] if "loss" in summary else []) + [
+        f"{split} {loss:.4f} (ppl {math.exp(min(loss, 50.0)):.1f})"
+        for split, loss in logger.last_eval.items()
+    ]
+    lines = [
+        " run summary:",
+        f"   iterations  {it}/{args.train.train_iters}"
+        f"{f' (resumed at {start_iteration})' if start_iteration else ''}"
+        f" in {hms(seconds)} (start-up, training and evaluation)",
+        f"   tokens      {summary['consumed_samples'] * seq:,} trained on in all; this "
+        f"session {session:,} ({session / max(seconds, 1e-9):,.0f} tokens/s overall)",
+        f"   final loss  {' | '.join(losses) or '-'}",
+    ]
+    if args.ckpt.save:
+        lines.append(f"   checkpoint  {args.ckpt.save} (iteration {it})")
+    return "\n".join(lines)

@@ -10,14 +10,15 @@
 
 The pieces live in mp_offload/planner/: shapes (exact per-rank parameter layout),
 activations (the estimate and its formula), memory (categories, modes, fit), search
-(largest model, paper table), throughput (step-time model), cli.
+(largest model, paper table), throughput (step-time model), cli; the --dry-run
+adapter is mp_offload/dry_run.py.
 """
 
 import sys
 
-from .planner.cli import dry_run, main
+from .planner.cli import main
 
-__all__ = ["dry_run", "main"]
+__all__ = ["main"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,10 +1,12 @@
 """The pretraining loop; ``pretrain_gpt.py`` is a thin entry point over ``pretrain``.
 
-Order of one run: parse + validate flags, then check the input files and load the
-tokenizer (every rank, before any collective) -> process groups -> data (which fixes
-the vocabulary) -> model (fp32 on the CPU, the same full weights for every TP size) ->
-optimizer (which places the model on the device in the compute dtype) -> iterations ->
-final evaluation.
+Order of one run: parse + validate + ``resolve`` the flags (final from then on), then
+check the input files and load the tokenizer (every rank, before any collective) ->
+process groups -> data (which fixes the vocabulary: the run's final ``Args`` are the
+flags ``with_data``) -> model (fp32 on the CPU, the same full weights for every TP
+size) -> optimizer (which places the model on the device in the compute dtype) ->
+checkpoint loaded, then ``<--save>/config.yaml`` written -> iterations -> final
+evaluation.
 
 Whatever stops a run ends as one line, printed once for the job (``distributed.fail``):
 exit code 2 for bad flags or input, 1 for run-time failures (divergence, a lost or
@@ -18,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
-import os
 import signal
 import time
 from dataclasses import dataclass
@@ -30,9 +32,9 @@ import torch.distributed as dist
 from . import faults, lifeline
 from . import parallel_state as ps
 from .checkpoint import CheckpointError, load_checkpoint, prepare_save, save_checkpoint
-from .config import Args, ConfigError, config_warnings, given_flags, parse_args, resolve
-from .config_file import dump_config
-from .data.build import batch_iterator, build_datasets
+from .config import Args, ConfigError, config_warnings, parse, resolve
+from .config_file import write_run_config
+from .data.build import RunData, batch_iterator, build_datasets
 from .distributed import (
     DeviceError,
     RendezvousError,
@@ -49,7 +51,8 @@ from .distributed import (
     set_phase,
     threads_per_rank,
 )
-from .logger import Logger, hms, log
+from .generation import TextSampler
+from .logger import Logger, log, run_summary
 from .lr_scheduler import LRScheduler
 from .model.gpt import GPTModel, flops_per_token, num_parameters
 from .optimizer import Optimizer, StepResult, build_optimizer
@@ -147,51 +150,33 @@ def evaluate(model, optimizer: Optimizer, batches, device, num_iters: int) -> fl
     return total / n if n else None
 
 
-class Sampler:
-    """``--sample-prompt``: a short greedy continuation, printed at each evaluation and at
-    the end of the run, with the run's own tokenizer.
-
-    Every rank takes part: ``generation.generate`` gathers the vocabulary-parallel logits
-    over the TP group and broadcasts TP rank 0's token, so the ranks of a TP group stay in
-    step; each DP replica computes the same text and global rank 0 prints it. Greedy, so
-    no random numbers are drawn and training is unchanged by it.
-    """
-
-    def __init__(self, args: Args, vocab_size: int):
-        from .generation import tokenizer_for
-
-        self.tok, stops = tokenizer_for({"data": dataclasses.asdict(args.data)}, vocab_size)
-        text = args.log.sample_prompt
-        try:
-            ids = self.tok.tokenize(text) if text else []
-        except ValueError as e:
-            raise TrainingError(f"--sample-prompt {text!r}: {e}") from None
-        self.prompt, self.show_prompt = (ids, True) if ids else ([self.tok.eod], False)
-        self.eod = self.tok.eod if stops else None
-        self.tokens = args.log.sample_tokens
-
-    def __call__(self, model, optimizer: Optimizer, device, iteration: int, logger: Logger) -> str:
-        from .generation import generate
-
-        with torch.no_grad(), autocast(optimizer, device):
-            new = generate(model, self.prompt, self.tokens, eod=self.eod, greedy=True)
-        model.train()
-        # Prompt and continuation decoded together, so pieces join as they should.
-        text = self.tok.detokenize(self.prompt + new if self.show_prompt else new)
-        logger.sample(iteration, text)
-        return text
+def _sample(sampler: TextSampler | None, model, optimizer, device, iteration, logger) -> None:
+    if sampler:
+        logger.sample(iteration, sampler(model, autocast(optimizer, device)))
 
 
 class _StopFlag:
-    """SIGINT/SIGTERM finish the current step, then the loop exits cleanly."""
+    """SIGINT/SIGTERM finish the current step, then the loop exits cleanly; ``restore``
+    puts back the handlers it replaced (the caller's, once the loop is over)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.requested = False
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handler)
+        self.previous = {sig: signal.signal(sig, self._handler) for sig in self.SIGNALS}
 
     def _handler(self, signum, frame):
         self.requested = True
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def __enter__(self) -> _StopFlag:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
 
     def agreed(self) -> bool:
         flag = torch.tensor([1.0 if self.requested else 0.0], device=ps.comm_device())
@@ -252,6 +237,14 @@ def _check_skipped(in_a_row: int, limit: int, iteration: int, out: StepOutput) -
         )
 
 
+def _evaluation(args: Args, model, optimizer, valid_iter, device, logger, iteration, sampler):
+    """Validation (and the sample) at ``iteration``."""
+    set_phase(f"the evaluation at iteration {iteration}")
+    loss = evaluate(model, optimizer, valid_iter, device, args.train.eval_iters)
+    logger.evaluation(iteration, "valid", loss)
+    _sample(sampler, model, optimizer, device, iteration, logger)
+
+
 def train(
     args: Args,
     model,
@@ -262,25 +255,21 @@ def train(
     logger: Logger,
     start_iteration: int = 0,
     consumed_samples: int = 0,
-    sampler: Sampler | None = None,
+    sampler: TextSampler | None = None,
+    stop: _StopFlag | None = None,
 ) -> dict:
-    """Iterate from ``start_iteration`` to --train-iters (or --exit-interval, or a signal),
-    evaluating (and sampling) and saving on their intervals; returns the last iteration's
-    record."""
+    """Iterate from ``start_iteration`` to --train-iters (or --exit-interval, or a signal
+    that ``stop`` caught), evaluating (and sampling) and saving on their intervals;
+    returns the last iteration's record."""
     t = args.train
     dp = ps.get_data_parallel_group()
-    num_micro = t.global_batch_size // (t.micro_batch_size * dp.size)
     sched = LRScheduler.from_args(args)
-    stop = _StopFlag()
     iteration, last, saved_at = start_iteration, {}, start_iteration
     save_every = args.ckpt.save_interval if args.ckpt.save else None
     end = t.train_iters if t.exit_interval is None else min(t.train_iters, t.exit_interval)
+    evaluation = functools.partial(_evaluation, args, model, optimizer, valid_iter, device, logger)
     if t.eval_interval and iteration == 0 and valid_iter is not None:
-        # A baseline, so the log shows how far validation loss has come.
-        set_phase("the evaluation at iteration 0")
-        logger.evaluation(0, "valid", evaluate(model, optimizer, valid_iter, device, t.eval_iters))
-        if sampler:
-            sampler(model, optimizer, device, 0, logger)
+        evaluation(0, sampler)  # a baseline: the log shows how far validation loss has come
     model.train()
     logger.start_loop(iteration, t.train_iters)
     flops_tok = flops_per_token(
@@ -292,7 +281,7 @@ def train(
         t0 = time.perf_counter()
         lr = sched.get_lr(consumed_samples)
         try:
-            out = train_step(model, optimizer, train_iter, num_micro, lr, dp, device)
+            out = train_step(model, optimizer, train_iter, t.num_micro_batches, lr, dp, device)
         except TrainingError as e:
             raise TrainingError(f"{e} at iteration {iteration}") from None
         iteration += 1
@@ -304,29 +293,16 @@ def train(
             )
         skipped_in_a_row = skipped_in_a_row + 1 if out.result.skipped else 0
         _check_skipped(skipped_in_a_row, t.max_consecutive_skipped_steps, iteration, out)
-        last = _record(
-            args,
-            iteration,
-            consumed_samples,
-            lr,
-            out,
-            optimizer,
-            time.perf_counter() - t0,
-            flops_tok,
-        )
+        elapsed = time.perf_counter() - t0
+        last = _record(args, iteration, consumed_samples, lr, out, optimizer, elapsed, flops_tok)
         logger.iteration(last, print_line=iteration % args.log.log_interval == 0)
         if t.eval_interval and iteration % t.eval_interval == 0 and iteration < t.train_iters:
-            set_phase(f"the evaluation at iteration {iteration}")
-            logger.evaluation(
-                iteration, "valid", evaluate(model, optimizer, valid_iter, device, t.eval_iters)
-            )
-            if sampler:
-                sampler(model, optimizer, device, iteration, logger)
+            evaluation(iteration, sampler)
         faults.after_iteration(iteration)
         if save_every and iteration % save_every == 0:
             _save(args, iteration, consumed_samples, model, optimizer)
             saved_at = iteration
-        if stop.agreed():
+        if stop is not None and stop.agreed():
             log.info(f"stop requested: exiting after iteration {iteration}")
             break
     optimizer.flush()
@@ -360,9 +336,10 @@ def _maybe_load(args: Args, model, optimizer) -> tuple[int, int]:
 
 
 def _checked_args(argv) -> tuple[Args, int]:
-    """Parse and validate the flags on every rank before any collective (fail() on error)."""
+    """The final flags (``resolve``d), parsed and checked on every rank before any
+    collective (fail() on error), and the world size they are for."""
     try:
-        args = parse_args(argv)
+        args, given = parse(argv)
     except ConfigError as e:
         fail(str(e))
     world = env_int("WORLD_SIZE", 1)
@@ -374,7 +351,7 @@ def _checked_args(argv) -> tuple[Args, int]:
             )
         world = args.parallel.world_size
     try:
-        resolve(args, world, given_flags(argv))
+        args = resolve(args, world, given)
     except ConfigError as e:
         fail(str(e))
     return args, world
@@ -399,90 +376,82 @@ def build_model_and_optimizer(args: Args, device: torch.device):
     return model, optimizer
 
 
-def _run(args: Args, device, logger: Logger, tokenizer=None) -> dict:
-    train_ds, valid_ds, test_ds, vocab = build_datasets(args, tokenizer)
-    args.model.vocab_size = vocab
-    sampler = Sampler(args, vocab) if args.log.sample_prompt is not None else None
+def with_data(args: Args, data: RunData) -> Args:
+    """The run's final ``Args``: the flags with what its data fixed (the vocabulary of the
+    tokenizer, the tokenizer model the default corpus brought, recorded with each
+    checkpoint so that generation and export find it)."""
+    model = dataclasses.replace(args.model, vocab_size=data.vocab_size)
+    if data.tokenizer_model == args.data.tokenizer_model:
+        return dataclasses.replace(args, model=model)
+    d = dataclasses.replace(args.data, tokenizer_model=data.tokenizer_model)
+    return dataclasses.replace(args, model=model, data=d)
+
+
+def _text_sampler(args: Args, data: RunData) -> TextSampler | None:
+    if args.log.sample_prompt is None:
+        return None
+    if data.tokenizer is None:
+        raise TrainingError("--sample-prompt: a vocabulary of one id (--vocab-size 1) has no text")
+    try:
+        return TextSampler(
+            data.tokenizer, data.stops_at_eod, args.log.sample_prompt, args.log.sample_tokens
+        )
+    except ValueError as e:
+        raise TrainingError(str(e)) from None
+
+
+def _record_config(flags: Args) -> None:
+    """``<--save>/config.yaml``: the flags as resolved (``--config`` reads them back to the
+    same run; the values the data fixed follow from them again), written once the run has
+    started from its directory: a resume the checkpoints refuse leaves the file as it was."""
+    error = first_error(write_run_config(flags, log.info) if dist.get_rank() == 0 else None)
+    if error:
+        fail(error, code=1)
+
+
+def _run(flags: Args, device, logger: Logger, tokenizer=None) -> dict:
+    data = build_datasets(flags, tokenizer)
+    args = with_data(flags, data)
+    sampler = _text_sampler(args, data)
     set_phase("building the model and optimizer")
     model, optimizer = build_model_and_optimizer(args, device)
     set_phase("loading the checkpoint")
     start, consumed = _maybe_load(args, model, optimizer)
+    _record_config(flags)
     # Validation batches continue where the uninterrupted run would be (baseline + evals).
     t = args.train
     per_eval = t.eval_iters * t.micro_batch_size * ps.get_data_parallel_world_size()
     valid_consumed = (start // t.eval_interval + 1) * per_eval if start and t.eval_interval else 0
-    train_iter = batch_iterator(train_ds, args, consumed, device)
-    valid_iter = batch_iterator(valid_ds, args, valid_consumed, device)
-    summary = train(
-        args, model, optimizer, train_iter, valid_iter, device, logger, start, consumed, sampler
-    )
+    train_iter = batch_iterator(data.train, args, consumed, device)
+    valid_iter = batch_iterator(data.valid, args, valid_consumed, device)
+    with _StopFlag() as stop:
+        summary = train(
+            args,
+            model,
+            optimizer,
+            train_iter,
+            valid_iter,
+            device,
+            logger,
+            start,
+            consumed,
+            sampler,
+            stop,
+        )
     if summary.get("iteration", 0) >= t.train_iters:
         set_phase("the final evaluation")
-        for name, ds in (("valid", valid_ds), ("test", test_ds)):
-            logger.evaluation(
-                summary["iteration"],
-                name,
-                evaluate(
-                    model, optimizer, batch_iterator(ds, args, 0, device), device, t.eval_iters
-                ),
-            )
-    if sampler:
-        sampler(model, optimizer, device, summary["iteration"], logger)
+        for name, ds in (("valid", data.valid), ("test", data.test)):
+            batches = batch_iterator(ds, args, 0, device)
+            loss = evaluate(model, optimizer, batches, device, t.eval_iters)
+            logger.evaluation(summary["iteration"], name, loss)
+    _sample(sampler, model, optimizer, device, summary["iteration"], logger)
     log.info(run_summary(args, logger, summary, start, consumed))
     return summary
-
-
-def run_summary(
-    args: Args, logger: Logger, summary: dict, start_iteration: int, start_consumed: int
-) -> str:
-    """The lines that end a run: time, tokens, final losses and the checkpoint."""
-    seq, it = args.model.seq_length, summary["iteration"]
-    seconds = time.time() - logger.start
-    session = (summary["consumed_samples"] - start_consumed) * seq
-    losses = ([f"train {summary['loss']:.4f}"] if "loss" in summary else []) + [
-        f"{split} {loss:.4f} (ppl {math.exp(min(loss, 50.0)):.1f})"
-        for split, loss in logger.last_eval.items()
-    ]
-    lines = [
-        " run summary:",
-        f"   iterations  {it}/{args.train.train_iters}"
-        f"{f' (resumed at {start_iteration})' if start_iteration else ''}"
-        f" in {hms(seconds)} (start-up, training and evaluation)",
-        f"   tokens      {summary['consumed_samples'] * seq:,} trained on in all; this "
-        f"session {session:,} ({session / max(seconds, 1e-9):,.0f} tokens/s overall)",
-        f"   final loss  {' | '.join(losses) or '-'}",
-    ]
-    if args.ckpt.save:
-        lines.append(f"   checkpoint  {args.ckpt.save} (iteration {it})")
-    return "\n".join(lines)
 
 
 def flat_config(args: Args) -> dict:
     """Every field of every group in one dict (the W&B run config)."""
     return {k: v for group in vars(args).values() for k, v in dataclasses.asdict(group).items()}
-
-
-def write_run_config(args: Args) -> str | None:
-    """``<--save>/config.yaml``: the resolved configuration, readable by ``--config``.
-    Returns an error message instead of raising (the caller makes every rank agree)."""
-    if not args.ckpt.save:
-        return None
-    path = os.path.join(args.ckpt.save, "config.yaml")
-    try:
-        text = dump_config(args)
-    except ImportError:
-        log.info("PyYAML is not installed: no config.yaml written (pip install pyyaml)")
-        return None
-    try:
-        os.makedirs(args.ckpt.save, exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        return f"--save {args.ckpt.save}: cannot write config.yaml ({e.strerror or e})"
-    log.info(f"configuration written to {path} (rerun: pretrain_gpt.py --config {path})")
-    return None
 
 
 def _start(args: Args):
@@ -532,7 +501,7 @@ def pretrain(argv=None) -> dict:
     """The whole run for ``pretrain_gpt.py``'s flags; returns the last iteration's record."""
     args, world = _checked_args(argv)
     if args.train.dry_run:
-        from .plan import dry_run  # deferred: only the planner needs it
+        from .dry_run import dry_run  # deferred: only the planner needs it
 
         dry_run(args, world)
         return {}
@@ -546,9 +515,6 @@ def pretrain(argv=None) -> dict:
             lock = prepare_save(args.ckpt, log=log.info)
         except CheckpointError as e:
             fail(str(e))  # status 2, like a bad flag: nothing ran (every rank holds it)
-        error = first_error(write_run_config(args) if dist.get_rank() == 0 else None)
-        if error:
-            fail(error, code=1)
         summary = _run(args, device, logger, tokenizer)
         logger.close()  # the last records reach the disk here: a full one is an error
         return summary

@@ -83,3 +83,9 @@ CKPT_RUN = tiny_model_flags(vocab_size=100) + [
     "--reduce-bucket-size",
     "3000",
 ]
+
+
+def micro_batches(tokens, micro: int):
+    """The rows of ``tokens`` [n, seq+1], ``micro`` at a time, as ``training.train_step``
+    takes a step's batches (the test loops call it: what they check is what trains)."""
+    return iter(tokens.split(micro))

@@ -28,7 +28,7 @@ from mp_offload.checkpoint import (
     save_checkpoint,
     write_checkpoint,
 )
-from mp_offload.config import parse_args, validate
+from mp_offload.config import parse_args, resolve
 from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer import build_optimizer
 from mp_offload.tensor_parallel import random as tp_random
@@ -251,8 +251,7 @@ def _corrupt_worker(rank, world, ck):
     ps.initialize_model_parallel(2)
 
     def attempt(extra=()):
-        args = parse_args(argv + list(extra))
-        validate(args, world)
+        args = resolve(parse_args(argv + list(extra)), world)
         torch.manual_seed(0)
         model = GPTModel(args.model)
         opt = build_optimizer(model, args, torch.device("cpu"))
@@ -425,8 +424,7 @@ class _FakeCuda:
 
 
 def _rng_worker(rank, world, root):
-    args = parse_args(CKPT_RUN)
-    validate(args, 1)
+    args = resolve(parse_args(CKPT_RUN), 1)
     ps.initialize_model_parallel(1)
     seed, tracker, fake = args.train.seed, tp_random.get_rng_tracker(), _FakeCuda()
     torch.manual_seed(0)
@@ -638,7 +636,7 @@ def test_resume_from_an_iteration_directory(tmp_path):
     ck = str(tmp_path / "ck")
     first, again = str(tmp_path / "first.jsonl"), str(tmp_path / "again.jsonl")
     run(1, 1, "--save", ck, "--save-interval", "4", "--log-json", first)
-    # (config.yaml: the run's resolved configuration, written at start)
+    # (config.yaml: the run's resolved configuration, written once the run has started)
     assert sorted(os.listdir(ck)) == [
         "config.yaml",
         "iter_0000004",

@@ -120,13 +120,20 @@ def test_offload_fraction_accepted_in_range_with_cpu_offload():
 
 
 def test_validate_changes_nothing_and_resolve_fills_derived_values():
+    import copy
+
     from mp_offload.config import resolve
 
     args = parse_args(["--train-samples", "64", "--micro-batch-size", "2"])
+    before = copy.deepcopy(args)
     validate(args, 4)
-    assert args.train.global_batch_size is None and args.train.train_iters is None
-    resolve(args, 4)
-    assert (args.train.global_batch_size, args.train.train_iters) == (8, 8)
+    assert args == before and args.train.train_iters is None
+    final = resolve(args, 4)
+    assert args == before  # the parsed flags stay as they were; resolve returns new Args
+    t = final.train
+    assert (t.global_batch_size, t.train_iters, t.num_micro_batches) == (8, 8, 1)
+    t = resolve(parse_args(["--train-iters", "3", "--global-batch-size", "48"]), 4).train
+    assert (t.global_batch_size, t.num_micro_batches) == (48, 3)  # 48 / (4 x DP 4)
 
 
 # ------------------------------------------------------------ --config run.yaml
@@ -212,6 +219,19 @@ def test_flags_given_in_a_config_file_count_as_given(tmp_path):
         validate(parse_args(argv), 1, given_flags(argv))
 
 
+def test_parse_reads_argv_and_the_config_file_once(tmp_path, monkeypatch):
+    from mp_offload import config
+
+    path = _yaml(tmp_path, "eval-interval: 5\nlr: 1e-3\n")
+    reads = []
+    real = config.load_config_file
+    monkeypatch.setattr(config, "load_config_file", lambda p: reads.append(p) or real(p))
+    args, given = config.parse(["--config", path, "--train-iters", "10", "--lr", "2e-3"])
+    assert reads == [path]
+    assert (args.train.eval_interval, args.optim.lr, args.train.train_iters) == (5, 2e-3, 10)
+    assert given == {"eval_interval", "lr", "train_iters"}  # defaults are not given
+
+
 def test_dumped_config_reads_back_as_the_same_run(tmp_path):
     from mp_offload.config import resolve
     from mp_offload.config_file import dump_config
@@ -238,12 +258,12 @@ def test_dumped_config_reads_back_as_the_same_run(tmp_path):
             "ck",
         ]
     )
-    resolve(args, 2)  # train_iters derived from train_samples: not written as both
+    args = resolve(args, 2)  # train_iters derived from train_samples: not written as both
     text = dump_config(args)
     assert text.startswith("# The configuration of this run") and "\n# model\n" in text
     again = parse_args(["--config", _yaml(tmp_path, text)])
-    resolve(again, 2)
-    assert again == args
+    assert "num_micro_batches" not in text  # derived, no flag
+    assert resolve(again, 2) == args
     wider = parse_args(["--config", _yaml(tmp_path, text), "--hidden-size", "512"])
     assert wider.model.ffn_hidden_size == 2048  # derived values follow an override
 

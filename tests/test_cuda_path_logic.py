@@ -17,6 +17,7 @@ from mp_offload.optimizer.host_accumulator import HostAccumulator
 from mp_offload.optimizer.layout import FlatLayout
 from mp_offload.optimizer.reducer import GradientReducer, GradTargets
 from mp_offload.optimizer.zero import ZeroOptimizer
+from mp_offload.training import train_step
 
 CFG = dict(
     num_layers=2,
@@ -45,6 +46,11 @@ def _tokens(step=0, n=4):
 def _loss(model, step=0):
     t = _tokens(step)
     return model(t[:, :-1], t[:, 1:]).mean()
+
+
+def _step(model, opt, step=0):
+    """One optimizer step over ``_tokens(step)``, as the training loop takes it."""
+    return train_step(model, opt, iter([_tokens(step)]), 1, 1e-3, SINGLE, torch.device("cpu"))
 
 
 def test_accumulator_thread_binds_the_rank_device(monkeypatch):
@@ -87,9 +93,7 @@ def test_dpu_thread_binds_the_optimizer_device(monkeypatch):
         cpu_offload=True,
         dpu_warmup_steps=0,
     )
-    opt.zero_grad()
-    opt.backward(_loss(model))
-    opt.step(1e-3)
+    _step(model, opt)
     opt.flush()
     assert seen == [("dpu-adam", torch.device("cpu"))]
 
@@ -113,9 +117,7 @@ def test_dpu_failure_stops_the_run_and_publishes_nothing():
                 raise ValueError("kernel exploded")
 
             opt._adam = broken
-        opt.zero_grad()
-        opt.backward(_loss(model, step))
-        opt.step(1e-3)
+        _step(model, opt, step)
     before = opt.flat.clone()
     with pytest.raises(
         RuntimeError, match="delayed \\(DPU\\) optimizer step failed: ValueError: kernel exploded"
@@ -130,9 +132,7 @@ def test_without_offload_nothing_crosses_to_the_host():
         model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", dtype=torch.bfloat16, cpu_offload=False
     )
     for step in range(2):
-        opt.zero_grad()
-        opt.backward(_loss(model, step))
-        opt.step(1e-3)
+        _step(model, opt, step)
     assert opt.stats()["host_device_bytes_per_param"] == 0.0
     assert opt.param_staging is None and not opt.grad_staging
     assert opt.memory_bytes()["host"] == {"staging": 0}
@@ -142,9 +142,7 @@ def test_without_offload_nothing_crosses_to_the_host():
     )
     m2 = with_offload.model
     for step in range(2):
-        with_offload.zero_grad()
-        with_offload.backward(_loss(m2, step))
-        with_offload.step(1e-3)
+        _step(m2, with_offload, step)
     assert torch.equal(opt.flat, with_offload.flat)
     assert with_offload.stats()["host_device_bytes_per_param"] == 4.0
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from dist_helpers import pretrain_worker, run_distributed
 from helpers import ADAM_HP as HP
-from helpers import CKPT_RUN, tiny_gpt_config
+from helpers import CKPT_RUN, micro_batches, tiny_gpt_config
 
 from mp_offload import parallel_state as ps
 from mp_offload.data.loader import MockGPTDataset
@@ -37,6 +37,7 @@ from mp_offload.planner import (
 )
 from mp_offload.planner.fraction import fraction_for, pick_offload_fraction
 from mp_offload.tensor_parallel import merge_partitions
+from mp_offload.training import train_step
 
 CFG = tiny_gpt_config()
 # The multi-step comparisons run without linear biases: the key bias's exact gradient is
@@ -48,8 +49,12 @@ GBS = 8
 _DATA = MockGPTDataset(10_000, 16, 96, seed=3)
 
 
+def _tokens(step):
+    return torch.stack([torch.from_numpy(_DATA[step * GBS + i]["text"]) for i in range(GBS)])
+
+
 def _batch(step):
-    t = torch.stack([torch.from_numpy(_DATA[step * GBS + i]["text"]) for i in range(GBS)])
+    t = _tokens(step)
     return t[:, :-1], t[:, 1:]
 
 
@@ -86,14 +91,11 @@ def _single(fraction=1.0, offload=True, dtype=torch.float32, bucket=2000, **kw):
 
 
 def _train(model, opt, steps=4):
+    single, cpu = ps.ParallelGroup.single(), torch.device("cpu")
     losses = []
     for step in range(steps):
-        x, y = _batch(step)
-        opt.zero_grad()
-        loss = model(x, y).mean()
-        opt.backward(loss)
-        opt.step(HP["lr"])
-        losses.append(loss.item())
+        out = train_step(model, opt, iter([_tokens(step)]), 1, HP["lr"], single, cpu)
+        losses.append(out.loss)
     opt.flush()
     return losses, torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
 
@@ -200,17 +202,13 @@ def _ours(steps, fraction, *, micro=None, dpu=None):
     )
     losses, norms = [], []
     for step in range(steps):
-        x, y = _batch(step)
-        x, y = x[dp_rank * per_rank :][:per_rank], y[dp_rank * per_rank :][:per_rank]
-        opt.zero_grad()
-        total = torch.zeros(())
-        for k in range(0, per_rank, micro):
-            loss = model(x[k : k + micro], y[k : k + micro]).mean() * (micro / per_rank)
-            opt.backward(loss)
-            total += loss.detach()
-        norms.append(opt.step(HP["lr"]).grad_norm)
-        dist.all_reduce(total, group=ps.get_data_parallel_group().torch_group())
-        losses.append(float(total) / dp)
+        rows = _tokens(step)[dp_rank * per_rank :][:per_rank]
+        out = train_step(
+            model, opt, micro_batches(rows, micro), per_rank // micro, HP["lr"],
+            ps.get_data_parallel_group(), torch.device("cpu"),
+        )  # fmt: skip
+        norms.append(out.result.grad_norm)
+        losses.append(out.loss)
     opt.flush()
     return losses, norms, _merged(model), opt
 

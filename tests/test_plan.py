@@ -780,7 +780,7 @@ def test_machine_preset_sets_the_hardware_and_a_flag_still_wins(capsys):
 
 
 def test_model_flags_leave_default_options_out_and_name_each_once():
-    from mp_offload.checkpoint.hf_common import model_flags
+    from mp_offload.model.config import model_flags
 
     base = GPTConfig(**tiny_gpt_config())
     assert "--layernorm-epsilon" not in model_flags(base)

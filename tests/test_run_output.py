@@ -96,6 +96,99 @@ def test_bad_sample_prompt_stops_before_training(capfd):
     assert "--sample-prompt 'not ids'" in capfd.readouterr().err
 
 
+def _losses(path):
+    return [r["loss"] for r in records(path) if "loss" in r]
+
+
+def _reruns_from_its_config_yaml(tmp_path, flags, monkeypatch):
+    """A short run with --save, then ``--config <save>/config.yaml`` and no other flag
+    (its checkpoints removed, so the same --save takes it): the same losses, bitwise.
+    The first run's flags stay as ``resolve`` made them (``Args`` are final)."""
+    import copy
+    import shutil
+
+    from mp_offload import training
+
+    ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
+    seen, real_run = [], training._run
+
+    def checked_run(flags, *rest):
+        before = copy.deepcopy(flags)
+        out = real_run(flags, *rest)
+        seen.append(flags == before)
+        return out
+
+    monkeypatch.setattr(training, "_run", checked_run)
+    pretrain_here([*flags, "--save", str(ck), "--log-json", str(log)])
+    first = _losses(log)
+    for entry in os.listdir(ck):
+        if entry != "config.yaml":
+            path = ck / entry
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    log.unlink()
+    pretrain_here(["--config", str(ck / "config.yaml")])
+    assert len(first) == 6 and _losses(log) == first
+    assert seen == [True, True]
+
+
+def test_a_run_reruns_bitwise_from_its_config_yaml(tmp_path, monkeypatch):
+    _reruns_from_its_config_yaml(tmp_path, RUN, monkeypatch)
+
+
+def test_a_default_corpus_run_reruns_bitwise_from_its_config_yaml(tmp_path, monkeypatch):
+    """The default corpus (a small one, in a cache of its own): its tokenizer model is
+    found by the data layer, not a flag, and config.yaml must not name it."""
+    import functools
+
+    from mp_offload.data import default_corpus
+
+    small = functools.partial(
+        default_corpus.prepare_default_corpus, vocab_size=512, max_bytes=150_000
+    )
+    monkeypatch.setattr(default_corpus, "prepare_default_corpus", small)
+    flags = [f for f in RUN if f not in ("--mock-data",)]
+    flags = flags[: flags.index("--sample-prompt")] + ["--data-cache-dir", str(tmp_path / "c")]
+    _reruns_from_its_config_yaml(tmp_path, flags, monkeypatch)
+
+
+def test_a_refused_resume_leaves_config_yaml_alone(tmp_path, capfd):
+    """A resume the checkpoint refuses (another --hidden-size) must not rewrite the
+    configuration recorded beside the checkpoints."""
+    ck = str(tmp_path / "ck")
+    pretrain_here([*RUN, "--save", ck, "--train-iters", "2"])
+    with open(os.path.join(ck, "config.yaml")) as f:
+        recorded = f.read()
+    with pytest.raises(SystemExit):
+        pretrain_here([*RUN, "--save", ck, "--load", ck, "--hidden-size", "64"])
+    assert "--hidden-size is 64 here but 32 in the checkpoint" in capfd.readouterr().err
+    with open(os.path.join(ck, "config.yaml")) as f:
+        assert f.read() == recorded
+
+
+def test_mock_data_of_a_one_id_vocabulary_still_trains():
+    """The run's tokenizer for mock data reads ids; one id has none to read, and the run
+    needs none (only --sample-prompt would)."""
+    flags = RUN[: RUN.index("--sample-prompt")]
+    flags[flags.index("--vocab-size") + 1] = "1"
+    assert pretrain_here([*flags, "--train-iters", "1"])["iteration"] == 1
+
+
+def test_a_run_puts_back_the_signal_handlers_it_replaced(tmp_path):
+    def mine(signum, frame):
+        pass
+
+    saved = {s: signal.signal(s, mine) for s in (signal.SIGINT, signal.SIGTERM)}
+    port = os.environ.get("MASTER_PORT")
+    os.environ["MASTER_PORT"] = str(free_port())
+    try:
+        pretrain([*RUN, "--train-iters", "1"])
+        assert [signal.getsignal(s) for s in saved] == [mine, mine]
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        os.environ.pop("MASTER_PORT") if port is None else os.environ.update(MASTER_PORT=port)
+
+
 def _tp2_worker(rank, world, argv):
     pretrain(argv)
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from dist_helpers import run_distributed
 from helpers import ADAM_HP as HP
-from helpers import tiny_gpt_config
+from helpers import micro_batches, tiny_gpt_config
 
 from mp_offload import parallel_state as ps
 from mp_offload.data.loader import MockGPTDataset
@@ -15,16 +15,22 @@ from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer.torch_adamw import param_groups
 from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.tensor_parallel import merge_partitions
+from mp_offload.training import train_step
 
 CFG = tiny_gpt_config()
 GBS = 8
+CPU = torch.device("cpu")
 
 
 _DATA = MockGPTDataset(10_000, 16, 96, seed=3)  # learnable, so convergence is visible
 
 
+def _tokens(step):
+    return torch.stack([torch.from_numpy(_DATA[step * GBS + i]["text"]) for i in range(GBS)])
+
+
 def _batch(step):
-    t = torch.stack([torch.from_numpy(_DATA[step * GBS + i]["text"]) for i in range(GBS)])
+    t = _tokens(step)
     return t[:, :-1], t[:, 1:]
 
 
@@ -97,20 +103,14 @@ def _ours(
     )
     losses, norms, skipped = [], [], []
     for step in range(steps):
-        x, y = _batch(step)
-        x, y = x[dp_rank * per_rank :][:per_rank], y[dp_rank * per_rank :][:per_rank]
-        opt.zero_grad()
-        total = torch.zeros(())
-        for k in range(0, per_rank, micro):
-            loss = model(x[k : k + micro], y[k : k + micro]).mean() * (micro / per_rank)
-            opt.backward(loss)
-            total += loss.detach().float()
-        res = opt.step(HP["lr"])
-        if dp > 1:
-            dist.all_reduce(total, group=ps.get_data_parallel_group().torch_group())
-        losses.append(float(total) / dp)
-        norms.append(res.grad_norm)
-        skipped.append(res.skipped)
+        rows = _tokens(step)[dp_rank * per_rank :][:per_rank]
+        out = train_step(
+            model, opt, micro_batches(rows, micro), per_rank // micro, HP["lr"],
+            ps.get_data_parallel_group(), CPU,
+        )  # fmt: skip
+        losses.append(out.loss)
+        norms.append(out.result.grad_norm)
+        skipped.append(out.result.skipped)
     opt.flush()
     return losses, norms, skipped, model, opt
 
@@ -246,7 +246,7 @@ def test_offload_off_equals_offload():
     run_distributed(_offload_off_worker, 2)
 
 
-def _traffic(micro_batches, on_device, dtype=torch.bfloat16, reduce_dtype=None, **kw):
+def _traffic(k, on_device, dtype=torch.bfloat16, reduce_dtype=None, **kw):
     single = ps.ParallelGroup.single()
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**CFG), tp_group=single)
@@ -259,18 +259,13 @@ def _traffic(micro_batches, on_device, dtype=torch.bfloat16, reduce_dtype=None, 
         dtype=dtype,
         cpu_offload=True,
         bucket_size=2000,
-        micro_batches=micro_batches,
+        micro_batches=k,
         accumulate_on_device=on_device,
         reduce_dtype=reduce_dtype,
         **kw,
     )
     for step in range(2):
-        x, y = _batch(step)
-        opt.zero_grad()
-        for k in range(micro_batches):
-            part = slice(k * GBS // micro_batches, (k + 1) * GBS // micro_batches)
-            opt.backward(model(x[part], y[part]).mean() / micro_batches)
-        opt.step(1e-3)
+        train_step(model, opt, micro_batches(_tokens(step), GBS // k), k, 1e-3, single, CPU)
     return opt.stats()["host_device_bytes_per_param"], opt.memory_bytes()
 
 
@@ -344,12 +339,8 @@ def _bf16_steps(staging: bool, dpu=None):
         opt.param_staging = torch.empty_like(opt.flat)
     losses = []
     for step in range(3):
-        x, y = _batch(step)
-        opt.zero_grad()
-        loss = model(x, y).mean()
-        opt.backward(loss)
-        opt.step(1e-3)
-        losses.append(float(loss.detach()))
+        out = train_step(model, opt, iter([_tokens(step)]), 1, 1e-3, single, CPU)
+        losses.append(out.loss)
     opt.flush()
     return opt, losses
 
@@ -386,12 +377,8 @@ def test_bf16_moments_track_fp32_moments():
         )
         losses = []
         for step in range(20):
-            x, y = _batch(step)
-            opt.zero_grad()
-            loss = model(x, y).mean()
-            opt.backward(loss)
-            opt.step(HP["lr"])
-            losses.append(loss.item())
+            out = train_step(model, opt, iter([_tokens(step)]), 1, HP["lr"], single, CPU)
+            losses.append(out.loss)
         assert opt.exp_avg.dtype == opt.state_dict()["exp_avg_sq"].dtype == mdt
         runs[mdt] = losses
     assert runs[torch.bfloat16][-1] < runs[torch.bfloat16][0] - 0.5

@@ -27,11 +27,11 @@ import sys
 
 import torch
 
+from ..model.config import model_flags
 from ..optimizer.base import DEFAULT_BUCKET_SIZE
 from . import format as fmt
 from .errors import CheckpointError, ConversionError
 from .hf import export_architecture, export_hf, import_hf
-from .hf_common import model_flags
 from .offline import FullTensors, merge_checkpoint, resolve_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _eod_guess(ckpt: str) -> int | None:
     """The run's end-of-document id, if its tokenizer can be rebuilt (best effort)."""
-    from ..generation import tokenizer_for  # deferred: pulls in the tokenizers
+    from ..data.tokenizer import tokenizer_for  # deferred: pulls in the tokenizers
 
     full = FullTensors(ckpt)
     try:

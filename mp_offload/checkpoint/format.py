@@ -34,6 +34,7 @@ import shutil
 import torch
 
 from .. import faults
+from ..model.config import OPTION_FIELDS, SHAPE_FIELDS, GPTConfig
 from ..optimizer.layout import layout_from_description
 from ..tensor_parallel.random import get_rng_tracker
 from ..tensor_parallel.utils import merge_partitions, split_for_rank
@@ -50,28 +51,6 @@ TOKENIZER_DIR = "tokenizer"  # copies of the run's tokenizer files
 TOKENIZER_FIELDS = ("tokenizer_model", "vocab_file", "merge_file")  # DataConfig paths
 TMP_PREFIX = ".tmp_iter_"
 _ITER_NAME = re.compile(r"iter_(\d{7,})")
-SHAPE_FIELDS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "ffn_hidden_size",
-    "vocab_size",
-    "max_position_embeddings",
-)
-# Model options that change names, shapes or meaning of the weights; a checkpoint written
-# before they existed has none of them, which means the GPT-2 default.
-OPTION_FIELDS = (
-    "normalization",
-    "swiglu",
-    "position_embedding_type",
-    "rotary_base",
-    "rotary_percent",
-    "group_query_attention",
-    "num_query_groups",
-    "untie_embeddings_and_output_weights",
-    "disable_bias_linear",
-    "layernorm_epsilon",
-)
 
 
 # ------------------------------------------------------------------------- names
@@ -359,8 +338,6 @@ def read_manifest(ckpt: str) -> dict:
 def check_model_shape(manifest: dict, ckpt: str, model_cfg) -> None:
     """Refuse a checkpoint of another model shape, naming the flag that differs."""
     import dataclasses
-
-    from ..model.gpt import GPTConfig  # deferred: reading a manifest needs no model
 
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
     # Rope options left unset mean their defaults: a flag giving those is the same model.

@@ -2,7 +2,8 @@
 
 Reading a HF directory's weights and config, the RNG state an imported checkpoint
 stores, the check that refuses a model whose options the target architecture cannot
-express (naming the flags), and the model flags a run from an import needs.
+express (naming the flags). The model flags a run from an import needs are
+``model.config.model_flags``.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import os
 
 import torch
 
+from ..model.config import SHAPE_FIELDS
 from ..tensor_parallel.random import get_rng_tracker, model_parallel_seed
 from .errors import ConversionError
-from .format import OPTION_FIELDS, SHAPE_FIELDS, rng_state
+from .format import rng_state
 from .safetensors_io import SafeTensorsFile, write_safetensors
 
 # GPTConfig fields that leave the weights' meaning alone (training-time choices): no
@@ -68,27 +70,6 @@ def check_names(names, want: set, what: str) -> None:
     if got != want:
         diff = sorted(got - want)[:5] + [f"(missing) {n}" for n in sorted(want - got)[:5]]
         raise ConversionError(f"the parameters do not form a {what}: " + ", ".join(diff))
-
-
-def model_flags(cfg, fields=SHAPE_FIELDS + OPTION_FIELDS) -> list[str]:
-    """pretrain_gpt.py flags of ``cfg``'s shape and options (what a run that loads the
-    checkpoint must repeat; the checkpoint refuses a run whose flags differ); options at
-    their defaults are left out."""
-    flags = []
-    default = type(cfg)()
-    for field in fields:
-        value = getattr(cfg, field)
-        if field == "vocab_size" or value is None or value is False:
-            continue  # the vocabulary comes from the run's tokenizer
-        if field in OPTION_FIELDS and value == getattr(default, field):
-            continue
-        flag = "--" + field.replace("_", "-")
-        flags += (
-            [flag]
-            if value is True
-            else [flag, f"{value:g}" if isinstance(value, float) else str(value)]
-        )
-    return flags
 
 
 def read_hf_config(hf_dir: str) -> dict:

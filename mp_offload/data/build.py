@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,22 @@ from ..distributed import agreed, set_phase
 from ..logger import log
 from .checks import check_token_ids, load_tokenizer, tokenizer_description
 from .loader import BatchIterator, MockGPTDataset, SizedPlaceholder
+from .tokenizer import tokenizer_for
+
+
+@dataclass(frozen=True)
+class RunData:
+    """What the data layer found for a run: its splits (None where empty), its tokenizer
+    (for mock data the NullTokenizer of ids as text, with no EOD to stop at) and the
+    tokenizer model the run used (the default corpus brings its own)."""
+
+    train: object
+    valid: object
+    test: object
+    tokenizer: object | None  # None: mock data of a one-id vocabulary (no text at all)
+    stops_at_eod: bool
+    tokenizer_model: str | None
+    vocab_size: int
 
 
 def num_samples(args) -> tuple[int, int, int]:
@@ -41,8 +58,21 @@ def _default_corpus(cache: str) -> tuple[list[str], str]:
     return [prefix], model
 
 
-def build_datasets(args, tokenizer=None):
-    """(train, valid, test, vocab_size); only global rank 0 builds caches first.
+def _mock_data(args) -> RunData:
+    """Synthetic splits; the tokenizer reads ids as text (one id has no text at all)."""
+    d, m, t = args.data, args.model, args.train
+    mk = lambda n, k: MockGPTDataset(max(n, 1), m.seq_length, m.vocab_size, t.seed + k)  # noqa
+    tok, stops = (None, False)
+    if m.vocab_size > 1:
+        tok, stops = tokenizer_for({"data": dataclasses.asdict(d)}, m.vocab_size)
+    splits = (mk(n, k) for k, n in enumerate(num_samples(args)))
+    return RunData(*splits, tok, stops, None, m.vocab_size)
+
+
+def build_datasets(args, tokenizer=None) -> RunData:
+    """The run's data (``RunData``); only global rank 0 builds caches first. ``args`` is
+    left as it is: what the data fixes (the vocabulary, the default corpus's tokenizer
+    model) is returned for the run's final ``Args``.
 
     ``tokenizer``: the one preflight loaded for --data-path (else it is loaded here).
     StartupError (the same on every rank) when the data cannot be used.
@@ -50,8 +80,7 @@ def build_datasets(args, tokenizer=None):
     d, m, t = args.data, args.model, args.train
     n_train, n_valid, n_test = num_samples(args)
     if d.mock_data:
-        mk = lambda n, k: MockGPTDataset(max(n, 1), m.seq_length, m.vocab_size, t.seed + k)  # noqa
-        return mk(n_train, 0), mk(n_valid, 1), mk(n_test, 2), m.vocab_size
+        return _mock_data(args)
     from .gpt_dataset import build_train_valid_test_datasets, parse_data_path
 
     set_phase("building the datasets")
@@ -59,10 +88,7 @@ def build_datasets(args, tokenizer=None):
     data, data_path = d, d.data_path
     if data_path is None:  # the embedded default corpus: the stdlib's own sources
         data_path, model = _default_corpus(cache)
-        # Recorded with the run's arguments (checkpoints): generation and export find the
-        # tokenizer the run trained with.
-        d.tokenizer_model = model
-        data = dataclasses.replace(d, data_path=data_path)
+        data = dataclasses.replace(d, data_path=data_path, tokenizer_model=model)
         tokenizer = None
     if tokenizer is None:
         tokenizer = agreed(lambda: load_tokenizer(data, m.vocab_size))
@@ -110,7 +136,7 @@ def build_datasets(args, tokenizer=None):
         ds if is_reader else (None if n < 0 else SizedPlaceholder(n))
         for ds, n in zip(datasets, lengths.tolist())
     )
-    return (*datasets, tokenizer.vocab_size)
+    return RunData(*datasets, tokenizer, True, data.tokenizer_model, tokenizer.vocab_size)
 
 
 def batch_iterator(dataset, args, consumed: int, device):

@@ -2,7 +2,7 @@
 
 ``export_tokenizer(data_args, out_dir)`` writes, for the tokenizer a run trained with
 (its data arguments, as recorded in a checkpoint's ``common.pt["args"]["data"]``; see
-``generation.tokenizer_for``), the files ``AutoTokenizer.from_pretrained(out_dir)``
+``data.tokenizer.tokenizer_for``), the files ``AutoTokenizer.from_pretrained(out_dir)``
 loads, such that it encodes text to exactly the ids the run trained on:
 
 * SentencePieceTokenizer: ``tokenizer.json`` from ``sentencepiece_to_tokenizer_json``

@@ -280,6 +280,36 @@ def build_tokenizer(
     )
 
 
+def tokenizer_for(
+    saved_args: dict,
+    vocab_size: int,
+    tokenizer_type: str | None = None,
+    tokenizer_model: str | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+):
+    """The run's tokenizer, (tokenizer, stops_at_eod): the flags' tokenizer, else the one
+    the run trained with (training, generation and export all build it here).
+
+    The run's is rebuilt from its recorded data args (``--tokenizer-type``,
+    ``--tokenizer-model``, ``--vocab-file``, ``--merge-file``); a flag given here
+    overrides the recorded value. A NullTokenizer gets the model's vocabulary (its EOD
+    is the last id). Mock-data runs had no tokenizer and no documents: ids as text,
+    and no EOD to stop at.
+    """
+    data = saved_args.get("data", {})
+    mock = tokenizer_type is None and data.get("mock_data", False)
+    tokenizer_type = tokenizer_type or ("NullTokenizer" if mock else data.get("tokenizer_type"))
+    if tokenizer_type == "NullTokenizer":
+        return build_tokenizer("NullTokenizer", vocab_size=vocab_size - 1), not mock
+    return build_tokenizer(
+        tokenizer_type,
+        tokenizer_model or data.get("tokenizer_model"),
+        vocab_file=vocab_file or data.get("vocab_file"),
+        merge_file=merge_file or data.get("merge_file"),
+    ), True
+
+
 def _atomic_write(path: str, data: bytes) -> None:
     """Written aside, then renamed: a reader never sees a half-written file."""
     tmp = f"{path}.tmp-{os.getpid()}"

@@ -14,7 +14,6 @@ activations as sequence shards too (1/k of the tokens per rank).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +24,6 @@ from ..tensor_parallel import (
     VocabParallelEmbedding,
     checkpoint,
     copy_to_tp_region,
-    pad_vocab_size,
     register_sequence_parallel_grad_hooks,
     scatter_to_sequence_region,
     sequence_parallel_linear,
@@ -33,78 +31,8 @@ from ..tensor_parallel import (
 )
 from ..tensor_parallel.layers import init_normal, resolve_tp_group
 from ..tensor_parallel.utils import set_defaults_if_not_set
-from .layers import (
-    POSITION_EMBEDDINGS,
-    RotaryEmbedding,
-    TransformerBlock,
-    build_norm,
-    dropout,
-)
-
-
-@dataclass
-class GPTConfig:
-    num_layers: int = 4
-    hidden_size: int = 256
-    num_attention_heads: int = 4
-    ffn_hidden_size: int | None = None  # default 4 * hidden
-    seq_length: int = 256
-    max_position_embeddings: int | None = None  # default seq_length
-    vocab_size: int = 4096  # taken from the tokenizer when one is used
-    make_vocab_size_divisible_by: int = 128
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    layernorm_epsilon: float = 1e-5  # also RMSNorm's
-    init_method_std: float = 0.02
-    recompute_activations: bool = False
-    normalization: str | None = None  # None: LayerNorm (GPT-2's); or RMSNorm
-    swiglu: bool = False
-    position_embedding_type: str | None = None  # None: learned_absolute (GPT-2's); or rope
-    rotary_base: int | None = None  # rope; None: 10000
-    rotary_percent: float | None = None  # rope; None: 1.0
-    group_query_attention: bool = False
-    num_query_groups: int | None = None  # with group_query_attention; default 1 (Megatron)
-    untie_embeddings_and_output_weights: bool = False
-    disable_bias_linear: bool = False
-    sequence_parallel: bool = False
-
-    def __post_init__(self):
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
-        if self.max_position_embeddings is None:
-            self.max_position_embeddings = self.seq_length
-        if self.group_query_attention and self.num_query_groups is None:
-            self.num_query_groups = 1
-        # GPT-2's own choices are recorded as None, so a plain GPT-2 names no option in its
-        # checkpoint (the GPT-2 export refuses any unknown option that is set).
-        if self.normalization == "LayerNorm":
-            self.normalization = None
-        if self.position_embedding_type == "learned_absolute":
-            self.position_embedding_type = None
-
-    @property
-    def kv_groups(self) -> int:
-        """Key/value heads: the query groups with GQA, else one per attention head."""
-        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
-
-    @property
-    def rms_norm(self) -> bool:
-        return self.normalization == "RMSNorm"
-
-    @property
-    def learned_positions(self) -> bool:
-        return self.position_embedding_type is None
-
-    @property
-    def rotary(self) -> tuple[int, float]:
-        """(base, fraction of each head's channels rotated), rope's defaults filled in."""
-        return (
-            10000 if self.rotary_base is None else self.rotary_base,
-            1.0 if self.rotary_percent is None else self.rotary_percent,
-        )
-
-    def padded_vocab_size(self, tp: int) -> int:
-        return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
+from .config import POSITION_EMBEDDINGS, GPTConfig
+from .layers import RotaryEmbedding, TransformerBlock, build_norm, dropout
 
 
 class GPTModel(nn.Module):

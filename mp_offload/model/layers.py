@@ -13,7 +13,6 @@ see the whole sequence (the column-parallel layers gather it).
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,12 +21,7 @@ from torch import nn
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker
 from ..tensor_parallel.layers import init_normal, scaled_init_normal
 from ..tensor_parallel.utils import divide
-
-if TYPE_CHECKING:
-    from .gpt import GPTConfig
-
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+from .config import NORMALIZATIONS, GPTConfig, rotary_problem
 
 
 def build_norm(cfg: GPTConfig, sequence_parallel: bool, dtype, device) -> nn.Module:
@@ -64,12 +58,10 @@ class RotaryEmbedding:
     cast), so meta builds and ``to_empty`` need nothing special."""
 
     def __init__(self, head_dim: int, base: float, percent: float):
+        problem = rotary_problem(head_dim, percent)
+        if problem:
+            raise ValueError(problem)
         self.dim = int(head_dim * percent)
-        if self.dim < 2 or self.dim % 2:
-            raise ValueError(
-                f"--rotary-percent {percent} rotates {self.dim} of the {head_dim} "
-                f"channels of a head: that must be an even number >= 2"
-            )
         self.base = base
 
     def __call__(self, seq_len: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,7 +39,7 @@ def build_optimizer(model: torch.nn.Module, args, device: torch.device) -> Optim
         )
     from .zero import ZeroOptimizer
 
-    t, dp = args.train, ps.get_data_parallel_world_size()
+    t = args.train
     return ZeroOptimizer(
         model,
         **common,
@@ -56,7 +56,7 @@ def build_optimizer(model: torch.nn.Module, args, device: torch.device) -> Optim
         )
         if t.fp16
         else None,
-        micro_batches=t.global_batch_size // (t.micro_batch_size * dp),
+        micro_batches=t.num_micro_batches,  # (config.resolve)
         accumulate_on_device=o.accumulate_grads_on_device,
         reduce_dtype=torch.float32 if o.accumulate_allreduce_grads_in_fp32 else None,
         exp_avg_dtype=MOMENT_DTYPES[o.exp_avg_dtype],

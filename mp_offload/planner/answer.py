@@ -14,9 +14,7 @@ import math
 import shlex
 from dataclasses import dataclass, replace
 
-from ..checkpoint.format import OPTION_FIELDS
-from ..checkpoint.hf_common import model_flags
-from ..model.gpt import GPTConfig
+from ..model.config import OPTION_FIELDS, GPTConfig, model_flags
 from .memory import MODES, GiB, Hardware, JobPlan, Run
 from .search import Found, max_model
 from .throughput import Machine, StepTime, step_time

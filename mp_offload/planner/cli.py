@@ -1,4 +1,5 @@
-"""``python -m mp_offload.plan`` and ``pretrain_gpt.py --dry-run``.
+"""``python -m mp_offload.plan`` (and the pieces ``pretrain_gpt.py --dry-run`` uses:
+``mp_offload/dry_run.py``).
 
 The planner takes pretrain_gpt.py's own flags (the generated parser of config.py), so
 a training command line can be planned by adding ``--dry-run`` (hardware from the
@@ -66,7 +67,7 @@ from .throughput import (
 
 
 def run_from_args(args: Args, world: int, mode: str | None = None, cuda: bool = True) -> Run:
-    """The plan's view of a training command line."""
+    """The plan's view of a training command line (its resolved ``Args``)."""
     tp = args.parallel.tensor_model_parallel_size
     low = args.train.fp16 or args.train.bf16
     if mode is None:
@@ -79,7 +80,6 @@ def run_from_args(args: Args, world: int, mode: str | None = None, cuda: bool = 
         )
     t, o = args.train, args.optim
     dp = world // tp
-    gbs = t.global_batch_size or t.micro_batch_size * dp
     return Run(
         args.model,
         tp=tp,
@@ -90,7 +90,7 @@ def run_from_args(args: Args, world: int, mode: str | None = None, cuda: bool = 
         bucket_size=o.reduce_bucket_size,
         dpu=o.dpu_warmup_steps is not None and mode == "offload",
         cuda=cuda,
-        micro_batches=max(1, gbs // (t.micro_batch_size * dp)),
+        micro_batches=t.num_micro_batches,  # (args are resolved: config.resolve)
         accumulate_on_device=o.accumulate_grads_on_device,
         reduce_bytes=4 if o.accumulate_allreduce_grads_in_fp32 else None,
         moment_bytes=(
@@ -152,27 +152,6 @@ def hardware_from_env(world: int) -> tuple[Hardware, list[str]]:
     return hw, notes
 
 
-def _vocab_from_tokenizer(args: Args) -> str:
-    """Training takes the vocabulary from the tokenizer: do the same when one is named."""
-    d = args.data
-    if d.mock_data or d.tokenizer_type == "NullTokenizer" or not d.tokenizer_model:
-        return f"vocabulary {args.model.vocab_size} (--vocab-size)"
-    if not os.path.exists(d.tokenizer_model):
-        return (
-            f"vocabulary {args.model.vocab_size} (--vocab-size; --tokenizer-model "
-            f"{d.tokenizer_model} not found here)"
-        )
-    try:
-        from ..data.tokenizer import build_tokenizer
-
-        args.model.vocab_size = build_tokenizer(
-            d.tokenizer_type, d.tokenizer_model, vocab_size=args.model.vocab_size
-        ).vocab_size
-        return f"vocabulary {args.model.vocab_size} (from {d.tokenizer_model})"
-    except Exception as e:  # noqa: BLE001 - a plan is still useful without it
-        return f"vocabulary {args.model.vocab_size} (--vocab-size; tokenizer failed: {e})"
-
-
 def _options(m) -> str:
     """The non-GPT-2 parts of a model, for the one-line description."""
     parts = ["RMSNorm"] if m.rms_norm else []
@@ -192,9 +171,7 @@ def describe_model(args: Args, world: int) -> str:
     rc = m.recompute_activations
     n = num_parameters(m, tp)
     f = flops_per_token(m, rc, tp)
-    tokens = (
-        args.train.global_batch_size or args.train.micro_batch_size * (world // tp)
-    ) * m.seq_length
+    tokens = args.train.global_batch_size * m.seq_length  # (resolved)
     return (
         f"GPT {m.num_layers} layers x hidden {m.hidden_size}, {m.num_attention_heads} heads,"
         f" ffn {m.ffn_hidden_size}, seq {m.seq_length}, padded vocabulary "
@@ -203,21 +180,6 @@ def describe_model(args: Args, world: int) -> str:
         f"({'with' if rc else 'without'} recomputation); per step "
         f"{tokens:,} tokens = {f * tokens / 1e15:.2f} PFLOP"
     )
-
-
-def dry_run(args: Args, world: int) -> None:
-    """Plan a training command line without allocating anything, then return."""
-    hw, notes = hardware_from_env(world)
-    vocab = _vocab_from_tokenizer(args)
-    print(f"dry run: world {world}; {vocab}; " + "; ".join(notes))
-    print(describe_model(args, world))
-    run = run_from_args(args, world)
-    print(format_job(plan_job(run, hw, source="meta")))  # the real model, every TP rank
-    if run.mode == "offload" and args.optim.optimizer_offload_fraction is None:
-        print(_fraction_line(run, hw)[1])
-    print("same model and layout, other modes:")
-    print(format_comparison(compare_modes(run, hw)))
-    sys.stdout.flush()
 
 
 def _fraction_line(run: Run, hw: Hardware) -> tuple[Run, str]:
@@ -421,7 +383,7 @@ def recipe_plan(recipe) -> tuple[JobPlan, Run]:
     """The plan of one named-model recipe, as ``--model NAME FLAGS`` would make it."""
     args, opt = parse(["--model", recipe.model, *recipe.flags, "--world-size", str(recipe.world)])
     args.train.dry_run = True
-    resolve(args, recipe.world)
+    args = resolve(args, recipe.world)
     hw = Hardware(
         opt.device_memory_gb,
         opt.host_memory_gb,
@@ -473,7 +435,7 @@ def main(argv=None) -> int:
     if ask_max and not opt.shape_given:
         _searchable_base(args)
     try:
-        resolve(args, world)
+        args = resolve(args, world)
     except ConfigError as e:
         print(f"plan: error: {e}", file=sys.stderr)
         return 2
