@@ -42,18 +42,20 @@ LOG="$OUT/proof.log"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # this checkout, built in place
 if [ ${#REHEARSAL[@]} -eq 1 ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-  # the preflight, pytest, runs, profile timeouts (seconds) for a 2-core machine
-  LIMITS=(120 240 240 120)
+  # the build, preflight, pytest, runs, profile timeouts (seconds) for a 2-core machine
+  LIMITS=(180 120 240 240 120)
 else
-  LIMITS=(90 150 210 60)  # 8.5 min at most; about 7 expected on one H200
+  # 7 minutes at most on one H200 (each run of stage 3: 42 s at most, runs.py)
+  LIMITS=(50 40 110 180 40)
 fi
 {
   echo "device_check: $(date -u +%FT%TZ) ${REHEARSAL[*]:-on the GPU}, logs in $OUT"
   command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   echo "== build (in place) =="
 } 2>&1 | tee -a "$LOG"
-"$PY" setup.py build_ext --inplace -q >"$OUT/build.log" 2>&1 || echo "device_check: the build failed (see $OUT/build.log)" | tee -a "$LOG"
-i=0
+timeout "${LIMITS[0]}" "$PY" setup.py build_ext --inplace -q >"$OUT/build.log" 2>&1 ||
+  echo "device_check: the build failed or ran past ${LIMITS[0]} s (see $OUT/build.log)" | tee -a "$LOG"
+i=1
 for stage in preflight pytest runs profile; do
   echo "== $stage (at most ${LIMITS[$i]} s) ==" | tee -a "$LOG"
   start=$SECONDS

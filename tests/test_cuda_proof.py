@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mp_offload.device_proof import toy
+from mp_offload.optimizer.base import DEFAULT_BUCKET_SIZE
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 CFG = toy.TINY
@@ -104,13 +105,8 @@ BACKWARD_RATIO = {"cuda": 1.15, "cpu": 1.5}
 
 def _backward_seconds(device, cfg, offload, batch, repeats=5):
     m = toy.model(device, **cfg)
-    opt = toy.zero(
-        m,
-        device,
-        dtype=torch.bfloat16,
-        cpu_offload=offload,
-        bucket_size=None if device == "cuda" else 3000,
-    )
+    bucket = DEFAULT_BUCKET_SIZE if device == "cuda" else 3000  # the real buckets on a GPU
+    opt = toy.zero(m, device, dtype=torch.bfloat16, cpu_offload=offload, bucket_size=bucket)
     t = toy.tokens(cfg, batch, 0, device)
     times = []
     for _ in range(repeats + 1):  # the first allocates the buffers

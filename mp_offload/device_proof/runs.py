@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ class Size:
         ]
 
 
-GPU = Size(24, 2048, 16, 2048, 50257, 4, 8, 8, "cuda", 120)  # GPT 1.3B
+GPU = Size(24, 2048, 16, 2048, 50257, 4, 8, 8, "cuda", 42)  # GPT 1.3B; 4 runs < 3 min
 TINY = Size(2, 64, 4, 64, 256, 2, 8, 8, "cpu", 90)
 
 _OFFLOAD = ["--cpu-offload", "--optimizer-offload-fraction", "1"]  # F=1 said, not planned
@@ -93,32 +94,43 @@ def read_log(path: str) -> list[dict]:
 
 def run_all(py: str, size: Size, out: str, device_gb: float, host_gb: float, say) -> tuple:
     """Every mode's records and plan; a failed run has no records (its output is in
-    ``out``) and says so."""
-    records, plans = {}, {}
-    for mode in MODES:
-        log, text = os.path.join(out, f"run_{mode}.jsonl"), os.path.join(out, f"run_{mode}.out")
-        if os.path.exists(log):
-            os.remove(log)
-        say(f"run {mode}: {size.iters} iterations, k={micro_batches(mode, size)}")
-        with open(text, "w") as f:
-            try:
-                rc = subprocess.run(
-                    train_command(py, mode, size, log),
-                    stdout=f,
-                    stderr=subprocess.STDOUT,
-                    timeout=size.timeout_s,
-                ).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-        records[mode] = read_log(log)
-        if rc != 0:
-            say(f"run {mode} failed ({rc}); see {text}")
-        plan = subprocess.run(
-            plan_command(py, mode, size, device_gb, host_gb), capture_output=True, text=True
+    ``out``) and says so. The plans are made meanwhile, in their own processes."""
+    planning = {
+        mode: subprocess.Popen(
+            plan_command(py, mode, size, device_gb, host_gb),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
+        for mode in MODES
+    }
+    records = {mode: _train(py, mode, size, out, say) for mode in MODES}
+    plans = {}
+    for mode, proc in planning.items():
+        stdout, stderr = proc.communicate()
         try:
-            plans[mode] = json.loads(plan.stdout)
+            plans[mode] = json.loads(stdout)
         except ValueError:
-            say(f"plan {mode} failed: {plan.stderr.strip()[-300:]}")
+            say(f"plan {mode} failed: {stderr.strip()[-300:]}")
             plans[mode] = {}
     return records, plans
+
+
+def _train(py: str, mode: str, size: Size, out: str, say) -> list[dict]:
+    log, text = os.path.join(out, f"run_{mode}.jsonl"), os.path.join(out, f"run_{mode}.out")
+    if os.path.exists(log):
+        os.remove(log)
+    say(f"run {mode}: {size.iters} iterations, k={micro_batches(mode, size)}")
+    with open(text, "w") as f:
+        # its own process group: on a timeout torchrun's workers go too (and free the GPU)
+        cmd = train_command(py, mode, size, log)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=size.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = f"ran past {size.timeout_s} s"
+    if rc != 0:
+        say(f"run {mode} failed ({rc}); see {text}")
+    return read_log(log)
