@@ -13,6 +13,7 @@ import torch
 from . import run_checks as rc
 from .calibrate import calibrate
 from .checks import Check, at_least, equal
+from .dpu_timing import dpu_interleaved
 from .junit import junit_counts
 from .runs import GPU, TINY, run_all
 
@@ -121,7 +122,9 @@ def runs_stage(out: str, rehearsal: bool) -> list[Check]:
 
     machine = rc.machine_from(calib, measure_adam_rate())
     checks = rc.loss_checks(records, size) + rc.traffic_checks(records, plans, cuda)
-    checks += rc.memory_checks(records, plans, cuda) + [rc.dpu_check(records, rehearsal)]
+    checks += rc.memory_checks(records, plans, cuda) + [
+        dpu_interleaved() if rehearsal else rc.dpu_check(records)
+    ]
     checks += rc.tflops_checks(records, size, machine, rehearsal)
     return checks
 
