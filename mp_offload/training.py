@@ -53,6 +53,7 @@ from .logger import Logger, hms, log
 from .lr_scheduler import LRScheduler
 from .model.gpt import GPTModel, flops_per_token, num_parameters
 from .optimizer import Optimizer, StepResult, build_optimizer
+from .phase_timer import PhaseTimer
 from .tensor_parallel import model_parallel_seed
 
 
@@ -78,6 +79,7 @@ class StepOutput:
     loss: float  # mean over the global batch (all DP ranks)
     result: StepResult
     optimizer_ms: float = 0.0  # wall time of optimizer.step (the host phase with offload)
+    phases: dict = dataclasses.field(default_factory=dict)  # PhaseTimer.ms(): device time
 
 
 def train_step(
@@ -94,8 +96,11 @@ def train_step(
     ``batches`` yields [micro, seq+1] token tensors; the loss of each micro-batch is
     divided by ``num_micro`` so the step sees the mean gradient of the global batch.
     """
+    timer = PhaseTimer(device)
+    timer.mark("zero_grad")
     optimizer.zero_grad()
     loss_sum = torch.zeros((), device=device)
+    timer.mark("forward_backward")
     for _ in range(num_micro):
         try:
             tokens = next(batches)
@@ -105,10 +110,13 @@ def train_step(
             loss = model(tokens[:, :-1], tokens[:, 1:]).mean() / num_micro
         optimizer.backward(loss)
         loss_sum += loss.detach()
+    timer.mark("optimizer")
     t0 = time.perf_counter()
     result = optimizer.step(lr)
     optimizer_ms = (time.perf_counter() - t0) * 1e3
-    return StepOutput(loss=dp_mean(loss_sum, dp), result=result, optimizer_ms=optimizer_ms)
+    timer.mark(None)
+    loss = dp_mean(loss_sum, dp)
+    return StepOutput(loss, result, optimizer_ms, timer.ms())
 
 
 def evaluate(model, optimizer: Optimizer, batches, device, num_iters: int) -> float | None:
@@ -214,6 +222,7 @@ def _record(
         tokens_per_sec=tokens_per_sec,
         elapsed_ms=elapsed * 1e3,
         optimizer_ms=out.optimizer_ms,
+        **out.phases,
         tflops_per_device=flops_tok * tokens_per_sec / dist.get_world_size() / 1e12,
     )
     rec.update(optimizer.stats())

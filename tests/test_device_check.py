@@ -82,6 +82,9 @@ def _recs(losses, mode, **extra):
             host_allocator_bytes=0,
             peak_device_reserved_gb=0.0,
             tflops_per_device=0.01,
+            phase_zero_grad_ms=0.5,
+            phase_forward_backward_ms=7.0,
+            phase_optimizer_ms=1.0,
             **extra,
         )
         for i, loss in enumerate(losses)
@@ -150,6 +153,20 @@ def test_memory_and_dpu_and_tflops_checks():
         r["elapsed_ms"] = 16.0
     assert not rc.dpu_check(runs).passed
     assert not rc.dpu_verdict(0.0, float("nan"), 1.0, 1.5, "x").passed
+
+
+def test_phase_checks():
+    runs = _runs()
+    assert all(c.passed for c in rc.phase_checks(runs, cuda=True))
+    assert len(rc.phase_checks(runs, cuda=False)) == len(runs)  # no ratio in the rehearsal
+    runs["offload"][3]["phase_optimizer_ms"] = 5.0  # 0.5 + 7 + 5 > 10 ms + 1
+    runs["offload-dpu"][3].pop("phase_zero_grad_ms")
+    for r in runs["offload-dpu"]:
+        r["phase_forward_backward_ms"] = 8.1  # 8.1 / 7 > 1.15
+    got = {c.name: c.passed for c in rc.phase_checks(runs, cuda=True)}
+    assert not got["offload.phases_minus_iteration_ms"]
+    assert not got["offload-dpu.phases_minus_iteration_ms"]
+    assert got["offload.forward_backward_ratio"] and not got["offload-dpu.forward_backward_ratio"]
 
 
 def test_dpu_interleaved_judges_both_optimizers_stepped_in_turn():

@@ -122,6 +122,29 @@ def memory_checks(runs: dict[str, list[dict]], plans: dict, cuda: bool) -> list[
     return out
 
 
+PHASES = ("phase_zero_grad_ms", "phase_forward_backward_ms", "phase_optimizer_ms")
+BACKWARD_REL = 1.15  # forward+backward with offload against without (the copies overlap)
+
+
+def phase_checks(runs: dict[str, list[dict]], cuda: bool) -> list[Check]:
+    """The phase timers are logged and fit in their iteration (device time between events
+    on the compute stream cannot exceed the wall time around them); on a GPU forward and
+    backward with offload take at most 1.15x those without (medians)."""
+    out = []
+    for mode, recs in runs.items():
+        over = [sum(r.get(p, float("nan")) for p in PHASES) - r["elapsed_ms"] for r in recs]
+        worst = max(over) if over and all(map(finite, over)) else None  # a missing phase: None
+        out.append(at_most(f"{mode}.phases_minus_iteration_ms", worst, 1.0))
+    base = steady_median(runs.get("no-offload", []), "phase_forward_backward_ms")
+    for mode in ("offload", "offload-dpu") if cuda else ():
+        fb = steady_median(runs.get(mode, []), "phase_forward_backward_ms")
+        ratio = fb / base if finite(fb) and finite(base) and base > 0 else None
+        out.append(
+            at_most(f"{mode}.forward_backward_ratio", ratio, BACKWARD_REL, " (no offload's)")
+        )
+    return out
+
+
 def dpu_verdict(adam_s: float, s_ms, d_ms, factor: float, what: str) -> Check:
     """DPU must beat sync once the Adam takes > 0.3 s; with a shorter Adam it can only be
     not much slower (``factor``)."""
