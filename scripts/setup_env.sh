@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PY=${PYTHON:-python3}
-STAMP=build/setup_env.stamp
+STAMP=${SETUP_STAMP:-build/setup_env.stamp}  # SETUP_STAMP: for the tests
 say() { echo "setup_env: $*"; }
 ERR=$(mktemp)
 trap 'rm -f "$ERR"' EXIT
