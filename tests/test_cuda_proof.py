@@ -74,14 +74,19 @@ def test_fp32_reduce_brings_fp32_gradients_down(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_moments_with_a_device_share(device):
     """F=0.5 with bf16 moments: the device share keeps its moments in bf16 and the run
-    steps exactly like F=1 (the same rounding of the same moments)."""
+    steps like F=1: exactly on the CPU (the same arithmetic); on a GPU within 1e-5 as in
+    test_offload_fraction's CUDA test (nvcc contracts a*b+c into FMAs, the C++ Adam is
+    built with -ffp-contract=off)."""
     kw = dict(dtype=torch.float32, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
     kw.update(NO_CLIP)
     half, opt = _train(device, 4, offload_fraction=0.5, **kw)
     one, _ = _train(device, 4, offload_fraction=1.0, **kw)
     assert opt.share is not None and opt.share.exp_avg.dtype == torch.bfloat16
     assert opt.share.exp_avg.device.type == device and opt.exp_avg.dtype == torch.bfloat16
-    assert half == one
+    if device == "cpu":
+        assert half == one
+    else:
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(half, one)), (half, one)
 
 
 @pytest.mark.parametrize("device", DEVICES)
