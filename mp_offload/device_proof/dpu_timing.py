@@ -14,6 +14,9 @@ from .checks import Check
 from .run_checks import dpu_verdict
 
 REHEARSAL_FACTOR = 1.5
+# Steps of ~50 ms on a CPU core: long enough that one scheduling hiccup of a loaded
+# machine does not decide the median.
+CFG = dict(toy.TINY, num_layers=4, hidden_size=128, seq_length=128)
 
 
 def _step(opt, m, batch) -> float:
@@ -27,14 +30,14 @@ def _step(opt, m, batch) -> float:
     return time.perf_counter() - t0
 
 
-def dpu_interleaved(device: str = "cpu", steps: int = 12) -> Check:
+def dpu_interleaved(device: str = "cpu", steps: int = 16) -> Check:
     runs = {}
     for name, warmup in (("sync", None), ("dpu", 0)):
-        m = toy.model(device, **toy.TINY)
+        m = toy.model(device, **CFG)
         runs[name] = (m, toy.zero(m, device, dtype=torch.bfloat16, dpu_warmup_steps=warmup))
     wall, adam = {"sync": [], "dpu": []}, []
     for i in range(steps):
-        batch = toy.tokens(toy.TINY, 4, i, device)
+        batch = toy.tokens(CFG, 4, i, device)
         for name, (m, opt) in runs.items():
             t0 = time.perf_counter()
             step_s = _step(opt, m, batch)
