@@ -55,10 +55,19 @@ log = _make_logger()
 
 
 def peak_memory() -> dict:
-    """Peak device and host memory of this process, in GB."""
+    """Peak device (allocated, and reserved by the caching allocator) and host memory of
+    this process in GB, and the bytes held by torch's pinned host allocator (the device
+    proof checks that registering the staging leaves it unchanged)."""
     host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: KiB
-    dev = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0
-    return dict(peak_device_gb=dev, peak_host_gb=host)
+    out = dict(peak_device_gb=0.0, peak_device_reserved_gb=0.0, peak_host_gb=host)
+    if torch.cuda.is_available():
+        out["peak_device_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        out["peak_device_reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    out["host_allocator_bytes"] = (
+        stats().get("allocated_bytes.current", 0) if stats and torch.cuda.is_available() else 0
+    )
+    return out
 
 
 def hms(seconds: float) -> str:

@@ -56,6 +56,7 @@ from .logger import Logger, log, run_summary
 from .lr_scheduler import LRScheduler
 from .model.gpt import GPTModel, flops_per_token, num_parameters
 from .optimizer import Optimizer, StepResult, build_optimizer
+from .phase_timer import PhaseTimer
 from .tensor_parallel import model_parallel_seed
 
 
@@ -84,6 +85,7 @@ class StepOutput:
     # the device's tail of backward, which the step's norm would wait for: kept apart so
     # optimizer_ms is the optimizer's own time
     device_tail_ms: float = 0.0
+    phases: dict = dataclasses.field(default_factory=dict)  # PhaseTimer.ms(): device time
 
 
 def _wait_for_device(device: torch.device) -> None:
@@ -108,8 +110,11 @@ def train_step(
     ``batches`` yields [micro, seq+1] token tensors; the loss of each micro-batch is
     divided by ``num_micro`` so the step sees the mean gradient of the global batch.
     """
+    timer = PhaseTimer(device)
+    timer.mark("zero_grad")
     optimizer.zero_grad()
     loss_sum = torch.zeros((), device=device)
+    timer.mark("forward_backward")
     for _ in range(num_micro):
         try:
             tokens = next(batches)
@@ -119,16 +124,19 @@ def train_step(
             loss = model(tokens[:, :-1], tokens[:, 1:]).mean() / num_micro
         optimizer.backward(loss)
         loss_sum += loss.detach()
+    timer.mark("optimizer")
     t0 = time.perf_counter()
     _wait_for_device(device)
     t1 = time.perf_counter()
     result = optimizer.step(lr)
     optimizer_ms = (time.perf_counter() - t1) * 1e3
+    timer.mark(None)
     return StepOutput(
         loss=dp_mean(loss_sum, dp),
         result=result,
         optimizer_ms=optimizer_ms,
         device_tail_ms=(t1 - t0) * 1e3,
+        phases=timer.ms(),
     )
 
 
@@ -218,6 +226,7 @@ def _record(
         elapsed_ms=elapsed * 1e3,
         optimizer_ms=out.optimizer_ms,
         device_tail_ms=out.device_tail_ms,
+        **out.phases,
         tflops_per_device=flops_tok * tokens_per_sec / dist.get_world_size() / 1e12,
     )
     rec.update(optimizer.stats())

@@ -68,7 +68,7 @@ ARGS=(
 [ -n "${TOKENIZER_MODEL:-}" ] && ARGS+=(--tokenizer-model "$TOKENIZER_MODEL")
 CMD=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_gpt.py "${ARGS[@]}" "$@")
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  "$PY" pretrain_gpt.py "${ARGS[@]}" "$@" --dry-run --world-size "$NPROC" || true
+  "$PY" pretrain_gpt.py "${ARGS[@]}" "$@" --dry-run --world-size "$NPROC"
   LINE=""
   for w in "${CMD[@]}"; do LINE+="$(q "$w") "; done  # quoted: the line runs as printed
   echo "${LINE% }"
