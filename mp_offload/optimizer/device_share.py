@@ -6,8 +6,8 @@ host. With F < 1 the slice is cut once, at a bucket boundary: the first buckets 
 device and are updated there by torch's fused AdamW; the rest is offloaded as before
 and updated by the C++ Adam on the host. A bucket is never half on each side, so every
 reduced chunk goes to exactly one place (``GradientReducer``), and the publish and the
-all-gather do not care which side wrote a chunk. Checkpoints keep the slice whole: F is a
-run-time choice (docs/DESIGN.md §3).
+all-gather do not care which side wrote a chunk. Checkpoints save the slice's two parts
+in order, uncopied, and load at any F: F is a run-time choice (docs/DESIGN.md §3).
 
 ``split_buckets`` is a pure function of the per-rank bucket chunk sizes, shared with the
 planner, so the plan splits exactly as the optimizer does.
