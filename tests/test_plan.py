@@ -16,6 +16,7 @@ from mp_offload.model.gpt import GPTConfig, GPTModel, num_parameters
 from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.planner import (
     EXACT,
+    GiB,
     Hardware,
     Run,
     check_spec,
@@ -806,3 +807,31 @@ def test_max_model_with_a_device_share_grows_a_host_bound_model():
     assert 0 < f < 1 and share.plan.fits
     deeper = dataclasses.replace(share.cfg, num_layers=share.cfg.num_layers + 1)
     assert not pick_offload_fraction(dataclasses.replace(run, cfg=deeper), hw)[1].fits
+
+
+def test_device_reserve_keeps_the_10b_plan_off_the_last_gib(capsys):
+    """10B on the lent H200 (139 GiB, 128 GiB host): the picked offload fraction leaves the
+    default reserve (the larger of 5% and 2 GiB) free, the plan says so; the flag sets it,
+    and 0 gives back the old fill (99.7%)."""
+    from mp_offload.plan import main
+    from mp_offload.planner.fraction import pick_offload_fraction
+    from mp_offload.planner.search import paper_base
+
+    cfg = dataclasses.replace(
+        paper_base(), num_layers=50, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=16384
+    )
+    run = Run(cfg, mode="offload", micro_batch=4)
+    hw = Hardware(device_memory_gb=139, host_memory_gb=128, devices_per_node=1)
+    assert hw.device_reserve_gb == pytest.approx(0.05 * 139)
+    assert Hardware(device_memory_gb=32).device_reserve_gb == 2.0
+    f, plan = pick_offload_fraction(run, hw)
+    assert 0 < f < 1 and plan.fits
+    assert plan.device_peak <= 0.95 * 139 * GiB
+    full = dataclasses.replace(hw, device_memory_reserve_gb=0.0)
+    assert pick_offload_fraction(run, full)[1].device_peak > 0.99 * 139 * GiB
+    argv = [*TEN_B, "--device-memory-gb", "139", "--host-memory-gb", "128"]
+    assert main([*argv, "--devices-per-node", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "(132.1 usable, 7.0 GiB reserve) -> fits" in out, out
+    assert main([*argv, "--devices-per-node", "1", "--device-memory-reserve-gb", "20"]) == 0
+    assert "(119.0 usable, 20.0 GiB reserve)" in capsys.readouterr().out
