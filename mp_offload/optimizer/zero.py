@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel_state import ParallelGroup
-from .adam_math import torch_adam_step
+from .adam_math import device_adam, torch_adam_step
 from .base import DEFAULT_BUCKET_SIZE, StepResult
 from .device_share import DeviceShare, actual_fraction, clip_runs, split_buckets
 from .grads import clip_coefficient, reduce_norm_squared
@@ -211,6 +211,8 @@ class ZeroOptimizer:
         model.to(self.device)  # any buffers; the parameters already live there
 
     def _pick_adam(self):
+        """The C++ Adam for state on the host; for state on the device (no offload) torch's
+        fused AdamW on CUDA (``device_adam``), so offload is compared with a fair ZeRO-2."""
         if self.host.type == "cpu":
             try:
                 from ..ops.cpu_adam import adam_step
@@ -218,7 +220,7 @@ class ZeroOptimizer:
                 return adam_step
             except ImportError:  # extension not built: still correct, just slower
                 return torch_adam_step
-        return torch_adam_step
+        return device_adam(self.host, self.exp_avg.dtype, self.exp_avg_sq.dtype)
 
     # --------------------------------------------------------------- backward
     def _adam_grads(self) -> list[torch.Tensor]:
