@@ -835,3 +835,67 @@ def test_device_reserve_keeps_the_10b_plan_off_the_last_gib(capsys):
     assert "(132.1 usable, 7.0 GiB reserve) -> fits" in out, out
     assert main([*argv, "--devices-per-node", "1", "--device-memory-reserve-gb", "20"]) == 0
     assert "(119.0 usable, 20.0 GiB reserve)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "dtype,k,moments",
+    [
+        (torch.bfloat16, 1, torch.float32),  # Adam reads the bf16 staging itself
+        (torch.bfloat16, 2, torch.float32),  # the fp32 sum of two micro-batches
+        (torch.bfloat16, 1, torch.bfloat16),  # bf16 moments
+        (torch.float32, 1, torch.float32),  # no rounded copy: the master goes up
+    ],
+)
+def test_throughput_charges_the_bytes_of_the_real_adam_buffers(dtype, k, moments):
+    """The planner's CPU Adam bytes per element are those of the buffers a real
+    ZeroOptimizer hands its Adam, counted by ops/traffic.py (the benchmarks' account)."""
+    from mp_offload.ops.traffic import adam_arrays, bytes_per_element
+    from mp_offload.planner.throughput import host_adam_bytes
+
+    single = ps.ParallelGroup.single()
+    model = GPTModel(GPTConfig(**SMALL), tp_group=single)
+    opt = ZeroOptimizer(
+        model,
+        **HP,
+        dp=single,
+        tp=single,
+        device="cpu",
+        dtype=dtype,
+        cpu_offload=True,
+        micro_batches=k,
+        exp_avg_dtype=moments,
+        exp_avg_sq_dtype=moments,
+    )
+    size = lambda t: 0 if t is None else t.element_size()  # noqa: E731
+    real = adam_arrays(
+        size(opt._adam_grads()[0]),
+        size(opt.exp_avg),
+        size(opt.exp_avg_sq),
+        size(opt.param_staging),
+    )
+    assert size(opt.master) == 4
+    e = torch.finfo(dtype).bits // 8
+    want = host_adam_bytes(e, e, k == 1, (size(opt.exp_avg), size(opt.exp_avg_sq)))
+    assert bytes_per_element(real) == want
+
+
+def test_throughput_charges_only_the_passes_the_code_makes():
+    """No zeroing or norm pass; no accumulation at k = 1 or with device accumulation (only
+    its last micro-batch's copies go down); the host sum's first micro-batch overwrites."""
+    from mp_offload.optimizer.base import DEFAULT_BUCKET_SIZE
+    from mp_offload.planner.throughput import step_time
+
+    cfg = ten_b()
+    slow_pcie = Machine(pcie_gbs=1.0)  # copies longer than backward: exposure is visible
+    one = step_time(cfg, 1, slow_pcie, batch_per_gpu=4, micro_batch=4)
+    assert one.zero == one.norm == one.accumulate == 0.0
+    host = step_time(cfg, 1, slow_pcie, batch_per_gpu=16, micro_batch=4)
+    dev = step_time(cfg, 1, slow_pcie, batch_per_gpu=16, micro_batch=4, accumulate_on_device=True)
+    assert host.grad_exposed == pytest.approx(4 * one.grad_exposed) and host.grad_exposed > 0
+    assert dev.grad_exposed == pytest.approx(one.grad_exposed) and dev.accumulate == 0.0
+    # A host too slow to hide the sum: 6 B per element for the first, 10 for the others.
+    slow_host = Machine(host_mem_gbs=1.0, pcie_gbs=1e6)
+    acc = step_time(cfg, 1, slow_host, batch_per_gpu=16, micro_batch=4)
+    bwd = step_time(cfg, 1, slow_host, batch_per_gpu=4, micro_batch=4).compute * 3 / 4
+    n = rank_shapes(spec_named_params(cfg, 1), 1, DEFAULT_BUCKET_SIZE).host_numel
+    assert acc.accumulate == pytest.approx((6 + 3 * 10) * n / 1e9 - 4 * bwd)
