@@ -18,13 +18,8 @@ from helpers import CKPT_RUN, tiny_gpt_config
 from mp_offload import parallel_state as ps
 from mp_offload.data.loader import MockGPTDataset
 from mp_offload.model.gpt import GPTConfig, GPTModel
-from mp_offload.optimizer.adam_math import torch_adam_step
-from mp_offload.optimizer.device_share import (
-    DeviceShare,
-    actual_fraction,
-    fused_adamw_available,
-    split_buckets,
-)
+from mp_offload.optimizer.adam_math import fused_adamw_available, torch_adam_step
+from mp_offload.optimizer.device_share import DeviceShare, actual_fraction, split_buckets
 from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.planner import (
     EXACT,

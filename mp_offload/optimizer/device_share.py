@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .adam_math import device_adam, fused_adam_step, fused_adamw_available  # noqa: F401
+from .adam_math import device_adam, fused_adam_step
 
 
 def split_buckets(chunks: Sequence[int], fraction: float) -> int:

@@ -34,6 +34,11 @@ from .reducer import CopyStream, GradientReducer, GradTargets
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def _as_parts(slice_) -> list[torch.Tensor]:
+    """A slice as its list of parts (one tensor when unsplit, as format 2 saved every one)."""
+    return list(slice_) if isinstance(slice_, (list, tuple)) else [slice_]
+
+
 def copy_parts(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """Copy the concatenation of 1-D ``src`` into that of ``dst`` (same total length), piece
     by overlapping piece: a slice saved at one split loads at another without a whole copy."""
@@ -391,8 +396,7 @@ class ZeroOptimizer:
     def _install(self, key: str, saved) -> None:
         """Copy a saved slice (one tensor or its parts, at any split) into this run's parts:
         checkpoints do not depend on the offload fraction."""
-        as_list = lambda x: list(x) if isinstance(x, (list, tuple)) else [x]  # noqa: E731
-        copy_parts(as_list(self._parts(key)), as_list(saved))
+        copy_parts(_as_parts(self._parts(key)), _as_parts(saved))
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
