@@ -279,8 +279,9 @@ def _planner_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="device memory a plan must leave free against fragmentation and workspace "
-        f"growth (default: the larger of {DEVICE_RESERVE_FRACTION * 100:g}%% of "
-        f"--device-memory-gb and {DEVICE_RESERVE_MIN_GB:g} GiB)",
+        "growth, beyond the --device-reserved-gb it counts (default: the larger of "
+        f"{DEVICE_RESERVE_FRACTION * 100:g}%% of --device-memory-gb and "
+        f"{DEVICE_RESERVE_MIN_GB:g} GiB)",
     )
     add("--host-process-gb", type=float, default=2.0, help="per-rank process overhead (GiB)")
     add(
