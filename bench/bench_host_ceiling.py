@@ -37,46 +37,24 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE = os.path.join(ROOT, "csrc", "host_ceiling.cpp")
 
-READ, WRITE, READ_WRITE = 1, 2, 3
-# traffic class -> (bytes/element, [(array, dtype name, mode)])
+sys.path.insert(0, ROOT)
+from mp_offload.ops.traffic import READ, READ_WRITE, WRITE, adam_arrays, bytes_per_element  # noqa: E402,F401
+
+_DTYPE = {4: "float32", 2: "bfloat16"}
+
+
+def _traffic(arrays) -> tuple[int, list]:
+    """(bytes/element, [(array, dtype name, mode)]) of one ops/traffic.py account."""
+    return bytes_per_element(arrays), [(name, _DTYPE[b], mode) for name, b, mode in arrays]
+
+
+# traffic class -> (bytes/element, [(array, dtype name, mode)]): the Adam pass's arrays as
+# the planner's throughput model charges them (mp_offload/ops/traffic.py)
 TRAFFIC = {
-    "fp32": (
-        28,
-        [
-            ("param", "float32", READ_WRITE),
-            ("grad", "float32", READ),
-            ("exp_avg", "float32", READ_WRITE),
-            ("exp_avg_sq", "float32", READ_WRITE),
-        ],
-    ),
-    "fp32+bf16out": (
-        30,
-        [
-            ("param", "float32", READ_WRITE),
-            ("grad", "float32", READ),
-            ("exp_avg", "float32", READ_WRITE),
-            ("exp_avg_sq", "float32", READ_WRITE),
-            ("param_out", "bfloat16", WRITE),
-        ],
-    ),
-    "bf16grad": (
-        26,
-        [
-            ("param", "float32", READ_WRITE),
-            ("grad", "bfloat16", READ),
-            ("exp_avg", "float32", READ_WRITE),
-            ("exp_avg_sq", "float32", READ_WRITE),
-        ],
-    ),
-    "bf16mom": (
-        20,
-        [
-            ("param", "float32", READ_WRITE),
-            ("grad", "float32", READ),
-            ("exp_avg", "bfloat16", READ_WRITE),
-            ("exp_avg_sq", "bfloat16", READ_WRITE),
-        ],
-    ),
+    "fp32": _traffic(adam_arrays()),
+    "fp32+bf16out": _traffic(adam_arrays(param_out=2)),
+    "bf16grad": _traffic(adam_arrays(grad=2)),
+    "bf16mom": _traffic(adam_arrays(exp_avg=2, exp_avg_sq=2)),
 }
 # name -> (pattern code in host_ceiling.cpp, tile elements, non-temporal stores)
 C_PATTERNS = {

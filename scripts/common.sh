@@ -12,6 +12,8 @@
 #                    hardware the dry run plans for (default: this machine if it has
 #                    CUDA, else each script's target)
 #   PLAN_HOST_HEADROOM_GB  host memory per node a plan leaves free (default 10%)
+#   PLAN_DEVICE_MEMORY_RESERVE_GB  device memory a plan leaves free (default: the
+#                    larger of 5% and 2 GiB)
 #   PYTHON           interpreter (default python3)
 set -euo pipefail
 

@@ -40,13 +40,19 @@ def test_gpus_here_respects_cuda_visible_devices(tmp_path, visible, expected):
             "pretrain_llama3_8b_1gpu_offload.sh",
             "llama3-8b",
             "8,030,261,248",
-            ("device: 29.83 of 80 GiB -> fits", "host per node: 151.58 of 256 GiB"),
+            (
+                "device: 29.83 of 80 GiB (76.0 usable, 4.0 GiB reserve) -> fits",
+                "host per node: 151.58 of 256 GiB",
+            ),
         ),
         (
             "pretrain_llama2_70b_dgx2.sh",
             "llama2-70b",
             "68,989,231,104",
-            ("device: 19.08 of 32 GiB -> fits", "host per node: 1317.20 of 1536 GiB"),
+            (
+                "device: 19.08 of 32 GiB (30.0 usable, 2.0 GiB reserve) -> fits",
+                "host per node: 1317.20 of 1536 GiB",
+            ),
         ),
     ],
 )

@@ -18,9 +18,12 @@ then the latest pointer), the checked reader (size and sha256 once, then mmap), 
 vocabulary-padding fit, and the TP merge of one parameter from its saved slices.
 Nothing here needs process groups.
 
-Versions: 2 (written now) adds manifest.sha256, so a hand-edited manifest is refused
-instead of silently loading wrong weights, and the device of each RNG record. Version
-1 is still read: no manifest checksum, and the RNG device follows from the state size.
+Versions: 3 (written now) may save an optimizer slice as its parts in order (device
+share, host part) when the run split it (``--optimizer-offload-fraction``), so a save
+never concatenates them; ``saved_range`` reads either form. 2 added manifest.sha256, so
+a hand-edited manifest is refused instead of silently loading wrong weights, and the
+device of each RNG record. 1 is still read: no manifest checksum, and the RNG device
+follows from the state size.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ from ..tensor_parallel.random import get_rng_tracker
 from ..tensor_parallel.utils import merge_partitions, split_for_rank
 from .errors import CheckpointError
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 LATEST = "latest_checkpointed_iteration.txt"
 LOCK = ".lock"
 MANIFEST = "manifest.json"
@@ -393,6 +396,23 @@ class CheckedReader:
         return self.layouts[key]
 
 
+def saved_range(value, lo: int, n: int) -> torch.Tensor:
+    """Elements [lo, lo + n) of a saved optimizer slice: one tensor, or its parts in order.
+    A view when they lie in one part, as a parameter's piece always does (the parts are
+    cut at a bucket boundary and a piece lies inside one bucket)."""
+    if not isinstance(value, (list, tuple)):
+        return value[lo : lo + n]
+    pieces = []
+    for part in value:
+        if lo < part.numel():
+            pieces.append(part[lo : lo + n])
+            n -= pieces[-1].numel()
+            if n <= 0:
+                break
+        lo = max(lo - part.numel(), 0)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
 def zero_local(
     read: CheckedReader, manifest: dict, name: str, tp_rank: int, key: str, shape
 ) -> torch.Tensor:
@@ -402,7 +422,7 @@ def zero_local(
     for b in range(manifest["data_parallel_size"]):
         src = read(optim_file(tp_rank, b))[key]
         for p_off, h_off, n in read.pieces(tp_rank, b).get(name, ()):
-            out[p_off : p_off + n] = src[h_off : h_off + n]
+            out[p_off : p_off + n] = saved_range(src, h_off, n)
     return out.view(shape)
 
 

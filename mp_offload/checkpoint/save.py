@@ -22,9 +22,12 @@ def _rank_files(tmp: str, model, optimizer, tp_rank: int, dp_rank: int) -> dict:
     """Write this rank's files; returns their manifest entries."""
     files = {}
     if dp_rank == 0:  # the DP replicas hold the same weights: one copy per TP rank
-        weights = {n: p.detach().cpu() for n, p in model.named_parameters()}
         rel = fmt.model_file(tp_rank)
-        files[rel] = fmt.write_file(weights, os.path.join(tmp, rel))
+        # A temporary: the weights' host copies (on CUDA) are freed before the optimizer
+        # file is written, so a save's peak is the larger of the two, not their sum.
+        files[rel] = fmt.write_file(
+            {n: p.detach().cpu() for n, p in model.named_parameters()}, os.path.join(tmp, rel)
+        )
     if optimizer.checkpoint_kind == "zero":
         shard = optimizer.state_dict()
     else:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel_state import ParallelGroup
-from .adam_math import torch_adam_step
+from .adam_math import device_adam, torch_adam_step
 from .base import DEFAULT_BUCKET_SIZE, StepResult
 from .device_share import DeviceShare, actual_fraction, clip_runs, split_buckets
 from .grads import clip_coefficient, reduce_norm_squared
@@ -33,6 +33,27 @@ from .reducer import CopyStream, GradientReducer, GradTargets
 
 # torch >= 2.13 renamed the tensor collectives; keep working on older releases too.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _as_parts(slice_) -> list[torch.Tensor]:
+    """A slice as its list of parts (one tensor when unsplit, as format 2 saved every one)."""
+    return list(slice_) if isinstance(slice_, (list, tuple)) else [slice_]
+
+
+def copy_parts(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """Copy the concatenation of 1-D ``src`` into that of ``dst`` (same total length), piece
+    by overlapping piece: a slice saved at one split loads at another without a whole copy."""
+    if sum(t.numel() for t in dst) != sum(t.numel() for t in src):
+        raise ValueError("copy_parts: the source and destination slices differ in length")
+    i = j = a = b = 0  # part indices and offsets inside them
+    while i < len(dst) and j < len(src):
+        n = min(dst[i].numel() - a, src[j].numel() - b)
+        dst[i][a : a + n].copy_(src[j][b : b + n])
+        a, b = a + n, b + n
+        if a == dst[i].numel():
+            i, a = i + 1, 0
+        if b == src[j].numel():
+            j, b = j + 1, 0
 
 
 class ZeroOptimizer:
@@ -221,6 +242,8 @@ class ZeroOptimizer:
         return pieces, [(None, 0, n, [(lo, hi) for lo, hi, decay in runs if decay])]
 
     def _pick_adam(self):
+        """The C++ Adam for state on the host; for state on the device (no offload) torch's
+        fused AdamW on CUDA (``device_adam``), so offload is compared with a fair ZeRO-2."""
         if self.host.type == "cpu":
             try:
                 from ..ops.cpu_adam import adam_step
@@ -228,7 +251,7 @@ class ZeroOptimizer:
                 return adam_step
             except ImportError:  # extension not built: still correct, just slower
                 return torch_adam_step
-        return torch_adam_step
+        return device_adam(self.host, self.exp_avg.dtype, self.exp_avg_sq.dtype)
 
     # --------------------------------------------------------------- backward
     def _adam_grads(self) -> list[torch.Tensor]:
@@ -393,29 +416,28 @@ class ZeroOptimizer:
         return self.scaler.overflows
 
     def state_dict(self) -> dict:
-        """This rank's optimizer slice (host tensors, no copies) and what it needs."""
+        """This rank's optimizer slice and what it needs. Each state key is the slice's
+        parts in order (device share, then host part), or one tensor when unsplit: the
+        live buffers, never a copy, so a save allocates no second slice (torch.save copies
+        a device tensor to the host one storage at a time while writing)."""
         self.flush()
         return dict(
-            master=self._whole("master"),
-            exp_avg=self._whole("exp_avg"),
-            exp_avg_sq=self._whole("exp_avg_sq"),
+            master=self._parts("master"),
+            exp_avg=self._parts("exp_avg"),
+            exp_avg_sq=self._parts("exp_avg_sq"),
             step=self.step_count,
             scaler=self.scaler.state_dict(),
             layout=self.layout.describe(),
         )
 
-    def _whole(self, key: str) -> torch.Tensor:
-        """The slice's ``key`` unsplit (device share, then host part): checkpoints do not
-        depend on the offload fraction."""
+    def _parts(self, key: str) -> torch.Tensor | list[torch.Tensor]:
         host = getattr(self, key)
-        if self.share is None:
-            return host
-        return torch.cat([getattr(self.share, key).cpu(), host.cpu()])
+        return host if self.share is None else [getattr(self.share, key), host]
 
-    def _install(self, key: str, whole: torch.Tensor) -> None:
-        if self.share is not None:
-            getattr(self.share, key).copy_(whole[: self.split])
-        getattr(self, key).copy_(whole[self.split :])
+    def _install(self, key: str, saved) -> None:
+        """Copy a saved slice (one tensor or its parts, at any split) into this run's parts:
+        checkpoints do not depend on the offload fraction."""
+        copy_parts(_as_parts(self._parts(key)), _as_parts(saved))
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:

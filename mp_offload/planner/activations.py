@@ -49,7 +49,7 @@ reducer at once, and the embedding gradient comes alone at the end.
 
 The peak is the largest of: the end of forward (at the loss), the start of backward,
 the end of backward, and (with recomputation) the backward of the first layer.
-Allocator rounding and fragmentation are not modelled; tests/test_plan.py holds this
+Allocator rounding and fragmentation are not modelled; tests/test_cuda.py holds this
 against measured CUDA peaks where a GPU is present, and tests/test_llama.py against
 the bytes autograd really saves for a block on CPU, with and without SP.
 """

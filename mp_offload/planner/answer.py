@@ -49,6 +49,9 @@ def speed(cfg: GPTConfig, run: Run, machine: Machine, batch_per_gpu: int) -> Ste
         bucket_size=run.bucket_size,
         mode=mode,
         offload_fraction=run.offload_fraction,
+        accumulate_on_device=run.accumulate_on_device,
+        moment_bytes=run.moment_bytes,
+        reduce_bytes=run.reduce_bytes,
     )
 
 

@@ -39,6 +39,8 @@ from .answer import (
 from .fraction import pick_offload_fraction
 from .memory import (
     ALL_MODES,
+    DEVICE_RESERVE_FRACTION,
+    DEVICE_RESERVE_MIN_GB,
     EXACT,
     GiB,
     Hardware,
@@ -111,10 +113,11 @@ def _host_memory_gib() -> float | None:
 
 
 def hardware_from_env(world: int) -> tuple[Hardware, list[str]]:
-    """Hardware for --dry-run: PLAN_DEVICE_MEMORY_GB / PLAN_HOST_MEMORY_GB /
-    PLAN_DEVICES_PER_NODE / PLAN_HOST_HEADROOM_GB win; else what a CUDA machine reports
-    about itself; else defaults (an 80 GiB GPU, 256 GiB host of which 10% is kept free,
-    min(world, 8) per node). Returns the notes saying where each number came from."""
+    """Hardware for --dry-run: PLAN_DEVICE_MEMORY_GB / PLAN_DEVICE_MEMORY_RESERVE_GB /
+    PLAN_HOST_MEMORY_GB / PLAN_DEVICES_PER_NODE / PLAN_HOST_HEADROOM_GB win; else what a
+    CUDA machine reports about itself; else defaults (an 80 GiB GPU of which the larger of
+    5% and 2 GiB is kept free, 256 GiB host of which 10% is, min(world, 8) per node).
+    Returns the notes saying where each number came from."""
     import torch
 
     notes, hw = [], Hardware()
@@ -128,6 +131,12 @@ def hardware_from_env(world: int) -> tuple[Hardware, list[str]]:
     else:
         src = "default; set PLAN_DEVICE_MEMORY_GB"
     notes.append(f"device memory {hw.device_memory_gb:.1f} GiB ({src})")
+    if env("PLAN_DEVICE_MEMORY_RESERVE_GB"):
+        hw.device_memory_reserve_gb = float(env("PLAN_DEVICE_MEMORY_RESERVE_GB"))
+        src = "PLAN_DEVICE_MEMORY_RESERVE_GB"
+    else:
+        src = "default; set PLAN_DEVICE_MEMORY_RESERVE_GB"
+    notes.append(f"of which {hw.device_reserve_gb:.1f} GiB kept free ({src})")
     if env("PLAN_HOST_MEMORY_GB"):
         hw.host_memory_gb, src = float(env("PLAN_HOST_MEMORY_GB")), "PLAN_HOST_MEMORY_GB"
     elif cuda and _host_memory_gib():
@@ -193,7 +202,7 @@ def _fraction_line(run: Run, hw: Hardware) -> tuple[Run, str]:
     zero2 = ", = ZeRO-2 without offload" if f == 0 else ""
     return replace(run, offload_fraction=f), (
         f"offload fraction: --optimizer-offload-fraction {f:g}{zero2} (the largest device "
-        f"share that fits {hw.device_memory_gb:g} GiB: the first {kept:,} of each rank's "
+        f"share that fits {hw.device_usable_gb:.1f} GiB: the first {kept:,} of each rank's "
         f"{s.host_numel:,} elements, {kept / s.host_numel:.1%} of its optimizer state, stay on "
         f"the device; "
         f"device peak {plan.device_peak / GiB:.2f} GiB)"
@@ -226,6 +235,15 @@ def _planner_parser() -> argparse.ArgumentParser:
         type=float,
         default=1.0,
         help="CUDA context, library workspaces, allocator slack (GiB)",
+    )
+    add(
+        "--device-memory-reserve-gb",
+        type=float,
+        default=None,
+        help="device memory a plan must leave free against fragmentation and workspace "
+        "growth, beyond the --device-reserved-gb it counts (default: the larger of "
+        f"{DEVICE_RESERVE_FRACTION * 100:g}%% of --device-memory-gb and "
+        f"{DEVICE_RESERVE_MIN_GB:g} GiB)",
     )
     add("--host-process-gb", type=float, default=2.0, help="per-rank process overhead (GiB)")
     add(
@@ -390,6 +408,7 @@ def recipe_plan(recipe) -> tuple[JobPlan, Run]:
         opt.devices_per_node,
         opt.device_reserved_gb,
         opt.host_process_gb,
+        device_memory_reserve_gb=opt.device_memory_reserve_gb,
     )
     run = run_from_args(args, recipe.world, cuda=True)
     return plan_job(run, hw), run
@@ -451,6 +470,7 @@ def main(argv=None) -> int:
         opt.device_reserved_gb,
         opt.host_process_gb,
         host_headroom_gb=headroom,
+        device_memory_reserve_gb=opt.device_memory_reserve_gb,
     )
     run = run_from_args(args, world, opt.mode, cuda=not opt.plan_cpu)
     if opt.paper_table:
@@ -534,7 +554,9 @@ def _print_assumed(args: Args, opt, run: Run, hw: Hardware) -> None:
         )
     )
     print(
-        f"hardware: {run.world} x {hw.device_memory_gb:g} GiB device(s) on {nodes} node(s) "
+        f"hardware: {run.world} x {hw.device_memory_gb:g} GiB device(s) "
+        f"({hw.device_reserve_gb:.1f} GiB kept free, --device-memory-reserve-gb) "
+        f"on {nodes} node(s) "
         f"of {hw.devices_per_node}, host {hw.host_memory_gb:g} GiB per node with "
         f"{hw.host_headroom_gb:.1f} GiB kept free (--host-headroom-gb)"
     )

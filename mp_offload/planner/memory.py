@@ -31,6 +31,9 @@ Estimates: device activations (see activations.py), device workspace (a fixed
 reserve for the CUDA context, cuBLAS/NCCL workspaces and allocator slack, plus the
 reduce-scatter output chunks: one per bucket buffer, the reducer keeps no more pending),
 host process (Python, torch, CUDA runtime, data).
+A plan fits the device only below its usable memory: the device less a reserve against
+fragmentation and workspace growth (--device-memory-reserve-gb; default the larger of
+5% and 2 GiB), as the host keeps its headroom.
 
 Modes, for comparison on the same model and layout:
   offload  this code with --cpu-offload (ZeRO-Offload)
@@ -52,6 +55,12 @@ from .activations import estimate_activations
 from .shapes import RankShapes, meta_named_params, rank_shapes, spec_named_params
 
 GiB = 1 << 30
+# Device memory a plan leaves free by default: the larger of this share and this many GiB.
+# The caching allocator fragments (blocks of freed activations and buckets that no later
+# request fits exactly) and cuBLAS/NCCL/attention workspaces grow with the shapes run, so
+# a plan filled to the last GiB fails at the first odd-sized request.
+DEVICE_RESERVE_FRACTION = 0.05
+DEVICE_RESERVE_MIN_GB = 2.0
 MODES = ("offload", "zero2", "pytorch")  # compared by --dry-run
 ALL_MODES = MODES + ("pytorch-o2",)
 EXACT = (
@@ -79,10 +88,23 @@ class Hardware:
     # Host memory per node left to the OS, page cache, other jobs: a plan must fit in the
     # rest. 0 here (the paper table asks what fits at all); the CLI defaults to 10%.
     host_headroom_gb: float = 0.0
+    # Device memory a plan must leave free (fragmentation, workspace growth), GiB; None:
+    # the larger of DEVICE_RESERVE_FRACTION of the device and DEVICE_RESERVE_MIN_GB.
+    device_memory_reserve_gb: float | None = None
 
     @property
     def host_usable_gb(self) -> float:
         return self.host_memory_gb - self.host_headroom_gb
+
+    @property
+    def device_reserve_gb(self) -> float:
+        if self.device_memory_reserve_gb is not None:
+            return self.device_memory_reserve_gb
+        return max(DEVICE_RESERVE_FRACTION * self.device_memory_gb, DEVICE_RESERVE_MIN_GB)
+
+    @property
+    def device_usable_gb(self) -> float:
+        return self.device_memory_gb - self.device_reserve_gb
 
 
 @dataclass
@@ -146,7 +168,7 @@ class JobPlan:
 
     @property
     def fits_device(self) -> bool:
-        return self.device_peak <= self.hw.device_memory_gb * GiB
+        return self.device_peak <= self.hw.device_usable_gb * GiB
 
     @property
     def fits_host(self) -> bool:
@@ -306,7 +328,8 @@ def format_job(plan: JobPlan) -> str:
     )
     body = [format_rank(rp, run) for rp in plan.ranks]
     verdict = (
-        f"  device: {plan.device_peak / GiB:.2f} of {hw.device_memory_gb:g} GiB -> "
+        f"  device: {plan.device_peak / GiB:.2f} of {hw.device_memory_gb:g} GiB"
+        f"{_reserve(hw)} -> "
         f"{'fits' if plan.fits_device else 'DOES NOT FIT'}; host per node: "
         f"{plan.host_node_peak / GiB:.2f} of {hw.host_memory_gb:g} GiB"
         f"{_headroom(hw)} ({max(plan.node_ranks)} ranks) -> "
@@ -325,6 +348,12 @@ def _fraction(plan: JobPlan) -> str:
         f" with --optimizer-offload-fraction {run.offload_fraction:g} (actual "
         f"{1 - kept / s.host_numel:.4f}: the device keeps {kept:,} of {s.host_numel:,})"
     )
+
+
+def _reserve(hw: Hardware) -> str:
+    if not hw.device_reserve_gb:
+        return ""
+    return f" ({hw.device_usable_gb:.1f} usable, {hw.device_reserve_gb:.1f} GiB reserve)"
 
 
 def _headroom(hw: Hardware) -> str:

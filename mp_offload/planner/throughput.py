@@ -4,39 +4,46 @@ Per DP rank, with n = its host slice (host_numel), P = its TP rank's flat buffer
 e = 2 bytes, B = sequences per GPU per step in micro-batches of b, F = training
 FLOPs per token (flops_per_token, recomputation counted), C = sustained device FLOPS:
 
-  per micro-batch (B/b of them)
+  per micro-batch (k = B/b of them)
     forward+backward   b*s*F/(T*C)
     TP all-reduces     (T>1) 6 per layer with recomputation, 4 without, of e*s*b*h
                        bytes each, ring: 2(T-1)/T * bytes / intra-node bandwidth
-    gradients          reduce-scatter (D-1)/D*e*P bytes over the DP link and e*n bytes
-                       down PCIe on a dedicated copy stream (optimizer/reducer.py:
-                       CopyStream), so both overlap backward (the last 3/4 of the work
-                       with recomputation); only the excess counts
-    fp32 accumulation  a host thread adds each staged chunk as its copy lands: 10 B per
-                       element of n (read 4+2, write 4) at this rank's share of host
-                       bandwidth; it overlaps backward like the copies, only the excess counts
+    gradients          reduce-scatter (D-1)/D*e*P bytes over the DP link and r*n bytes
+                       down PCIe (r: the reduce dtype's bytes), each bucket's copy
+                       enqueued on the copy stream when the bucket is launched, so both
+                       overlap backward (the last 3/4 of the work with recomputation);
+                       only the excess counts. With --accumulate-grads-on-device only the
+                       last micro-batch's chunks go down (under its own backward).
+    host accumulation  k > 1 on the host only: a host thread adds each staged chunk into
+                       the fp32 sum as its copy lands, the first micro-batch overwriting
+                       (r + 4 B per element), the others adding (r + 4 + 4 B) at this
+                       rank's share of host bandwidth; it overlaps backward like the copies
   per step (host passes over the slice, each at this rank's share of host bandwidth)
-    zero the grads     4 B per element of n (the fp32 gradient slice, before backward)
-    grad norm          4 B per element of n
     CPU Adam           n / rate; rate = min(cores_per_rank * per-core rate,
-                       host bandwidth share / 30 B) (Adam reads p,g,m,v and writes p,m,v
-                       and the fp16 copy: 30 B per element, memory-bound)
+                       host bandwidth share / bytes): reads p, g, m, v, writes p, m, v and
+                       the rounded params (e, none in fp32); g is the staging itself (r B)
+                       when k = 1 or accumulated on the device, else the fp32 sum; the
+                       moments 4 or 2 B. 30 B per element in the paper's setting.
     copy up            e*n bytes over PCIe
     all-gather         (D-1)/D*e*P bytes over the DP link
+  No zeroing pass (the first micro-batch overwrites) and no norm pass (its squares are
+  summed where each gradient first exists: on the device, or in the accumulation's pass).
+  Every byte count comes from ops/traffic.py, the account the kernels' benchmarks use.
   DPU: CPU Adam and the copy up run behind the next step's forward/backward; only
   what does not fit under it counts.
   Partial offload (``offload_fraction`` F < 1): every host and PCIe term above counts
-  only the host part of the slice; the device share (its first buckets) is updated by a
-  fused device Adam, 34 B per element at device memory bandwidth (28 for Adam, 6 to
+  only the host part of the slice; the device share (its first buckets) is updated by
+  torch's fused AdamW, 34 B per element at device memory bandwidth (28 for Adam, 6 to
   round the master into the parameters), launched before the CPU Adam and running
   beside it: the step's optimizer time is the larger of the two. With DPU the device
   Adam sits in the device's stream before the next forward, so it counts in full.
 
 Without offload (``mode``): "zero2" keeps the fp32 slice on the device, so the host
-terms go (no PCIe, no host accumulation) and zeroing, norm and Adam are passes over the
-slice at device memory bandwidth; "pytorch" (no ZeRO) all-reduces the gradients of
-every micro-batch (twice the reduce-scatter's bytes, overlapping backward), runs Adam
-over all of its parameters on the device and needs no all-gather. Neither has DPU.
+terms go (no PCIe, no host accumulation) and the fused AdamW and the publish are one
+pass over the slice at device memory bandwidth (34 B); "pytorch" (no ZeRO) all-reduces
+the gradients of every micro-batch (twice the reduce-scatter's bytes, overlapping
+backward), reads them for the clipping norm, runs Adam over all of its parameters on
+the device and needs no all-gather. Neither has DPU.
 
 The DP link is the intra-node bandwidth while T*D fits in one node, else the per-GPU
 share of the node's network. TFLOPS/GPU = B*s*F/T / step time. Not modelled: kernel
@@ -50,15 +57,9 @@ import time
 from dataclasses import dataclass
 
 from ..model.gpt import GPTConfig, flops_per_token
+from ..ops.traffic import accumulate_arrays, adam_arrays, bytes_per_element, publish_arrays
 from ..optimizer.base import DEFAULT_BUCKET_SIZE
 from .shapes import rank_shapes, spec_named_params
-
-# Host memory traffic per element of the slice, by pass (what the code does today).
-ZERO_BYTES_PER_ELEMENT = 4  # zero_grad: write the fp32 gradient slice
-ACCUMULATE_BYTES_PER_ELEMENT = 10  # per micro-batch: read 2 (staging) + 4, write 4
-NORM_BYTES_PER_ELEMENT = 4  # read the fp32 gradient slice
-ADAM_BYTES_PER_ELEMENT = 30  # read p, g, m, v; write p, m, v and the low-precision copy
-DEVICE_SHARE_BYTES_PER_ELEMENT = 34  # fused Adam 28, then master -> params 4 + 2
 
 
 @dataclass
@@ -144,6 +145,62 @@ class StepTime:
         return 1e9 / self.tokens_per_day
 
 
+def _overlapped(bwd: float, rs: float, down: list[float], accumulate: list[float]):
+    """(exposed gradient transfer, exposed host accumulation), summed over the step's
+    micro-batches. Micro-batch i's reduce-scatter (``rs``), copy down (``down[i]``: each
+    bucket's copy is enqueued on the copy stream when the bucket is launched) and host
+    accumulation (``accumulate[i]``: a host thread adds each chunk as it lands) all run
+    under its backward ``bwd``; only the excess counts."""
+    exposed = acc = 0.0
+    for d, a in zip(down, accumulate):
+        g = max(0.0, max(rs, d) - bwd)
+        exposed, acc = exposed + g, acc + max(0.0, a - bwd - g)
+    return exposed, acc
+
+
+def _offload_gradients(k, down, accumulate_s, r, on_device, bwd, rs):
+    """(exposed transfer, exposed accumulation) of offload's k micro-batches: ``down``
+    seconds to copy one micro-batch's chunks down; ``accumulate_s`` seconds per byte per
+    element of the host sum (0: Adam reads the staging). With device accumulation only the
+    last micro-batch's chunks go down, under its backward."""
+    copies = [0.0] * (k - 1) + [1.0] if on_device else [1.0] * k
+    acc = [bytes_per_element(accumulate_arrays(r, i == 0)) * accumulate_s for i in range(k)]
+    return _overlapped(bwd, rs, [c * down for c in copies], acc)
+
+
+def _offload_optimizer(n, kept, e, r, direct, moments, machine, host_bw, ranks_node):
+    """(CPU Adam over the host part, device Adam over the device share) seconds; bytes
+    from ops/traffic.py, the gradient as Adam reads it (the staging itself when direct,
+    else the fp32 sum), the rounded params written beside (none in fp32)."""
+    host_bytes = host_adam_bytes(e, r, direct, moments)
+    rate = min(
+        machine.cpu_cores_per_node / ranks_node * machine.adam_rate_per_core,
+        host_bw / host_bytes,
+    )
+    return n / rate, device_adam_bytes(e, moments) * kept / (machine.device_mem_gbs * 1e9)
+
+
+def host_adam_bytes(e: int, r: int, direct: bool, moments=(4, 4)) -> int:
+    """Bytes per element of the CPU Adam over the host part: the gradient as it reads it
+    (the r-byte staging when ``direct``, else the fp32 sum), the rounded params written
+    beside (e bytes; none in fp32, where the master itself goes up)."""
+    return bytes_per_element(adam_arrays(r if direct else 4, *moments, e if e < 4 else 0))
+
+
+def device_adam_bytes(e: int, moments=(4, 4)) -> int:
+    """Bytes per element of Adam where the state is on the device (fused AdamW over the
+    fp32 master, gradient and moments) and of publishing the master into the params."""
+    return bytes_per_element(adam_arrays(4, *moments) + publish_arrays(e))
+
+
+def _data_parallel(gpus: int, tp: int, mode: str) -> int:
+    if gpus % tp:
+        raise ValueError(f"{gpus} GPUs do not split into TP={tp}")
+    if mode not in ("offload", "zero2", "pytorch"):
+        raise ValueError(f"mode must be offload, zero2 or pytorch, got {mode!r}")
+    return gpus // tp
+
+
 def step_time(
     cfg: GPTConfig,
     gpus: int,
@@ -155,92 +212,64 @@ def step_time(
     bucket_size: int = DEFAULT_BUCKET_SIZE,
     mode: str = "offload",
     offload_fraction: float = 1.0,
+    accumulate_on_device: bool = False,
+    moment_bytes: tuple[int, int] = (4, 4),
+    reduce_bytes: int | None = None,
 ) -> StepTime:
-    if gpus % tp:
-        raise ValueError(f"{gpus} GPUs do not split into TP={tp}")
-    if mode not in ("offload", "zero2", "pytorch"):
-        raise ValueError(f"mode must be offload, zero2 or pytorch, got {mode!r}")
-    dp = gpus // tp
-    recompute = cfg.recompute_activations
+    dp = _data_parallel(gpus, tp, mode)
     shapes = rank_shapes(spec_named_params(cfg, tp), dp, bucket_size)
-    n, P, e = shapes.host_numel, shapes.flat_numel, elem_bytes
+    n, P, e, r = shapes.host_numel, shapes.flat_numel, elem_bytes, reduce_bytes or elem_bytes
     kept = shapes.device_share(offload_fraction) if mode == "offload" else 0
     n -= kept  # partial offload: the host terms count the host part only
-    F = flops_per_token(cfg, recompute, tp)
+    F = flops_per_token(cfg, cfg.recompute_activations, tp)
     s, h, L = cfg.seq_length, cfg.hidden_size, cfg.num_layers
-    micro = batch_per_gpu // micro_batch
+    k = batch_per_gpu // micro_batch
     ranks_node = min(gpus, machine.devices_per_node)
     host_bw = machine.host_mem_gbs * 1e9 / ranks_node
+    dev_bw = machine.device_mem_gbs * 1e9
     dp_bw = (
         machine.intra_node_gbs if gpus <= machine.devices_per_node else machine.inter_node_gbs
     ) * 1e9
     pcie = machine.pcie_gbs * 1e9
-
     fb = micro_batch * s * F / tp / (machine.device_tflops * 1e12)
-    bwd = fb * (3 / 4 if recompute else 2 / 3)
+    bwd = fb * (3 / 4 if cfg.recompute_activations else 2 / 3)
     tp_comm = 0.0
     if tp > 1:
-        n_ar = (6 if recompute else 4) * L
-        volume = n_ar * 2 * (tp - 1) / tp * e * s * micro_batch * h
-        tp_comm = volume / (machine.intra_node_gbs * 1e9)
-    rs = (dp - 1) / dp * e * P / dp_bw
-    ag = (dp - 1) / dp * e * P / dp_bw
+        volume = (6 if cfg.recompute_activations else 4) * L * 2 * (tp - 1) / tp * e * s
+        tp_comm = volume * micro_batch * h / (machine.intra_node_gbs * 1e9)
+    rs = ag = (dp - 1) / dp * e * P / dp_bw
+    norm = 0.0  # ZeRO: the squares are summed where each gradient first exists
     if mode == "offload":
-        accumulate_work = ACCUMULATE_BYTES_PER_ELEMENT * n / host_bw
-        # reduce-scatter, copy down and host accumulation are pipelined under backward
-        grad_exposed = max(0.0, max(rs, e * n / pcie) - bwd)
-        accumulate = max(0.0, accumulate_work - bwd - grad_exposed)
-        zero = ZERO_BYTES_PER_ELEMENT * n / host_bw
-        norm = NORM_BYTES_PER_ELEMENT * n / host_bw
-        rate = min(
-            machine.cpu_cores_per_node / ranks_node * machine.adam_rate_per_core,
-            host_bw / ADAM_BYTES_PER_ELEMENT,
+        direct = k == 1 or accumulate_on_device  # Adam reads the staging: no fp32 sum
+        grad_exposed, accumulate = _offload_gradients(
+            k, n * r / pcie, 0.0 if direct else n / host_bw, r, accumulate_on_device, bwd, rs
         )
-        adam_host = n / rate
-        adam_device = DEVICE_SHARE_BYTES_PER_ELEMENT * kept / (machine.device_mem_gbs * 1e9)
+        adam_host, adam_device = _offload_optimizer(
+            n, kept, e, r, direct, moment_bytes, machine, host_bw, ranks_node
+        )
         adam = max(adam_host, adam_device)  # the device share runs beside the CPU Adam
         up = e * n / pcie
     else:  # the optimizer state on the device: passes at device memory bandwidth
-        dev_bw = machine.device_mem_gbs * 1e9
+        adam_bytes = device_adam_bytes(e, moment_bytes)
         if mode == "pytorch":  # all-reduce (2x the bytes), Adam over every parameter
             rs, ag, n = 2 * rs, 0.0, shapes.params
-        grad_exposed, accumulate, up = max(0.0, rs - bwd), 0.0, 0.0
-        zero = ZERO_BYTES_PER_ELEMENT * n / dev_bw
-        norm = NORM_BYTES_PER_ELEMENT * n / dev_bw
-        adam = ADAM_BYTES_PER_ELEMENT * n / dev_bw
+            norm = e * n / dev_bw  # clip_grad_norm_ reads every gradient
+        grad_exposed, accumulate, up = k * max(0.0, rs - bwd), 0.0, 0.0
+        adam = adam_bytes * n / dev_bw
         adam_host, adam_device = 0.0, adam
-    per_micro = fb + tp_comm + grad_exposed + accumulate
-    work = micro * per_micro
-    sync = work + zero + norm + adam + up + ag
+    work = k * (fb + tp_comm) + grad_exposed + accumulate
+    sync = work + norm + adam + up + ag
     dpu = (
-        work + zero + norm + adam_device + max(0.0, adam_host - micro * fb) + up + ag
+        work + norm + adam_device + max(0.0, adam_host - k * fb) + up + ag
         if mode == "offload"
         else sync
     )
     flops = batch_per_gpu * s * F / tp
     return StepTime(
-        gpus,
-        tp,
-        dp,
-        micro * fb,
-        micro * tp_comm,
-        micro * grad_exposed,
-        micro * accumulate,
-        zero,
-        norm,
-        adam,
-        up,
-        ag,
-        sync,
-        dpu,
-        flops / sync / 1e12,
-        flops / dpu / 1e12,
-        mode,
-        (batch_per_gpu // micro_batch) * micro_batch * dp * s,
-        adam_host,
-        adam_device,
-        1.0 - kept / shapes.host_numel if mode == "offload" else 0.0,
-    )
+        gpus, tp, dp, k * fb, k * tp_comm, grad_exposed, accumulate, 0.0, norm, adam, up, ag,
+        sync, dpu, flops / sync / 1e12, flops / dpu / 1e12, mode, k * micro_batch * dp * s,
+        adam_host, adam_device, 1.0 - kept / shapes.host_numel if mode == "offload" else 0.0,
+    )  # fmt: skip
 
 
 def scaling(cfg: GPTConfig, machine: Machine, gpus=(1, 2, 4, 8, 16, 32, 64, 128), **kw):

@@ -1,0 +1,116 @@
+"""planner/throughput.py: the step-time model, its plot, and the bytes it charges."""
+
+import sys
+
+import pytest
+import torch
+from planner_cases import HP, SMALL
+
+from mp_offload import parallel_state as ps
+from mp_offload.model.gpt import GPTConfig, GPTModel
+from mp_offload.optimizer.zero import ZeroOptimizer
+from mp_offload.planner import (
+    rank_shapes,
+    spec_named_params,
+)
+from mp_offload.planner.throughput import Machine, plot_scaling, scaling, ten_b
+
+
+def test_throughput_model_matches_the_paper_claim():
+    rows = scaling(ten_b(), Machine())
+    assert 30 <= rows[0].tflops_sync <= 50  # paper: ~40 TFLOPS on one V100 at 10B
+    assert all(r.tflops_sync > 30 for r in rows)  # paper: >30 TF/GPU from 1 to 128 GPUs
+    assert all(r.tflops_dpu >= r.tflops_sync for r in rows)
+
+
+def test_plot_degrades_without_matplotlib(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    path = tmp_path / "x.png"
+    assert plot_scaling(scaling(ten_b(), Machine(), gpus=(1, 2)), str(path), "t") is False
+    assert not path.exists()
+
+
+def test_plot_written_with_matplotlib(tmp_path):
+    path = tmp_path / "x.png"
+    assert plot_scaling(scaling(ten_b(), Machine(), gpus=(1, 2)), str(path), "t") is True
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_step_time_without_offload_has_no_host_terms():
+    cfg = ten_b()
+    machine = Machine()
+    off, z2, pt = (
+        scaling(cfg, machine, gpus=(8,), mode=m)[0] for m in ("offload", "zero2", "pytorch")
+    )
+    assert off.copy_up > 0 and z2.copy_up == pt.copy_up == 0
+    assert z2.accumulate == pt.accumulate == 0 and pt.all_gather == 0 < z2.all_gather
+    assert z2.adam < off.adam and z2.step_dpu == z2.step_sync
+    assert off.compute == z2.compute == pt.compute
+    for st in (off, z2, pt):
+        assert st.tokens_per_step == 16 * 8 * 1024
+        assert st.tokens_per_day == pytest.approx(st.tokens_per_step * 86400 / st.step_sync)
+        assert st.days_per_billion_tokens == pytest.approx(1e9 / st.tokens_per_day)
+
+
+@pytest.mark.parametrize(
+    "dtype,k,moments",
+    [
+        (torch.bfloat16, 1, torch.float32),  # Adam reads the bf16 staging itself
+        (torch.bfloat16, 2, torch.float32),  # the fp32 sum of two micro-batches
+        (torch.bfloat16, 1, torch.bfloat16),  # bf16 moments
+        (torch.float32, 1, torch.float32),  # no rounded copy: the master goes up
+    ],
+)
+def test_throughput_charges_the_bytes_of_the_real_adam_buffers(dtype, k, moments):
+    """The planner's CPU Adam bytes per element are those of the buffers a real
+    ZeroOptimizer hands its Adam, counted by ops/traffic.py (the benchmarks' account)."""
+    from mp_offload.ops.traffic import adam_arrays, bytes_per_element
+    from mp_offload.planner.throughput import host_adam_bytes
+
+    single = ps.ParallelGroup.single()
+    model = GPTModel(GPTConfig(**SMALL), tp_group=single)
+    opt = ZeroOptimizer(
+        model,
+        **HP,
+        dp=single,
+        tp=single,
+        device="cpu",
+        dtype=dtype,
+        cpu_offload=True,
+        micro_batches=k,
+        exp_avg_dtype=moments,
+        exp_avg_sq_dtype=moments,
+    )
+    size = lambda t: 0 if t is None else t.element_size()  # noqa: E731
+    real = adam_arrays(
+        size(opt._adam_grads()[0]),
+        size(opt.exp_avg),
+        size(opt.exp_avg_sq),
+        size(opt.param_staging),
+    )
+    assert size(opt.master) == 4
+    e = torch.finfo(dtype).bits // 8
+    want = host_adam_bytes(e, e, k == 1, (size(opt.exp_avg), size(opt.exp_avg_sq)))
+    assert bytes_per_element(real) == want
+
+
+def test_throughput_charges_only_the_passes_the_code_makes():
+    """No zeroing or norm pass; no accumulation at k = 1 or with device accumulation (only
+    its last micro-batch's copies go down); the host sum's first micro-batch overwrites."""
+    from mp_offload.optimizer.base import DEFAULT_BUCKET_SIZE
+    from mp_offload.planner.throughput import step_time
+
+    cfg = ten_b()
+    slow_pcie = Machine(pcie_gbs=1.0)  # copies longer than backward: exposure is visible
+    one = step_time(cfg, 1, slow_pcie, batch_per_gpu=4, micro_batch=4)
+    assert one.zero == one.norm == one.accumulate == 0.0
+    host = step_time(cfg, 1, slow_pcie, batch_per_gpu=16, micro_batch=4)
+    dev = step_time(cfg, 1, slow_pcie, batch_per_gpu=16, micro_batch=4, accumulate_on_device=True)
+    assert host.grad_exposed == pytest.approx(4 * one.grad_exposed) and host.grad_exposed > 0
+    assert dev.grad_exposed == pytest.approx(one.grad_exposed) and dev.accumulate == 0.0
+    # A host too slow to hide the sum: 6 B per element for the first, 10 for the others.
+    slow_host = Machine(host_mem_gbs=1.0, pcie_gbs=1e6)
+    acc = step_time(cfg, 1, slow_host, batch_per_gpu=16, micro_batch=4)
+    bwd = step_time(cfg, 1, slow_host, batch_per_gpu=4, micro_batch=4).compute * 3 / 4
+    n = rank_shapes(spec_named_params(cfg, 1), 1, DEFAULT_BUCKET_SIZE).host_numel
+    assert acc.accumulate == pytest.approx((6 + 3 * 10) * n / 1e9 - 4 * bwd)
