@@ -250,21 +250,30 @@ def _fraction_line(run: Run, hw: Hardware) -> tuple[Run, str]:
 def _planner_parser() -> argparse.ArgumentParser:
     p = build_parser()
     p.description = "Plan memory (and throughput) of pretrain_gpt.py runs"
-    groups = {
-        name: p.add_argument_group(title, desc)
-        for name, title, desc in (
-            ("hardware", "planner: hardware", "per device and per node; --machine sets them"),
-            ("plan", "planner: what to plan", "the model (--model or the training flags)"),
-            ("speed", "planner: speed model", "the throughput model; --machine sets them"),
-        )
-    }
-    g = groups["hardware"]
+    for adds, title, desc in (
+        (_hardware_flags, "planner: hardware", "per device and per node; --machine sets them"),
+        (_plan_flags, "planner: what to plan", "the model (--model or the training flags)"),
+        (_speed_flags, "planner: speed model", "the throughput model; --machine sets them"),
+    ):
+        adds(_adder(p.add_argument_group(title, desc)))
+    _short_help(p)
+    # Flags left out take the launch scripts' values (LAUNCH_DEFAULTS): None marks "not given".
+    p.set_defaults(**{dest: None for dest in (*LAUNCH_DEFAULTS, *SHAPE_DESTS)})
+    return p
+
+
+def _adder(group):
+    """``add(flag, ...)``: a planner flag in ``group``, its value at ``opt.<name>``."""
 
     def add(flag, **kw):
         if kw.get("action") is None and "choices" not in kw:
             kw["metavar"] = flag[2:].replace("-", "_").upper()
-        g.add_argument(flag, dest="plan." + flag[2:].replace("-", "_"), **kw)
+        group.add_argument(flag, dest="plan." + flag[2:].replace("-", "_"), **kw)
 
+    return add
+
+
+def _hardware_flags(add) -> None:
     add("--device-memory-gb", type=float, default=80.0, help="per device, GiB")
     add("--host-memory-gb", type=float, default=256.0, help="per node, GiB")
     add(
@@ -282,7 +291,9 @@ def _planner_parser() -> argparse.ArgumentParser:
         help="CUDA context, library workspaces, allocator slack (GiB)",
     )
     add("--host-process-gb", type=float, default=2.0, help="per-rank process overhead (GiB)")
-    g = groups["plan"]
+
+
+def _plan_flags(add) -> None:
     add(
         "--mode",
         choices=ALL_MODES,
@@ -330,7 +341,9 @@ def _planner_parser() -> argparse.ArgumentParser:
         help="tokens to train: prints the wall time, and the launch line trains them "
         "(default: 1e9; --train-iters or --train-samples say it too)",
     )
-    g = groups["speed"]
+
+
+def _speed_flags(add) -> None:
     add("--throughput", action="store_true", help="step-time model, 10B model, 1..128 GPUs")
     add(
         "--throughput-model",
@@ -386,10 +399,6 @@ def _planner_parser() -> argparse.ArgumentParser:
         help="device memory bandwidth (the optimizer step without offload)",
     )
     add("--plot", default=None, help="write the throughput PNG here (needs matplotlib)")
-    _short_help(p)
-    # Flags left out take the launch scripts' values (LAUNCH_DEFAULTS): None marks "not given".
-    p.set_defaults(**{dest: None for dest in (*LAUNCH_DEFAULTS, *SHAPE_DESTS)})
-    return p
 
 
 # The training flags --help shows: those that change a plan most. Every other flag of
@@ -613,24 +622,7 @@ def main(argv=None) -> int:
             run, note = _fraction_line(run, hw)  # keep on the device what fits there
         plan = plan_job(run, hw, source="meta")
         if opt.json:
-            rp = plan.ranks[0]
-            print(
-                json.dumps(
-                    dict(
-                        mode=run.mode,
-                        tp=run.tp,
-                        dp=run.dp,
-                        offload_fraction=run.offload_fraction,
-                        device=rp.device,
-                        host=rp.host,
-                        device_total=plan.device_peak,
-                        host_node=plan.host_node_peak,
-                        fits=plan.fits,
-                        exact=list(EXACT),
-                        parameters=num_parameters(args.model, run.tp),
-                    )
-                )
-            )
+            _print_json(args, run, plan)
         else:
             _print_assumed(args, opt, run, hw)
             print(describe_model(args, world))
@@ -642,6 +634,27 @@ def main(argv=None) -> int:
             if plan.fits:
                 _print_speed_and_launch(args, opt, run, plan, args.model)
     return 0
+
+
+def _print_json(args: Args, run: Run, plan: JobPlan) -> None:
+    rp = plan.ranks[0]
+    print(
+        json.dumps(
+            dict(
+                mode=run.mode,
+                tp=run.tp,
+                dp=run.dp,
+                offload_fraction=run.offload_fraction,
+                device=rp.device,
+                host=rp.host,
+                device_total=plan.device_peak,
+                host_node=plan.host_node_peak,
+                fits=plan.fits,
+                exact=list(EXACT),
+                parameters=num_parameters(args.model, run.tp),
+            )
+        )
+    )
 
 
 def _world(args: Args, opt) -> int:
