@@ -241,3 +241,16 @@ def test_help_is_grouped_and_every_planner_flag_has_help(capsys):
     assert planner and all(a.help for a in planner), [a.dest for a in planner if not a.help]
     assert "--train-tokens" in text and "--num-layers" in text and "--lr-decay-style" not in text
     assert len(text.splitlines()) < 200
+
+
+def test_no_layout_fits_says_so_and_shows_why(capsys, monkeypatch):
+    code, out, _ = _plan(
+        capsys,
+        monkeypatch,
+        *["--machine", "rtx4090", "--model", "llama2-70b", "--world-size", "2"],
+        *["--devices-per-node", "2"],
+    )
+    assert code == 0 and _layout_rows(out) == []
+    assert "not TP=1: does not fit" in out and "not TP=2: does not fit" in out
+    assert "no layout fits 2 GPU(s); the plan at TP=1:" in out
+    assert "DOES NOT FIT" in out and "torchrun" not in out

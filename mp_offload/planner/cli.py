@@ -729,7 +729,9 @@ def _print_assumed(args: Args, opt, run: Run, hw: Hardware) -> None:
 
 
 def _machine(opt, hw: Hardware) -> tuple[Machine, str]:
-    measured = measure_adam_rate() if opt.adam_rate_per_core is None else None
+    if opt.adam_rate_per_core is None and not hasattr(opt, "measured_rate"):
+        opt.measured_rate = measure_adam_rate()  # once: the layout table and the time agree
+    measured = opt.measured_rate if opt.adam_rate_per_core is None else None
     rate = opt.adam_rate_per_core or measured or Machine.adam_rate_per_core
     src = (
         "measured here, 1 thread"
