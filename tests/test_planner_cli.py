@@ -159,9 +159,9 @@ def test_machine_preset_sets_the_hardware_and_a_flag_still_wins(capsys):
     from mp_offload.planner.cli import parse
 
     _, opt = parse(["--machine", "hgx-h200"])
-    assert (opt.device_memory_gb, opt.device_tflops, opt.devices_per_node) == (141, 400, 8)
+    assert (opt.device_memory_gb, opt.device_tflops, opt.devices_per_node) == (139.8, 400, 8)
     _, opt = parse(["--machine", "hgx-h200", "--device-tflops", "300"])
-    assert opt.device_tflops == 300 and opt.device_memory_gb == 141
+    assert opt.device_tflops == 300 and opt.device_memory_gb == 139.8
     _, opt = parse([])
     assert opt.device_tflops == Machine.device_tflops  # no preset: the paper's DGX-2
 

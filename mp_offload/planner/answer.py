@@ -170,6 +170,26 @@ def format_speed(st: StepTime, cfg: GPTConfig, machine: Machine, rate_source: st
     )
 
 
+def duration(seconds: float) -> str:
+    """A wall time as a person reads it: minutes, hours, or days and hours."""
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} hours"
+    days, hours = divmod(round(seconds / 3600), 24)
+    return f"{days:,} days {hours} hours"
+
+
+def format_wall_time(tokens: float, st: StepTime, priced_for: str) -> str:
+    """How long ``tokens`` take at the throughput model's step time."""
+    iters = math.ceil(tokens / st.tokens_per_step)
+    return (
+        f"wall time for {tokens:,.0f} tokens: {iters:,} iterations x {st.step_sync:.2f} s "
+        f"= {duration(iters * st.step_sync)} ({st.tokens_per_step / st.step_sync:,.0f} "
+        f"tokens/s; throughput model, {priced_for})"
+    )
+
+
 def launch_command(
     cfg: GPTConfig,
     run: Run,
@@ -179,8 +199,9 @@ def launch_command(
     data_path: list[str] | None = None,
     tokenizer_model: str | None = None,
     dpu_warmup_steps: int | None = None,
+    train_tokens: float = TRAIN_TOKENS,
 ) -> str:
-    """The torchrun command that trains ``cfg`` as planned, for TRAIN_TOKENS tokens."""
+    """The torchrun command that trains ``cfg`` as planned, for ``train_tokens`` tokens."""
     nodes, per_node = len(plan.node_ranks), max(plan.node_ranks)
     cmd = ["torchrun"]
     if nodes > 1:
@@ -219,7 +240,7 @@ def launch_command(
         str(cfg.max_position_embeddings),
     ]
     global_batch = st.tokens_per_step // cfg.seq_length
-    iters = math.ceil(TRAIN_TOKENS / st.tokens_per_step)
+    iters = math.ceil(train_tokens / st.tokens_per_step)
     flags.append(
         seq + ["--micro-batch-size", str(run.micro_batch), "--global-batch-size", str(global_batch)]
     )

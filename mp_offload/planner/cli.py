@@ -32,11 +32,13 @@ from .answer import (
     format_max_models,
     format_speed,
     format_split_gain,
+    format_wall_time,
     larger_elsewhere,
     launch_command,
     speed,
 )
 from .fraction import pick_offload_fraction
+from .layout import format_layouts, search_layouts
 from .memory import (
     ALL_MODES,
     DEVICE_RESERVE_FRACTION,
@@ -51,7 +53,13 @@ from .memory import (
     format_job,
     plan_job,
 )
-from .named_models import MACHINE_PRESETS, MODEL_PRESETS, RECIPES, recipe_label
+from .named_models import (
+    MACHINE_GPUS,
+    MACHINE_PRESETS,
+    MODEL_PRESETS,
+    RECIPES,
+    recipe_label,
+)
 from .search import (
     FAMILIES,
     bytes_per_param_note,
@@ -213,13 +221,30 @@ def _fraction_line(run: Run, hw: Hardware) -> tuple[Run, str]:
 def _planner_parser() -> argparse.ArgumentParser:
     p = build_parser()
     p.description = "Plan memory (and throughput) of pretrain_gpt.py runs"
-    g = p.add_argument_group("planner")
+    for adds, title, desc in (
+        (_hardware_flags, "planner: hardware", "per device and per node; --machine sets them"),
+        (_plan_flags, "planner: what to plan", "the model (--model or the training flags)"),
+        (_speed_flags, "planner: speed model", "the throughput model; --machine sets them"),
+    ):
+        adds(_adder(p.add_argument_group(title, desc)))
+    _short_help(p)
+    # Flags left out take the launch scripts' values (LAUNCH_DEFAULTS): None marks "not given".
+    p.set_defaults(**{dest: None for dest in (*LAUNCH_DEFAULTS, *SHAPE_DESTS)})
+    return p
+
+
+def _adder(group):
+    """``add(flag, ...)``: a planner flag in ``group``, its value at ``opt.<name>``."""
 
     def add(flag, **kw):
         if kw.get("action") is None and "choices" not in kw:
             kw["metavar"] = flag[2:].replace("-", "_").upper()
-        g.add_argument(flag, dest="plan." + flag[2:].replace("-", "_"), **kw)
+        group.add_argument(flag, dest="plan." + flag[2:].replace("-", "_"), **kw)
 
+    return add
+
+
+def _hardware_flags(add) -> None:
     add("--device-memory-gb", type=float, default=80.0, help="per device, GiB")
     add("--host-memory-gb", type=float, default=256.0, help="per node, GiB")
     add(
@@ -229,7 +254,7 @@ def _planner_parser() -> argparse.ArgumentParser:
         help="host memory per node a plan must leave free: OS, page cache, other jobs "
         f"(default: {HEADROOM_FRACTION * 100:g}%% of --host-memory-gb)",
     )
-    add("--devices-per-node", type=int, default=8)
+    add("--devices-per-node", type=int, default=8, help="GPUs per node (TP stays in one)")
     add(
         "--device-reserved-gb",
         type=float,
@@ -246,6 +271,9 @@ def _planner_parser() -> argparse.ArgumentParser:
         f"{DEVICE_RESERVE_MIN_GB:g} GiB)",
     )
     add("--host-process-gb", type=float, default=2.0, help="per-rank process overhead (GiB)")
+
+
+def _plan_flags(add) -> None:
     add(
         "--mode",
         choices=ALL_MODES,
@@ -286,16 +314,52 @@ def _planner_parser() -> argparse.ArgumentParser:
         help="gpt3: width and depth grow together (depth h/128..h/64); layers: only depth",
     )
     add("--paper-table", action="store_true", help="the ZeRO-Offload paper's size claims")
+    add(
+        "--train-tokens",
+        type=float,
+        default=None,
+        help="tokens to train: prints the wall time, and the launch line trains them "
+        "(default: 1e9; --train-iters or --train-samples say it too)",
+    )
+
+
+def _speed_flags(add) -> None:
     add("--throughput", action="store_true", help="step-time model, 10B model, 1..128 GPUs")
-    add("--throughput-model", choices=("10b", "flags"), default="10b")
-    add("--gpus", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
+    add(
+        "--throughput-model",
+        choices=("10b", "flags"),
+        default="10b",
+        help="--throughput's model: the paper's 10B or the flags' own",
+    )
+    add(
+        "--gpus",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8, 16, 32, 64, 128],
+        help="--throughput's GPU counts",
+    )
     add("--batch-per-gpu", type=int, default=16, help="sequences per GPU per step")
-    add("--device-tflops", type=float, default=Machine.device_tflops)
-    add("--intra-node-gbs", type=float, default=Machine.intra_node_gbs)
-    add("--inter-node-gbs", type=float, default=Machine.inter_node_gbs)
-    add("--pcie-gbs", type=float, default=Machine.pcie_gbs)
-    add("--cpu-cores-per-node", type=int, default=Machine.cpu_cores_per_node)
-    add("--host-mem-gbs", type=float, default=Machine.host_mem_gbs)
+    add("--device-tflops", type=float, default=Machine.device_tflops, help="sustained, per GPU")
+    add(
+        "--intra-node-gbs",
+        type=float,
+        default=Machine.intra_node_gbs,
+        help="GB/s per GPU in collectives within a node",
+    )
+    add(
+        "--inter-node-gbs",
+        type=float,
+        default=Machine.inter_node_gbs,
+        help="GB/s per GPU in collectives across nodes",
+    )
+    add("--pcie-gbs", type=float, default=Machine.pcie_gbs, help="GB/s host<->device per GPU")
+    add("--cpu-cores-per-node", type=int, default=Machine.cpu_cores_per_node, help="for CPU Adam")
+    add(
+        "--host-mem-gbs",
+        type=float,
+        default=Machine.host_mem_gbs,
+        help="host memory bandwidth per node, GB/s",
+    )
     add(
         "--adam-rate-per-core",
         type=float,
@@ -315,9 +379,46 @@ def _planner_parser() -> argparse.ArgumentParser:
         help="device memory bandwidth (the optimizer step without offload)",
     )
     add("--plot", default=None, help="write the throughput PNG here (needs matplotlib)")
-    # Flags left out take the launch scripts' values (LAUNCH_DEFAULTS): None marks "not given".
-    p.set_defaults(**{dest: None for dest in (*LAUNCH_DEFAULTS, *SHAPE_DESTS)})
-    return p
+
+
+# The training flags --help shows: those that change a plan most. Every other flag of
+# pretrain_gpt.py is taken too, listed by its own --help.
+HELP_TRAINING_FLAGS = (
+    "--num-layers",
+    "--hidden-size",
+    "--num-attention-heads",
+    "--ffn-hidden-size",
+    "--seq-length",
+    "--vocab-size",
+    "--tensor-model-parallel-size",
+    "--sequence-parallel",
+    "--world-size",
+    "--micro-batch-size",
+    "--global-batch-size",
+    "--train-iters",
+    "--train-samples",
+    "--fp16",
+    "--bf16",
+    "--cpu-offload",
+    "--optimizer-offload-fraction",
+    "--recompute-activations",
+)
+
+
+def _short_help(p: argparse.ArgumentParser) -> None:
+    p.usage = "python -m mp_offload.plan [--model NAME] [--machine NAME] [flags]"
+    p.epilog = (
+        "Every flag of pretrain_gpt.py is taken (python pretrain_gpt.py --help lists them); "
+        "flags not given take the launch scripts' values (--bf16 --cpu-offload "
+        "--recompute-activations --seq-length 2048)."
+    )
+    for action in p._actions:
+        if not action.dest.startswith("plan.") and action.option_strings:
+            if not set(action.option_strings) & {"-h", *HELP_TRAINING_FLAGS}:
+                action.help = argparse.SUPPRESS
+    for group in p._action_groups:  # a training group left with nothing to show goes
+        if all(a.help == argparse.SUPPRESS for a in group._group_actions):
+            group.title = group.description = None
 
 
 # What scripts/pretrain_gpt_*.sh train with, assumed by the planner for flags not given.
@@ -348,6 +449,11 @@ def _launch_defaults(parts: dict, opt: argparse.Namespace) -> list[str]:
         raise ConfigError("--no-cpu-offload excludes --cpu-offload")
     if opt.no_recompute_activations and m["recompute_activations"]:
         raise ConfigError("--no-recompute-activations excludes --recompute-activations")
+    if opt.train_tokens is not None and not opt.train_tokens > 0:
+        raise ConfigError(f"--train-tokens must be > 0, got {opt.train_tokens:g}")
+    counted = t["train_iters"] is not None or t["train_samples"] is not None
+    if opt.train_tokens is not None and counted:
+        raise ConfigError("--train-tokens excludes --train-iters and --train-samples")
     opt.mode_given = bool(
         o["cpu_offload"] or opt.no_cpu_offload or opt.mode or o["optimizer"] != "adam"
     )
@@ -375,9 +481,10 @@ def _launch_defaults(parts: dict, opt: argparse.Namespace) -> list[str]:
 
 def parse(argv=None) -> tuple[Args, argparse.Namespace]:
     argv = list(sys.argv[1:] if argv is None else argv)
-    first = argparse.ArgumentParser(add_help=False)
+    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     first.add_argument("--model", choices=sorted(MODEL_PRESETS))
     first.add_argument("--machine", choices=sorted(MACHINE_PRESETS))
+    first.add_argument("--tensor-model-parallel-size")
     known = first.parse_known_args(argv)[0]
     preset = known.model
     if known.machine:
@@ -393,6 +500,10 @@ def parse(argv=None) -> tuple[Args, argparse.Namespace]:
         parts[group][name] = value
     opt = argparse.Namespace(**parts["plan"])
     opt.assumed = _launch_defaults(parts, opt)
+    # Given on the command line (not the defaults): TP pins the layout, a global batch
+    # is kept by every layout searched.
+    opt.tp_given = known.tensor_model_parallel_size is not None
+    opt.global_batch_given = parts["train"]["global_batch_size"]
     args = Args(**{n: cls(**parts[n]) for n, cls in CONFIG_CLASSES.items()})
     return args, opt
 
@@ -445,7 +556,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"plan: error: {e}", file=sys.stderr)
         return 2
-    world = args.parallel.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    world = _world(args, opt)
     args.train.dry_run = True  # planning needs no --train-iters
     # No model given and nothing else asked: the question is what fits here.
     ask_max = opt.max_model or not (
@@ -485,30 +596,15 @@ def main(argv=None) -> int:
         _throughput(args, opt)
     if ask_max:
         return _answer_max_model(args, opt, run, hw)
+    if _searches_layout(opt, world):
+        run = _choose_layout(args, opt, run, hw, world)
     if not (opt.paper_table or opt.throughput):
         note = None
         if run.mode == "offload" and args.optim.optimizer_offload_fraction is None:
             run, note = _fraction_line(run, hw)  # keep on the device what fits there
         plan = plan_job(run, hw, source="meta")
         if opt.json:
-            rp = plan.ranks[0]
-            print(
-                json.dumps(
-                    dict(
-                        mode=run.mode,
-                        tp=run.tp,
-                        dp=run.dp,
-                        offload_fraction=run.offload_fraction,
-                        device=rp.device,
-                        host=rp.host,
-                        device_total=plan.device_peak,
-                        host_node=plan.host_node_peak,
-                        fits=plan.fits,
-                        exact=list(EXACT),
-                        parameters=num_parameters(args.model, run.tp),
-                    )
-                )
-            )
+            _print_json(args, run, plan)
         else:
             _print_assumed(args, opt, run, hw)
             print(describe_model(args, world))
@@ -520,6 +616,60 @@ def main(argv=None) -> int:
             if plan.fits:
                 _print_speed_and_launch(args, opt, run, plan, args.model)
     return 0
+
+
+def _print_json(args: Args, run: Run, plan: JobPlan) -> None:
+    rp = plan.ranks[0]
+    print(
+        json.dumps(
+            dict(
+                mode=run.mode,
+                tp=run.tp,
+                dp=run.dp,
+                offload_fraction=run.offload_fraction,
+                device=rp.device,
+                host=rp.host,
+                device_total=plan.device_peak,
+                host_node=plan.host_node_peak,
+                fits=plan.fits,
+                exact=list(EXACT),
+                parameters=num_parameters(args.model, run.tp),
+            )
+        )
+    )
+
+
+def _world(args: Args, opt) -> int:
+    """GPUs to plan for: --world-size, else one node of the --machine, else WORLD_SIZE."""
+    if args.parallel.world_size:
+        return args.parallel.world_size
+    if opt.machine:
+        return opt.devices_per_node
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _searches_layout(opt, world: int) -> bool:
+    """A model on several GPUs with TP not given: the planner chooses TP, DP and F."""
+    return world > 1 and not (opt.tp_given or opt.paper_table or opt.throughput or opt.json)
+
+
+def _choose_layout(args: Args, opt, run: Run, hw: Hardware, world: int) -> Run:
+    """Print the layouts that fit, best first; returns the best (TP, DP, micro-batches,
+    F) and sets the flags it changes, or ``run`` as it was when none fits."""
+    machine, _ = _machine(opt, hw)
+    pick = run.mode == "offload" and args.optim.optimizer_offload_fraction is None
+    layouts, refused = search_layouts(
+        args, run, hw, machine, world, opt.batch_per_gpu, opt.global_batch_given, pick
+    )
+    print(format_layouts(layouts, refused, world))
+    if not layouts:
+        print(f"no layout fits {world} GPU(s); the plan at TP={run.tp}:")
+        return run
+    best = layouts[0]
+    args.parallel.tensor_model_parallel_size = best.run.tp
+    args.train.global_batch_size = best.batch_per_rank * best.run.dp
+    opt.batch_per_gpu = best.batch_per_rank  # the speed and the launch line use it
+    return best.run
 
 
 def _searchable_base(args: Args) -> None:
@@ -563,7 +713,9 @@ def _print_assumed(args: Args, opt, run: Run, hw: Hardware) -> None:
 
 
 def _machine(opt, hw: Hardware) -> tuple[Machine, str]:
-    measured = measure_adam_rate() if opt.adam_rate_per_core is None else None
+    if opt.adam_rate_per_core is None and not hasattr(opt, "measured_rate"):
+        opt.measured_rate = measure_adam_rate()  # once: the layout table and the time agree
+    measured = opt.measured_rate if opt.adam_rate_per_core is None else None
     rate = opt.adam_rate_per_core or measured or Machine.adam_rate_per_core
     src = (
         "measured here, 1 thread"
@@ -595,14 +747,17 @@ def _print_speed_and_launch(
     if run.mode == "offload" and run.offload_fraction < 1:
         full = speed(cfg, replace(run, offload_fraction=1.0), machine, opt.batch_per_gpu)
         print(format_split_gain(st, full))
+    tokens = _tokens_wanted(args, opt, st)
+    print(format_wall_time(tokens or TRAIN_TOKENS, st, _priced_for(opt)))
     where = (
         "every node, with its NODE_RANK and node 0's MASTER_ADDR"
         if len(plan.node_ranks) > 1
         else "this node"
     )
+    tokens = tokens or TRAIN_TOKENS
     print(
-        f"launch ({where}; {math.ceil(TRAIN_TOKENS / st.tokens_per_step):,} iterations = "
-        f"{TRAIN_TOKENS / 1e9:g}B tokens):"
+        f"launch ({where}; {math.ceil(tokens / st.tokens_per_step):,} iterations = "
+        f"{tokens / 1e9:g}B tokens):"
     )
     print(
         "  "
@@ -615,7 +770,31 @@ def _print_speed_and_launch(
             args.data.data_path,
             args.data.tokenizer_model,
             args.optim.dpu_warmup_steps,
+            train_tokens=tokens,
         )
+    )
+
+
+def _tokens_wanted(args: Args, opt, st) -> float | None:
+    """Tokens to train: --train-tokens, or --train-samples / --train-iters at the planned
+    global batch; None when none is given."""
+    t = args.train
+    if opt.train_tokens is not None:
+        return opt.train_tokens
+    if t.train_samples is not None:
+        return t.train_samples * args.model.seq_length
+    if t.train_iters is not None:
+        return t.train_iters * st.tokens_per_step
+    return None
+
+
+def _priced_for(opt) -> str:
+    """Which GPU the speed is the speed of."""
+    if opt.machine:
+        return f"priced for --machine {opt.machine}: {MACHINE_GPUS[opt.machine]}"
+    return (
+        "priced for the paper's DGX-2 V100s (no --machine given: pass one, e.g. --machine "
+        "hgx-h100, or --device-tflops and the link flags)"
     )
 
 

@@ -108,7 +108,15 @@ def max_model(run: Run, hw: Hardware, family: str = "gpt3", pick_fraction: bool 
 
 
 # ------------------------------------------------------------------ paper claims
-V100 = dict(device_memory_gb=32, devices_per_node=16, host_memory_gb=1536)  # DGX-2 (1.5 TB)
+def _reported(gpu: str) -> float:
+    """The device memory ``gpu`` really reports (named_models.GPU_MEMORY_MIB), GiB."""
+    from .named_models import device_memory_gib
+
+    return device_memory_gib(gpu)
+
+
+# DGX-2 (1.5 TB host); its "32GB" V100s report 31.75 GiB
+V100 = dict(device_memory_gb=_reported("V100-32GB"), devices_per_node=16, host_memory_gb=1536)
 
 
 @dataclass
@@ -139,31 +147,31 @@ def paper_rows() -> list[Row]:
     # Host sizes assumed: a single-GPU slice of a DGX/HGX node
     # gets 1/8 of its 2 TiB (256 GiB); the lent device machine has 128 GiB.
     h100 = Hardware(
-        device_memory_gb=80,
+        device_memory_gb=_reported("H100-80GB"),
         host_memory_gb=256,
         devices_per_node=1,
         name="1x 80GB GPU, 256 GiB host",
     )
     hgx = Hardware(
-        device_memory_gb=80,
+        device_memory_gb=_reported("H100-80GB"),
         host_memory_gb=2048,
         devices_per_node=8,
         name="8x 80GB GPU node, 2 TiB host",
     )
     h200 = Hardware(
-        device_memory_gb=141,
+        device_memory_gb=_reported("H200-141GB"),
         host_memory_gb=256,
         devices_per_node=1,
         name="1x H200-141GB, 256 GiB host",
     )
     h200_lent = Hardware(
-        device_memory_gb=139,
+        device_memory_gb=_reported("H200-141GB"),
         host_memory_gb=128,
         devices_per_node=1,
-        name="1x H200 (139 GiB usable), 128 GiB host",
+        name="1x H200 (139.8 GiB), 128 GiB host",
     )
     h200x8 = Hardware(
-        device_memory_gb=141,
+        device_memory_gb=_reported("H200-141GB"),
         host_memory_gb=2048,
         devices_per_node=8,
         name="8x H200-141GB node, 2 TiB host",
