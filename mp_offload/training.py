@@ -23,6 +23,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -270,6 +271,7 @@ def train(
     skipped_in_a_row = 0
     while iteration < end:
         set_phase(f"iteration {iteration + 1}")
+        faults.before_iteration(iteration + 1)
         t0 = time.perf_counter()
         lr = sched.get_lr(consumed_samples)
         try:
@@ -485,7 +487,9 @@ def _start(args: Args):
         fail(str(e), everywhere=False)  # this rank's own (its LOCAL_RANK has no GPU)
     except RendezvousError as e:
         fail(str(e), code=1, everywhere=False)
-    ps.initialize_model_parallel(p.tensor_model_parallel_size)
+    ps.initialize_model_parallel(
+        p.tensor_model_parallel_size, timedelta(minutes=p.distributed_timeout_minutes)
+    )
     log.info(apply_cpu_threads(threads_per_rank(p.cpu_threads_per_rank)))
     for line in config_warnings(args):
         log.info(line)

@@ -5,6 +5,7 @@ torchrun output in test_pretrain_cli.py, preprocessing in test_preprocess.py);
 ``python tools/reliability_probe.py`` runs the full table of cases.
 """
 
+import contextlib
 import io
 import json
 import os
@@ -273,6 +274,62 @@ def test_a_stalled_rank_is_named_by_the_ranks_that_waited_for_it():
     # torchrun's own failure report (with its traceback) may follow; none of ours
     assert "mp_offload/" not in res.stderr and 'pretrain_gpt.py", line' not in res.stderr
     assert time.time() - t0 < 80  # not the stalled rank's 90 s
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and its descendants (torchrun puts each worker in its own session)."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, IndexError):
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    todo, seen = [pid], []
+    while todo:
+        p = todo.pop()
+        seen.append(p)
+        todo.extend(children.get(p, []))
+    for p in seen:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+def _initialize_twice(rank, world):
+    from mp_offload import parallel_state as ps
+
+    ps.initialize_model_parallel(1)
+    with pytest.raises(ps.ParallelStateError, match="initialize_model_parallel called twice"):
+        ps.initialize_model_parallel(1)
+
+
+def test_a_second_initialize_model_parallel_is_refused():
+    run_distributed(_initialize_twice, 1)
+
+
+@pytest.mark.slow
+def test_a_rank_stopped_at_tp2_dp2_is_named_and_ends_the_job():
+    """SIGSTOP of rank 1 at TP=2 x DP=2: the TP and DP groups have the flag's timeout too
+    (they kept gloo's 30 minutes), so the job ends within 90 s with a line naming rank 1."""
+    t0 = time.time()
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        + ["--nproc-per-node", "4", PRETRAIN, *TINY, "--mock-data", "--train-iters", "8"]
+        + ["--tensor-model-parallel-size", "2", "--distributed-timeout-minutes", "0.25"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(MP_OFFLOAD_FAULT_STOP="1:3"),
+        cwd=ROOT,
+    )
+    try:
+        _, stderr = job.communicate(timeout=150)
+    finally:
+        _kill_tree(job.pid)  # the stopped rank too, should the job have hung
+    res = subprocess.CompletedProcess(job.args, job.returncode, "", stderr)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith(ERROR)]
+    assert res.returncode != 0 and len(errors) == 1, (res.returncode, res.stderr[-3000:])
+    assert "timed out after 15 s during iteration 3 waiting for rank 1," in errors[0], errors
+    assert time.time() - t0 < 90
 
 
 # ------------------------------------------------------------ 6. the launcher dies
