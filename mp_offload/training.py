@@ -182,12 +182,15 @@ class _StopFlag:
         return flag.item() > 0
 
 
-def _save(args: Args, iteration: int, consumed: int, model, optimizer) -> None:
+def _save(args: Args, iteration: int, consumed: int, model, optimizer, skips=None) -> None:
     set_phase(f"the checkpoint save at iteration {iteration}")
     t0 = time.perf_counter()
+    keep, protect = args.ckpt.keep_checkpoints, skips.protect() if skips else None
     path = save_checkpoint(
-        args.ckpt.save, iteration, consumed, model, optimizer, args, keep=args.ckpt.keep_checkpoints
+        args.ckpt.save, iteration, consumed, model, optimizer, args, keep=keep, protect=protect
     )
+    if skips:
+        skips.saved(iteration)
     log.info(f"saved checkpoint {path} in {time.perf_counter() - t0:.1f}s")
 
 
@@ -234,6 +237,57 @@ def _check_skipped(in_a_row: int, limit: int, iteration: int, out: StepOutput) -
         )
 
 
+def _check_loss(loss: float, iteration: int) -> None:
+    """A non-finite loss stops the run in every precision, before the step's checkpoint
+    (under fp16 too: an overflow shows in the gradients, a diverged model in the loss)."""
+    if not math.isfinite(loss):
+        raise TrainingError(
+            f"loss is {loss} at iteration {iteration}: the run is diverging; stopping "
+            f"without saving (lower --lr, check the data, or use --bf16)"
+        )
+
+
+def _check_session(skipped: int, steps: int, start: int) -> None:
+    """fp16: a run whose steps were all skipped trained nothing (an error); one that
+    skipped most of them says so (a run that never learns must not end silently)."""
+    if not steps or 2 * skipped <= steps:
+        return
+    what = (
+        f"{skipped} of the {steps} steps of this run (iterations {start + 1}-{start + steps}) "
+        f"were skipped for fp16 gradient overflow"
+    )
+    if skipped == steps:
+        raise TrainingError(
+            f"{what}: nothing was trained (lower --lr or --initial-loss-scale, or use --bf16)"
+        )
+    log.info(f"WARNING: {what} (lower --lr or --initial-loss-scale, or use --bf16)")
+
+
+class _Skips:
+    """The fp16 steps skipped for overflow, as the loop counts them: the limit in a row,
+    the run's share, and ``good``, the last checkpoint before the current run of skipped
+    steps, which the checkpoints taken during that run must not rotate out."""
+
+    def __init__(self, limit: int, start: int):
+        self.limit, self.start, self.in_a_row, self.total = limit, start, 0, 0
+        self.good = start or None
+
+    def step(self, out: StepOutput, iteration: int) -> None:
+        self.in_a_row = self.in_a_row + 1 if out.result.skipped else 0
+        self.total += bool(out.result.skipped)
+        _check_skipped(self.in_a_row, self.limit, iteration, out)
+
+    def protect(self) -> int | None:
+        return self.good if self.in_a_row else None
+
+    def saved(self, iteration: int) -> None:
+        if not self.in_a_row:
+            self.good = iteration
+
+    def check_run(self, iteration: int) -> None:
+        _check_session(self.total, iteration - self.start, self.start)
+
+
 def train(
     args: Args,
     model,
@@ -268,7 +322,7 @@ def train(
     flops_tok = flops_per_token(
         args.model, args.model.recompute_activations, args.parallel.tensor_model_parallel_size
     )
-    skipped_in_a_row = 0
+    skips = _Skips(t.max_consecutive_skipped_steps, start_iteration)
     while iteration < end:
         set_phase(f"iteration {iteration + 1}")
         faults.before_iteration(iteration + 1)
@@ -280,13 +334,8 @@ def train(
             raise TrainingError(f"{e} at iteration {iteration}") from None
         iteration += 1
         consumed_samples += t.global_batch_size
-        if not math.isfinite(out.loss) and not t.fp16:
-            raise TrainingError(
-                f"loss is {out.loss} at iteration {iteration}; stopping "
-                f"(lower --lr, check the data, or use --fp16/--bf16 carefully)"
-            )
-        skipped_in_a_row = skipped_in_a_row + 1 if out.result.skipped else 0
-        _check_skipped(skipped_in_a_row, t.max_consecutive_skipped_steps, iteration, out)
+        _check_loss(out.loss, iteration)
+        skips.step(out, iteration)
         last = _record(
             args,
             iteration,
@@ -307,14 +356,15 @@ def train(
                 sampler(model, optimizer, device, iteration, logger)
         faults.after_iteration(iteration)
         if save_every and iteration % save_every == 0:
-            _save(args, iteration, consumed_samples, model, optimizer)
+            _save(args, iteration, consumed_samples, model, optimizer, skips)
             saved_at = iteration
         if stop.agreed():
             log.info(f"stop requested: exiting after iteration {iteration}")
             break
     optimizer.flush()
+    skips.check_run(iteration)
     if args.ckpt.save and saved_at != iteration:
-        _save(args, iteration, consumed_samples, model, optimizer)
+        _save(args, iteration, consumed_samples, model, optimizer, skips)
     return dict(last, iteration=iteration, consumed_samples=consumed_samples)
 
 

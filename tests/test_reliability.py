@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,6 +173,50 @@ def test_fp16_divergence_stops_before_saving(tmp_path):
         res, "3 consecutive steps skipped for fp16 gradient overflow (iterations 1-3", code=1
     )
     assert not os.path.exists(tmp_path / "ck" / "latest_checkpointed_iteration.txt")
+
+
+@pytest.mark.slow
+def test_fp16_divergence_after_resuming_keeps_the_last_good_checkpoint(tmp_path):
+    """--save-interval 1 --keep-checkpoints 2 after good checkpoints 2 and 3: a NaN loss
+    stops an fp16 run before its save and 3 resumes; the checkpoints of a run of skipped
+    steps spare the last one before it."""
+    d, skip = str(tmp_path / "ck"), str(tmp_path / "skip")
+    fp16 = [*TINY, "--mock-data", "--fp16", "--save-interval", "1", "--keep-checkpoints", "2"]
+    assert run_pretrain(*fp16, "--save", d, "--train-iters", "3").returncode == 0
+    shutil.copytree(d, skip)
+    res = run_pretrain(*fp16, "--save", d, "--load", d, "--train-iters", "12", "--lr", "1e10")
+    line = assert_one_line(res, "at iteration 5: the run is diverging; stopping without", 1)
+    assert line.startswith(f"{ERROR}loss is "), line
+    assert sorted(n for n in os.listdir(d) if n.startswith("iter_")) == [
+        "iter_0000003",
+        "iter_0000004",
+    ]
+    res = run_pretrain(
+        *fp16, "--load", f"{d}/iter_0000003", "--save", skip + "2", "--train-iters", "5"
+    )
+    assert res.returncode == 0 and "at iteration 3" in res.stderr + res.stdout, res.stderr
+    every_step_overflows = ["--initial-loss-scale", "1e30", "--min-loss-scale", "1e30"]
+    res = run_pretrain(
+        *fp16, "--save", skip, "--load", skip, "--train-iters", "20", "--no-load-optim",
+        *every_step_overflows, "--max-consecutive-skipped-steps", "4",
+    )  # fmt: skip
+    assert_one_line(res, "4 consecutive steps skipped", code=1)
+    assert sorted(n for n in os.listdir(skip) if n.startswith("iter_")) == [
+        "iter_0000003",
+        "iter_0000005",
+        "iter_0000006",
+    ]
+
+
+@pytest.mark.slow
+def test_an_fp16_run_that_skipped_every_step_is_an_error(tmp_path):
+    res = run_pretrain(
+        *TINY, "--mock-data", "--fp16", "--train-iters", "5", "--initial-loss-scale", "1e30",
+        "--min-loss-scale", "1e30",
+    )  # fmt: skip
+    assert_one_line(
+        res, "5 of the 5 steps of this run (iterations 1-5) were skipped for fp16", code=1
+    )
 
 
 # ------------------------------------------------------ 4. ids beyond the vocabulary
