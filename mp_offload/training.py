@@ -30,7 +30,13 @@ import torch.distributed as dist
 
 from . import faults, lifeline
 from . import parallel_state as ps
-from .checkpoint import CheckpointError, load_checkpoint, prepare_save, save_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    disk_full_guard,
+    load_checkpoint,
+    prepare_save,
+    save_checkpoint,
+)
 from .config import Args, ConfigError, config_warnings, given_flags, parse_args, resolve
 from .config_file import dump_config
 from .data.build import batch_iterator, build_datasets
@@ -186,9 +192,10 @@ def _save(args: Args, iteration: int, consumed: int, model, optimizer, skips=Non
     set_phase(f"the checkpoint save at iteration {iteration}")
     t0 = time.perf_counter()
     keep, protect = args.ckpt.keep_checkpoints, skips.protect() if skips else None
-    path = save_checkpoint(
-        args.ckpt.save, iteration, consumed, model, optimizer, args, keep=keep, protect=protect
-    )
+    with disk_full_guard(args.ckpt.save, iteration):
+        path = save_checkpoint(
+            args.ckpt.save, iteration, consumed, model, optimizer, args, keep=keep, protect=protect
+        )
     if skips:
         skips.saved(iteration)
     log.info(f"saved checkpoint {path} in {time.perf_counter() - t0:.1f}s")

@@ -254,6 +254,69 @@ def test_token_ids_beyond_the_vocabulary_are_refused(wide_ids, tmp_path):
     )
 
 
+# ------------------------------------------------------------ full disk, stale locks
+def test_an_empty_or_dead_lock_is_taken_over_with_a_line(tmp_path):
+    from mp_offload.checkpoint import SaveLock
+
+    (tmp_path / ".lock").write_text("")  # a job died between creating and writing it
+    lines = []
+    lock = SaveLock(str(tmp_path))
+    lock.acquire(lines.append)
+    assert lines == [
+        f"took over the stale lock {tmp_path}/.lock left empty by a job that died while taking it"
+    ]
+    lock.release()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = json.loads(json.dumps(SaveLock(str(tmp_path)).record))["host"]
+    (tmp_path / ".lock").write_text(json.dumps({"host": host, "pid": dead.pid, "started": None}))
+    lines.clear()
+    SaveLock(str(tmp_path)).acquire(lines.append)
+    assert lines == [
+        f"took over the stale lock {tmp_path}/.lock of pid {dead.pid} (not alive on {host})"
+    ]
+
+
+@pytest.mark.slow
+def test_a_full_disk_mid_save_is_one_line_and_leaves_no_partial_save(tmp_path):
+    res = run_pretrain(
+        *TINY, "--mock-data", "--train-iters", "2", "--save", str(tmp_path),
+        MP_OFFLOAD_CKPT_ENOSPC="before_manifest",
+    )  # fmt: skip
+    assert_one_line(
+        res,
+        f"--save {tmp_path}: the checkpoint of iteration 2 could not be written (No space "
+        f"left on device; ",
+        code=1,
+    )
+    assert "MiB free); its partial directory" in res.stderr
+    assert sorted(os.listdir(tmp_path)) == ["config.yaml"], os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_file_size_limit_under_torchrun_is_one_line_on_every_rank(tmp_path):
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + [PRETRAIN, *TINY, "--mock-data", "--train-iters", "2", "--save", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=_env(),
+        cwd=ROOT,
+        preexec_fn=limit,
+    )
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith(ERROR)]
+    assert res.returncode != 0 and len(errors) == 1, (res.returncode, res.stderr[-3000:])
+    assert "File too large, the file-size limit (ulimit -f);" in errors[0], errors[0]
+    assert "[rank" not in res.stderr and "mp_offload/" not in res.stderr, res.stderr[-3000:]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp_iter_")]
+
+
 # --------------------------------------------------------------------- 5. rendezvous
 @pytest.mark.slow
 def test_lone_rank_times_out_with_a_line():
