@@ -216,6 +216,16 @@ def sampling_problem(a) -> str | None:
     return None
 
 
+def _prompt_ids(tok, text: str) -> list[int]:
+    """``--prompt`` as ids ([EOD] when empty); a ValueError naming the flag otherwise."""
+    if not text:
+        return [tok.eod]
+    try:
+        return tok.tokenize(text)
+    except ValueError as e:
+        raise ValueError(f"--prompt {text!r}: {e}") from None
+
+
 def _setup(tp: int):
     """Join torchrun's world when there is one; returns (device, created_group)."""
     from .distributed import DeviceError, pick_device
@@ -232,7 +242,10 @@ def _setup(tp: int):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.is_initialized():
-        ps.initialize_model_parallel(tp)
+        try:
+            ps.initialize_model_parallel(tp)
+        except ps.ParallelConfigError as e:  # every rank holds the same sizes
+            raise SystemExit(f"generate: {e}") from None
     elif tp != 1:
         raise SystemExit(
             f"generate: --tensor-model-parallel-size {tp} needs torchrun with "
@@ -248,6 +261,9 @@ def main(argv=None) -> dict:
         raise SystemExit(f"generate: {problem}")
     if a.greedy and a.top_p < 1.0:
         raise SystemExit("generate: --greedy and --top-p exclude each other")
+    out_dir = os.path.dirname(os.path.abspath(a.output_json)) if a.output_json else None
+    if out_dir and not os.path.isdir(out_dir):  # found now, not after generating
+        raise SystemExit(f"generate: --output-json {a.output_json}: no directory {out_dir}")
     device, created = _setup(a.tensor_model_parallel_size)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     try:
@@ -264,12 +280,15 @@ def main(argv=None) -> dict:
                 a.vocab_file,
                 a.merge_file,
             )
-            if tok.vocab_size > full.config.vocab_size:
+            if tok.vocab_size != full.config.vocab_size:
+                # smaller: the model's other ids would decode as garbage; larger: the
+                # prompt could hold ids the model has no embedding for
                 raise CheckpointError(
                     f"the tokenizer has {tok.vocab_size} ids, the model "
-                    f"only {full.config.vocab_size}"
+                    f"{full.config.vocab_size}: not the tokenizer it was trained with "
+                    f"(give it with --tokenizer-type/--tokenizer-model/--vocab-file)"
                 )
-            prompt = tok.tokenize(a.prompt) if a.prompt else [tok.eod]
+            prompt = _prompt_ids(tok, a.prompt)
             tp = (
                 ps.get_tensor_model_parallel_group()
                 if dist.is_initialized()
@@ -277,7 +296,7 @@ def main(argv=None) -> dict:
             )
             model = load_model(ckpt, tp, getattr(torch, a.dtype), device)
         except (CheckpointError, ValueError, OSError) as e:
-            error = f"{type(e).__name__}: {e}"
+            error = str(e) if str(e).startswith("--") else f"{type(e).__name__}: {e}"
         error = first_error(error)
         if error:
             raise SystemExit(f"generate: {error}")

@@ -37,6 +37,7 @@ from .checkpoint import (
     prepare_save,
     save_checkpoint,
 )
+from .checkpoint.format import MANIFEST, iter_dir
 from .config import Args, ConfigError, config_warnings, given_flags, parse_args, resolve
 from .config_file import dump_config
 from .data.build import batch_iterator, build_datasets
@@ -399,6 +400,17 @@ def _maybe_load(args: Args, model, optimizer) -> tuple[int, int]:
     return (0, 0) if c.finetune else res
 
 
+def _check_resume(args: Args, start: int) -> None:
+    """A checkpoint past the new --train-iters has consumed more samples than the run
+    has (every rank loaded the same iteration, so all of them stop here)."""
+    if start > args.train.train_iters:
+        raise ConfigError(
+            f"--train-iters {args.train.train_iters} is below iteration {start} of the "
+            f"checkpoint loaded from --load {args.ckpt.load}: give --train-iters above "
+            f"{start} to train on (or --finetune to start a new run from its weights)"
+        )
+
+
 def _checked_args(argv) -> tuple[Args, int]:
     """Parse and validate the flags on every rank before any collective (fail() on error)."""
     try:
@@ -447,6 +459,7 @@ def _run(args: Args, device, logger: Logger, tokenizer=None) -> dict:
     model, optimizer = build_model_and_optimizer(args, device)
     set_phase("loading the checkpoint")
     start, consumed = _maybe_load(args, model, optimizer)
+    _check_resume(args, start)
     # Validation batches continue where the uninterrupted run would be (baseline + evals).
     t = args.train
     per_eval = t.eval_iters * t.micro_batch_size * ps.get_data_parallel_world_size()
@@ -492,8 +505,10 @@ def run_summary(
         f"session {session:,} ({session / max(seconds, 1e-9):,.0f} tokens/s overall)",
         f"   final loss  {' | '.join(losses) or '-'}",
     ]
-    if args.ckpt.save:
+    if args.ckpt.save and os.path.exists(os.path.join(iter_dir(args.ckpt.save, it), MANIFEST)):
         lines.append(f"   checkpoint  {args.ckpt.save} (iteration {it})")
+    elif args.ckpt.save:
+        lines.append(f"   checkpoint  none written to {args.ckpt.save} (no step was taken)")
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ from dist_helpers import free_port, run_distributed
 from helpers import tiny_model_flags
 
 from mp_offload.config import ConfigError, parse_args, resolve
-from mp_offload.data.checks import token_range
+from mp_offload.data.checks import check_token_ids, token_range
 from mp_offload.data.preprocess import preprocess
 from mp_offload.preflight import check_inputs
 
@@ -229,6 +229,36 @@ def test_token_range_is_cached_by_size_and_mtime(wide_ids, tmp_path):
     assert token_range(wide_ids, str(tmp_path)) == (lo, 7)  # read from the cache
     os.utime(f"{wide_ids}.bin", ns=(rec["bin_mtime_ns"] + 10**9,) * 2)
     assert token_range(wide_ids, str(tmp_path)) == (lo, hi)  # a changed file is read again
+
+
+def test_a_tampered_index_cache_is_rebuilt_naming_the_file(wide_ids, tmp_path, capsys):
+    from mp_offload.data.gpt_dataset import build_train_valid_test_datasets
+
+    def build():
+        return build_train_valid_test_datasets(
+            [wide_ids], "1,0,0", [40, 0, 0], 16, 1, str(tmp_path)
+        )[0]
+
+    want = [build()[i]["text"].tolist() for i in range(40)]
+    (sample,) = [p for p in os.listdir(tmp_path) if p.endswith("_sample_idx.npy")]
+    arr = np.load(tmp_path / sample)
+    arr[3, 0] = 10**6  # a position far beyond the document stream
+    np.save(tmp_path / sample, arr)
+    ds = build()
+    assert [ds[i]["text"].tolist() for i in range(40)] == want
+    assert (
+        f"{tmp_path}/{sample}: values outside [0,"
+        in capsys.readouterr().out + capsys.readouterr().err
+    )
+
+
+def test_null_tokenizer_on_data_of_another_tokenizer_warns(wide_ids):
+    # wide_ids: NullTokenizer --vocab-size 1000 (EOD 1000); read as --vocab-size 4096
+    (line,) = check_token_ids(
+        [wide_ids], 4097, "--tokenizer-type NullTokenizer --vocab-size 4096", null_eod=4096
+    )
+    assert "its largest token id is 1000, not 4096" in line and "--vocab-size 1000" in line
+    assert check_token_ids([wide_ids], 1001, "NullTokenizer 1000", null_eod=1000) == []
 
 
 @pytest.mark.slow

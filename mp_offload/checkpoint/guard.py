@@ -65,6 +65,13 @@ def check_no_overwrite(
         return
     newest = existing[-1]
     ckpt = fmt.find_checkpoint(load) if load else None
+    if ckpt is not None and not os.path.exists(os.path.join(ckpt, fmt.MANIFEST)):
+        raise CheckpointError(
+            f"--load {load}: {os.path.join(ckpt, fmt.MANIFEST)} is missing (the latest "
+            f"pointer or --load names a checkpoint that was deleted or never finished); "
+            f"{save} holds {_iterations_text(existing)}: give --load "
+            f"{fmt.iter_dir(save, newest)} to resume the newest"
+        )
     if ckpt is None:
         why = f"--load {load} holds no checkpoint" if load else "no --load"
     else:

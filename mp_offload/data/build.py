@@ -67,15 +67,19 @@ def build_datasets(args, tokenizer=None):
     if tokenizer is None:
         tokenizer = agreed(lambda: load_tokenizer(data, m.vocab_size))
     # One pass over every .bin (cached): ids beyond the vocabulary mean another tokenizer.
-    agreed(
+    null = data.tokenizer_type == "NullTokenizer"
+    warnings = agreed(
         lambda: check_token_ids(
             parse_data_path(data_path)[0],
             tokenizer.vocab_size,
             tokenizer_description(data, m.vocab_size),
             d.data_cache_dir,
+            null_eod=tokenizer.eod if null else None,
         ),
         active=dist.get_rank() == 0,
     )
+    for line in warnings or []:
+        log.info(line)
     datasets = (None, None, None)
     is_reader = ps.get_tensor_model_parallel_rank() == 0
     for turn in (0, 1):  # rank 0 builds the index caches, then the other readers load them

@@ -183,7 +183,13 @@ def preprocess(
         raise PreprocessError(str(e)) from None
     dtype = best_dtype(tok.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:  # a regular file on the way, a read-only parent...
+        raise PreprocessError(
+            f"--output-prefix {output_prefix}: cannot make the directory {out_dir} "
+            f"({e.strerror or e}{f': {e.filename}' if e.filename else ''})"
+        ) from None
 
     prefixes = [output_prefix_for(output_prefix, k) for k in json_keys]
     suffix = f".tmp-{os.getpid()}"
