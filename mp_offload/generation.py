@@ -159,6 +159,7 @@ def tokenizer_for(
 # ------------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         description="Sample text from an mp_offload checkpoint "
         "(single process, or torchrun with TP)",
         formatter_class=DefaultsHelpFormatter,
@@ -255,7 +256,12 @@ def _setup(tp: int):
 
 
 def main(argv=None) -> dict:
-    a = build_parser().parse_args(argv)
+    from .config import unknown_flag_problems
+
+    parser = build_parser()
+    a, extra = parser.parse_known_args(argv)
+    if extra:  # with the closest flag, as pretrain_gpt.py does
+        raise SystemExit(f"generate: {unknown_flag_problems(extra, parser)[0]}")
     problem = sampling_problem(a)
     if problem:
         raise SystemExit(f"generate: {problem}")

@@ -439,8 +439,9 @@ def build_model_and_optimizer(args: Args, device: torch.device):
     model_parallel_seed(args.train.seed, ps.get_tensor_model_parallel_rank(), device.type)
     optimizer = build_optimizer(model, args, device)
     tp = args.parallel.tensor_model_parallel_size
+    llama = args.model.normalization == "RMSNorm" and args.model.swiglu
     log.info(
-        f"GPT: {num_parameters(args.model, tp) / 1e6:.2f}M parameters, "
+        f"{'Llama' if llama else 'GPT'}: {num_parameters(args.model, tp) / 1e6:.2f}M parameters, "
         f"TP={tp} DP={ps.get_data_parallel_world_size()} device={device.type} "
         f"optimizer={args.optim.optimizer}"
         f"{' (cpu offload)' if args.optim.cpu_offload else ''}"

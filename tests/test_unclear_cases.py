@@ -107,3 +107,42 @@ def test_generate_bad_tp_under_torchrun_is_one_line(ckpt):
         'Traceback (most recent call last):\n  File "/'
         not in res.stderr.split("torch.distributed.elastic")[0]
     )
+
+
+# ------------------------------------------------------------------ smaller (item 11)
+def test_abbreviated_flags_are_errors_with_did_you_mean():
+    from mp_offload.config import ConfigError, parse_args
+
+    with pytest.raises(
+        ConfigError, match="unrecognized argument --num-layer: did you mean --num-layers"
+    ):
+        parse_args(["--num-layer", "2", "--mock-data"])
+
+
+def test_generate_unknown_flag_says_did_you_mean(ckpt):
+    from mp_offload import generation
+
+    with pytest.raises(
+        SystemExit,
+        match="^generate: unrecognized argument --max-new-token: did you mean --max-new-tokens",
+    ):
+        generation.main(["--load", ckpt, "--max-new-token", "2"])
+
+
+def test_the_progress_line_on_the_cpu_has_no_device_fields():
+    from mp_offload.logger import _device_fields
+
+    rec = dict(loss_scale=1.0, skipped_iterations=0, tokens_per_sec=10.0, tflops_per_device=0.001)
+    rec.update(peak_device_gb=0.0, peak_host_gb=0.3, host_device_bytes_per_param=4.0)
+    assert _device_fields(rec) == " | tokens/s 10 | TFLOPS/dev 0.001 | peak host mem GB 0.30"
+    fp16 = _device_fields(dict(rec, loss_scale=65536.0))
+    assert fp16.startswith(" | loss scale 65536 | skipped 0 | tokens/s"), fp16
+
+
+@pytest.mark.slow
+def test_a_llama_run_is_not_called_gpt():
+    llama = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope"]
+    res = run_pretrain(*MOCK, *llama, "--train-iters", "1")
+    assert res.returncode == 0 and "Llama: 0.04M parameters" in res.stdout + res.stderr, res.stderr[
+        -2000:
+    ]
