@@ -2,6 +2,7 @@
 ends with a line naming the flag, the file or the number."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -146,3 +147,35 @@ def test_a_llama_run_is_not_called_gpt():
     assert res.returncode == 0 and "Llama: 0.04M parameters" in res.stdout + res.stderr, res.stderr[
         -2000:
     ]
+
+
+# --------------------------------------------------------- conversions keep the tokenizer
+def test_save_merged_and_hf_import_carry_the_tokenizer(tmp_path):
+    import torch
+    from helpers import tiny_gpt_config
+
+    from mp_offload.checkpoint import FullTensors, merge_checkpoint
+    from mp_offload.checkpoint.format import tokenizer_args
+    from mp_offload.checkpoint.hf_common import import_args
+    from mp_offload.checkpoint.offline import write_checkpoint
+    from mp_offload.model.gpt import GPTConfig
+
+    model_file = tmp_path / "tok.model"
+    model_file.write_bytes(b"a SentencePiece model")
+    data = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": str(model_file)}
+    cfg = GPTConfig(**tiny_gpt_config())
+    src = write_checkpoint(
+        str(tmp_path / "src"), 4, 32, cfg, 2, lambda name, key, shape, dim: torch.zeros(shape),
+        args={"data": data},
+    )  # fmt: skip
+    merged = merge_checkpoint(src, str(tmp_path / "merged"))
+    model_file.unlink()  # the run's file is gone: the merged copy must stand alone
+    shutil.rmtree(tmp_path / "src")
+    found = tokenizer_args(merged, FullTensors(merged).common())["tokenizer_model"]
+    assert found.startswith(merged) and open(found, "rb").read() == b"a SentencePiece model"
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")
+    assert import_args(cfg, str(tmp_path / "hf"))["data"] == {
+        "tokenizer_type": "HuggingFaceTokenizer",
+        "tokenizer_model": str(tmp_path / "hf"),
+    }
