@@ -255,7 +255,8 @@ def _setup(tp: int):
     return device, created
 
 
-def main(argv=None) -> dict:
+def _checked_args(argv) -> argparse.Namespace:
+    """The flags, every problem found before loading anything (SystemExit, one line)."""
     from .config import unknown_flag_problems
 
     parser = build_parser()
@@ -270,6 +271,11 @@ def main(argv=None) -> dict:
     out_dir = os.path.dirname(os.path.abspath(a.output_json)) if a.output_json else None
     if out_dir and not os.path.isdir(out_dir):  # found now, not after generating
         raise SystemExit(f"generate: --output-json {a.output_json}: no directory {out_dir}")
+    return a
+
+
+def main(argv=None) -> dict:
+    a = _checked_args(argv)
     device, created = _setup(a.tensor_model_parallel_size)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     try:
