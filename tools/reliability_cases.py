@@ -84,7 +84,11 @@ def configuration_cases() -> list:
         c("unknown device", ["--device", "gpu"], "invalid choice: 'gpu'"),
         c("one value too many", ["--train-iters", "5", "6"], "unexpected value '6'"),
         c("value missing", ["--hidden-size"], "--hidden-size: expected one argument"),
-        c("ambiguous abbreviation", ["--hidden", "32"], "ambiguous option: --hidden"),
+        c(
+            "prefix of two flags",
+            ["--hidden", "32"],
+            "argument --hidden: did you mean --hidden-size?",
+        ),
     ]
     cases += [c(f"{flag} {value}", [flag, value], f"{flag} must be") for flag, value in ranges]
     cases += [
