@@ -100,6 +100,7 @@ def unknown_flag_problems(extra: list[str], parser: argparse.ArgumentParser) -> 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
+        allow_abbrev=False,  # --num-layer must not silently mean --num-layers (Megatron too)
         description="Pretrain a GPT with TP x ZeRO-Offload DP",
         formatter_class=DefaultsHelpFormatter,
     )
@@ -148,7 +149,7 @@ def add_config_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def _config_path(argv) -> str | None:
-    pre = _Parser(add_help=False)
+    pre = _Parser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     return pre.parse_known_args(argv)[0].config
 

@@ -7,11 +7,17 @@ Both hooks read an environment variable and do nothing without it:
                                                     point of a checkpoint save
   MP_OFFLOAD_FAULT_STALL=<rank>:<iteration>:<secs>  stall that global rank (RANK) after
                                                     that iteration, as a hung rank would
+  MP_OFFLOAD_CKPT_ENOSPC=<point>[:<iteration>]      raise ENOSPC (a full disk) there instead
+  MP_OFFLOAD_FAULT_STOP=<rank>:<iteration>          SIGSTOP that global rank as it starts
+                                                    that iteration (the others then wait
+                                                    in the TP and DP groups' collectives)
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import signal
 import time
 
 
@@ -29,8 +35,19 @@ def after_iteration(iteration: int) -> None:
             time.sleep(float(seconds))
 
 
+def before_iteration(iteration: int) -> None:
+    spec = os.environ.get("MP_OFFLOAD_FAULT_STOP")
+    if spec:
+        rank, at = spec.split(":")
+        if iteration == int(at) and os.environ.get("RANK", "0") == rank:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def checkpoint_point(point: str, iteration: int) -> None:
     spec = os.environ.get("MP_OFFLOAD_CKPT_FAULT", "")
     where, _, at = spec.partition(":")
     if where == point and (not at or int(at) == iteration):
         os._exit(17)
+    where, _, at = os.environ.get("MP_OFFLOAD_CKPT_ENOSPC", "").partition(":")
+    if where == point and (not at or int(at) == iteration):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

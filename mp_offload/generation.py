@@ -158,6 +158,7 @@ class TextSampler:
 # ------------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         description="Sample text from an mp_offload checkpoint "
         "(single process, or torchrun with TP)",
         formatter_class=DefaultsHelpFormatter,
@@ -215,6 +216,16 @@ def sampling_problem(a) -> str | None:
     return None
 
 
+def _prompt_ids(tok, text: str) -> list[int]:
+    """``--prompt`` as ids ([EOD] when empty); a ValueError naming the flag otherwise."""
+    if not text:
+        return [tok.eod]
+    try:
+        return tok.tokenize(text)
+    except ValueError as e:
+        raise ValueError(f"--prompt {text!r}: {e}") from None
+
+
 def _setup(tp: int):
     """Join torchrun's world when there is one, through the run's own start-up (its
     rendezvous message and timeout); returns (device, created_group)."""
@@ -229,7 +240,10 @@ def _setup(tp: int):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.is_initialized():
-        ps.initialize_model_parallel(tp)
+        try:
+            ps.initialize_model_parallel(tp)
+        except ps.ParallelConfigError as e:  # every rank holds the same sizes
+            raise SystemExit(f"generate: {e}") from None
     elif tp != 1:
         raise SystemExit(
             f"generate: --tensor-model-parallel-size {tp} needs torchrun with "
@@ -254,29 +268,47 @@ def _load(a, device):
             a.vocab_file,
             a.merge_file,
         )
-        if tok.vocab_size > full.config.vocab_size:
+        if tok.vocab_size != full.config.vocab_size:
+            # smaller: the model's other ids would decode as garbage; larger: the prompt
+            # could hold ids the model has no embedding for (padding is not counted here)
             raise CheckpointError(
-                f"the tokenizer has {tok.vocab_size} ids, the model only {full.config.vocab_size}"
+                f"the tokenizer has {tok.vocab_size} ids, the model "
+                f"{full.config.vocab_size}: not the tokenizer it was trained with "
+                f"(give it with --tokenizer-type/--tokenizer-model/--vocab-file)"
             )
-        prompt = tok.tokenize(a.prompt) if a.prompt else [tok.eod]
+        prompt = _prompt_ids(tok, a.prompt)
         tp = ps.get_tensor_model_parallel_group() if dist.is_initialized() else None
         model = load_model(ckpt, tp, getattr(torch, a.dtype), device)
         loaded = ckpt, model, tok, stops, prompt
     except (CheckpointError, ValueError, OSError) as e:
-        error = f"{type(e).__name__}: {e}"
+        error = str(e) if str(e).startswith("--") else f"{type(e).__name__}: {e}"
     error = first_error(error)
     if error:
         raise SystemExit(f"generate: {error}")
     return loaded
 
 
-def main(argv=None) -> dict:
-    a = build_parser().parse_args(argv)
+def _checked_args(argv) -> argparse.Namespace:
+    """The flags, every problem found before loading anything (SystemExit, one line)."""
+    from .config import unknown_flag_problems
+
+    parser = build_parser()
+    a, extra = parser.parse_known_args(argv)
+    if extra:  # with the closest flag, as pretrain_gpt.py does
+        raise SystemExit(f"generate: {unknown_flag_problems(extra, parser)[0]}")
     problem = sampling_problem(a)
     if problem:
         raise SystemExit(f"generate: {problem}")
     if a.greedy and a.top_p < 1.0:
         raise SystemExit("generate: --greedy and --top-p exclude each other")
+    out_dir = os.path.dirname(os.path.abspath(a.output_json)) if a.output_json else None
+    if out_dir and not os.path.isdir(out_dir):  # found now, not after generating
+        raise SystemExit(f"generate: --output-json {a.output_json}: no directory {out_dir}")
+    return a
+
+
+def main(argv=None) -> dict:
+    a = _checked_args(argv)
     device, created = _setup(a.tensor_model_parallel_size)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     try:

@@ -18,6 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from .checkpoint.format import MANIFEST, iter_dir
+
 
 class _RankZeroFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
@@ -70,6 +72,37 @@ def peak_memory() -> dict:
     return out
 
 
+# Dense bf16/fp16 tensor-core peaks (TFLOPS) by device name, for MFU; others: no MFU.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "RTX 4090": 165.2, "L40S": 362.0}
+
+
+def device_peak_tflops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def _device_fields(rec: dict) -> str:
+    """The progress line's fields that mean something on this run: the loss scale and
+    skips only where steps can be skipped (fp16), device memory and host<->device
+    traffic only on a GPU, MFU where the device's peak is known."""
+    out = ""
+    if rec["loss_scale"] != 1.0 or rec["skipped_iterations"]:
+        out += f" | loss scale {rec['loss_scale']:g} | skipped {rec['skipped_iterations']}"
+    out += f" | tokens/s {rec['tokens_per_sec']:.0f} | TFLOPS/dev {rec['tflops_per_device']:.3f}"
+    peak = device_peak_tflops()
+    if peak:
+        out += f" | MFU {100 * rec['tflops_per_device'] / peak:.1f}%"
+    if torch.cuda.is_available():
+        out += f" | peak mem dev/host GB {rec['peak_device_gb']:.2f}/{rec['peak_host_gb']:.2f}"
+        if "host_device_bytes_per_param" in rec:  # ZeRO-Offload traffic, per owned param
+            out += f" | host<->device B/param {rec['host_device_bytes_per_param']:.2f}"
+    else:
+        out += f" | peak host mem GB {rec['peak_host_gb']:.2f}"
+    return out
+
+
 def hms(seconds: float) -> str:
     """``h:mm:ss`` (``m:ss`` under an hour)."""
     s = max(0, round(seconds))
@@ -97,7 +130,10 @@ class Logger:
 
                 self.tb = SummaryWriter(cfg.tensorboard_dir)
             except ImportError:
-                self.info("--tensorboard-dir given but tensorboard is not installed; skipping")
+                self.info(
+                    "--tensorboard-dir given but TensorBoard is not installed; skipping "
+                    "(pip install tensorboard)"
+                )
         self.wandb = None
         if is_main and getattr(cfg, "wandb_project", None):
             try:
@@ -158,19 +194,12 @@ class Logger:
             if self.total_iters is not None:
                 it = f"{it}/{self.total_iters}".rjust(2 * len(str(self.total_iters)) + 1)
             eta = f" | ETA {hms(progress['eta_s'])}" if "eta_s" in progress else ""
-            line = (
-                f" iteration {it} | elapsed {hms(progress['elapsed_s'])}"
-                f"{eta} | consumed samples "
-                f"{rec['consumed_samples']:10d} | ms/iter {rec['elapsed_ms']:8.1f} | "
+            log.info(
+                f" iteration {it} | elapsed {hms(progress['elapsed_s'])}{eta} | consumed "
+                f"samples {rec['consumed_samples']:10d} | ms/iter {rec['elapsed_ms']:8.1f} | "
                 f"lr {rec['lr']:.3e} | loss {rec['loss']:.4f} | grad norm "
-                f"{rec['grad_norm']:.3f} | loss scale {rec['loss_scale']:g} | skipped "
-                f"{rec['skipped_iterations']} | tokens/s {rec['tokens_per_sec']:.0f} | "
-                f"TFLOPS/dev {rec['tflops_per_device']:.3f} | peak mem dev/host GB "
-                f"{rec['peak_device_gb']:.2f}/{rec['peak_host_gb']:.2f}"
+                f"{rec['grad_norm']:.3f}{_device_fields(rec)}"
             )
-            if "host_device_bytes_per_param" in rec:  # ZeRO-Offload traffic, per owned param
-                line += f" | host<->device B/param {rec['host_device_bytes_per_param']:.2f}"
-            log.info(line)
 
     def evaluation(self, iteration: int, split: str, loss: float | None) -> None:
         if not self.is_main or loss is None:
@@ -221,6 +250,8 @@ def run_summary(
         f"session {session:,} ({session / max(seconds, 1e-9):,.0f} tokens/s overall)",
         f"   final loss  {' | '.join(losses) or '-'}",
     ]
-    if args.ckpt.save:
+    if args.ckpt.save and os.path.exists(os.path.join(iter_dir(args.ckpt.save, it), MANIFEST)):
         lines.append(f"   checkpoint  {args.ckpt.save} (iteration {it})")
+    elif args.ckpt.save:
+        lines.append(f"   checkpoint  none written to {args.ckpt.save} (no step was taken)")
     return "\n".join(lines)

@@ -17,6 +17,7 @@ groups in one place so that it could.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -108,22 +109,34 @@ def rank_layout(world_size: int, tp: int) -> tuple[list[list[int]], list[list[in
     return tp_groups, dp_groups
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
-    """Create the TP and DP groups of the running job (torch.distributed must be up)."""
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1, timeout: timedelta | None = None
+) -> None:
+    """Create the TP and DP groups of the running job (torch.distributed must be up).
+
+    ``timeout`` bounds every collective of the groups (``--distributed-timeout-minutes``):
+    a new group does not inherit the default group's, it would keep the backend's 30
+    minutes and a stalled rank would hang the job. None: torch's default.
+    """
     global _TP, _DP
     if not dist.is_initialized():
         raise ParallelStateError("initialize_model_parallel: torch.distributed is not initialized")
+    if _TP is not None or _DP is not None:
+        raise ParallelStateError(
+            f"initialize_model_parallel called twice (the groups exist: TP={_TP.size}, "
+            f"DP={_DP.size}): call destroy_model_parallel() first"
+        )
     world, rank = dist.get_world_size(), dist.get_rank()
     tp = tensor_model_parallel_size
     validate_parallel_sizes(world, tp)
     tp_groups, dp_groups = rank_layout(world, tp)
     # Every rank must take part in creating every group (torch.distributed rule).
     for ranks in tp_groups:
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             _TP = ParallelGroup(tp, rank % tp, g)
     for ranks in dp_groups:
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             _DP = ParallelGroup(world // tp, rank // tp, g)
 

@@ -25,13 +25,20 @@ import math
 import signal
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from . import faults, lifeline
 from . import parallel_state as ps
-from .checkpoint import CheckpointError, load_checkpoint, prepare_save, save_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    disk_full_guard,
+    load_checkpoint,
+    prepare_save,
+    save_checkpoint,
+)
 from .config import Args, ConfigError, config_warnings, parse, resolve
 from .config_file import write_run_config
 from .data.build import RunData, batch_iterator, build_datasets
@@ -192,12 +199,16 @@ class _StopFlag:
         return flag.item() > 0
 
 
-def _save(args: Args, iteration: int, consumed: int, model, optimizer) -> None:
+def _save(args: Args, iteration: int, consumed: int, model, optimizer, skips=None) -> None:
     set_phase(f"the checkpoint save at iteration {iteration}")
     t0 = time.perf_counter()
-    path = save_checkpoint(
-        args.ckpt.save, iteration, consumed, model, optimizer, args, keep=args.ckpt.keep_checkpoints
-    )
+    keep, protect = args.ckpt.keep_checkpoints, skips.protect() if skips else None
+    with disk_full_guard(args.ckpt.save, iteration):
+        path = save_checkpoint(
+            args.ckpt.save, iteration, consumed, model, optimizer, args, keep=keep, protect=protect
+        )
+    if skips:
+        skips.saved(iteration)
     log.info(f"saved checkpoint {path} in {time.perf_counter() - t0:.1f}s")
 
 
@@ -254,6 +265,57 @@ def _evaluation(args: Args, model, optimizer, valid_iter, device, logger, iterat
     _sample(sampler, model, optimizer, device, iteration, logger)
 
 
+def _check_loss(loss: float, iteration: int) -> None:
+    """A non-finite loss stops the run in every precision, before the step's checkpoint
+    (under fp16 too: an overflow shows in the gradients, a diverged model in the loss)."""
+    if not math.isfinite(loss):
+        raise TrainingError(
+            f"loss is {loss} at iteration {iteration}: the run is diverging; stopping "
+            f"without saving (lower --lr, check the data, or use --bf16)"
+        )
+
+
+def _check_session(skipped: int, steps: int, start: int) -> None:
+    """fp16: a run whose steps were all skipped trained nothing (an error); one that
+    skipped most of them says so (a run that never learns must not end silently)."""
+    if not steps or 2 * skipped <= steps:
+        return
+    what = (
+        f"{skipped} of the {steps} steps of this run (iterations {start + 1}-{start + steps}) "
+        f"were skipped for fp16 gradient overflow"
+    )
+    if skipped == steps:
+        raise TrainingError(
+            f"{what}: nothing was trained (lower --lr or --initial-loss-scale, or use --bf16)"
+        )
+    log.info(f"WARNING: {what} (lower --lr or --initial-loss-scale, or use --bf16)")
+
+
+class _Skips:
+    """The fp16 steps skipped for overflow, as the loop counts them: the limit in a row,
+    the run's share, and ``good``, the last checkpoint before the current run of skipped
+    steps, which the checkpoints taken during that run must not rotate out."""
+
+    def __init__(self, limit: int, start: int):
+        self.limit, self.start, self.in_a_row, self.total = limit, start, 0, 0
+        self.good = start or None
+
+    def step(self, out: StepOutput, iteration: int) -> None:
+        self.in_a_row = self.in_a_row + 1 if out.result.skipped else 0
+        self.total += bool(out.result.skipped)
+        _check_skipped(self.in_a_row, self.limit, iteration, out)
+
+    def protect(self) -> int | None:
+        return self.good if self.in_a_row else None
+
+    def saved(self, iteration: int) -> None:
+        if not self.in_a_row:
+            self.good = iteration
+
+    def check_run(self, iteration: int) -> None:
+        _check_session(self.total, iteration - self.start, self.start)
+
+
 def train(
     args: Args,
     model,
@@ -284,9 +346,10 @@ def train(
     flops_tok = flops_per_token(
         args.model, args.model.recompute_activations, args.parallel.tensor_model_parallel_size
     )
-    skipped_in_a_row = 0
+    skips = _Skips(t.max_consecutive_skipped_steps, start_iteration)
     while iteration < end:
         set_phase(f"iteration {iteration + 1}")
+        faults.before_iteration(iteration + 1)
         t0 = time.perf_counter()
         lr = sched.get_lr(consumed_samples)
         try:
@@ -295,13 +358,8 @@ def train(
             raise TrainingError(f"{e} at iteration {iteration}") from None
         iteration += 1
         consumed_samples += t.global_batch_size
-        if not math.isfinite(out.loss) and not t.fp16:
-            raise TrainingError(
-                f"loss is {out.loss} at iteration {iteration}; stopping "
-                f"(lower --lr, check the data, or use --fp16/--bf16 carefully)"
-            )
-        skipped_in_a_row = skipped_in_a_row + 1 if out.result.skipped else 0
-        _check_skipped(skipped_in_a_row, t.max_consecutive_skipped_steps, iteration, out)
+        _check_loss(out.loss, iteration)
+        skips.step(out, iteration)
         elapsed = time.perf_counter() - t0
         last = _record(args, iteration, consumed_samples, lr, out, optimizer, elapsed, flops_tok)
         logger.iteration(last, print_line=iteration % args.log.log_interval == 0)
@@ -309,14 +367,15 @@ def train(
             evaluation(iteration, sampler)
         faults.after_iteration(iteration)
         if save_every and iteration % save_every == 0:
-            _save(args, iteration, consumed_samples, model, optimizer)
+            _save(args, iteration, consumed_samples, model, optimizer, skips)
             saved_at = iteration
         if stop is not None and stop.agreed():
             log.info(f"stop requested: exiting after iteration {iteration}")
             break
     optimizer.flush()
+    skips.check_run(iteration)
     if args.ckpt.save and saved_at != iteration:
-        _save(args, iteration, consumed_samples, model, optimizer)
+        _save(args, iteration, consumed_samples, model, optimizer, skips)
     return dict(last, iteration=iteration, consumed_samples=consumed_samples)
 
 
@@ -342,6 +401,17 @@ def _maybe_load(args: Args, model, optimizer) -> tuple[int, int]:
         f"{' (weights only)' if weights_only else ''}"
     )
     return (0, 0) if c.finetune else res
+
+
+def _check_resume(args: Args, start: int) -> None:
+    """A checkpoint past the new --train-iters has consumed more samples than the run
+    has (every rank loaded the same iteration, so all of them stop here)."""
+    if start > args.train.train_iters:
+        raise ConfigError(
+            f"--train-iters {args.train.train_iters} is below iteration {start} of the "
+            f"checkpoint loaded from --load {args.ckpt.load}: give --train-iters above "
+            f"{start} to train on (or --finetune to start a new run from its weights)"
+        )
 
 
 def _checked_args(argv) -> tuple[Args, int]:
@@ -373,8 +443,9 @@ def build_model_and_optimizer(args: Args, device: torch.device):
     model_parallel_seed(args.train.seed, ps.get_tensor_model_parallel_rank(), device.type)
     optimizer = build_optimizer(model, args, device)
     tp = args.parallel.tensor_model_parallel_size
+    llama = args.model.normalization == "RMSNorm" and args.model.swiglu
     log.info(
-        f"GPT: {num_parameters(args.model, tp) / 1e6:.2f}M parameters, "
+        f"{'Llama' if llama else 'GPT'}: {num_parameters(args.model, tp) / 1e6:.2f}M parameters, "
         f"TP={tp} DP={ps.get_data_parallel_world_size()} device={device.type} "
         f"optimizer={args.optim.optimizer}"
         f"{' (cpu offload)' if args.optim.cpu_offload else ''}"
@@ -426,6 +497,7 @@ def _run(flags: Args, device, logger: Logger, tokenizer=None) -> dict:
     model, optimizer = build_model_and_optimizer(args, device)
     set_phase("loading the checkpoint")
     start, consumed = _maybe_load(args, model, optimizer)
+    _check_resume(args, start)
     _record_config(flags)
     # Validation batches continue where the uninterrupted run would be (baseline + evals).
     t = args.train
@@ -482,7 +554,9 @@ def _start(args: Args):
         fail(str(e), everywhere=False)  # this rank's own (its LOCAL_RANK has no GPU)
     except RendezvousError as e:
         fail(str(e), code=1, everywhere=False)
-    ps.initialize_model_parallel(p.tensor_model_parallel_size)
+    ps.initialize_model_parallel(
+        p.tensor_model_parallel_size, timedelta(minutes=p.distributed_timeout_minutes)
+    )
     gpu = device.type == "cuda"
     log.info(apply_cpu_threads(threads_per_rank(p.cpu_threads_per_rank, gpu=gpu)))
     for line in config_warnings(args):

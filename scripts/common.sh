@@ -149,6 +149,20 @@ launch() {
     echo
     return 0
   fi
+  if [ "$nnodes" -gt 1 ] && [ "$NODE_RANK" = 0 ]; then
+    check_port "$MASTER_PORT"
+  fi
   echo "$SCRIPT: ${cmd[*]}" >&2
-  exec "${cmd[@]}"
+  # torchrun without its own failure report: the project's line stays the last one; a
+  # Ctrl-C (every rank saves and stops) exits 130, as README says
+  exec "$PY" "$ROOT/scripts/torchrun_quiet.py" "${cmd[@]:3}"
+}
+
+# check_port PORT: nothing on this host listens on PORT yet (the rendezvous host binds it;
+# torchrun's own answer to a taken port is an EADDRINUSE traceback).
+check_port() {
+  [[ "$1" =~ ^[0-9]+$ ]] && [ "$1" -ge 1 ] && [ "$1" -le 65535 ] || \
+    die "MASTER_PORT must be a port number (1-65535), got '$1'"
+  "$PY" -c "import socket, sys; socket.create_server(('', int(sys.argv[1]))).close()" "$1" \
+    2>/dev/null || die "MASTER_PORT $1 is in use on this host (another job?): choose another"
 }

@@ -78,7 +78,7 @@ mkdir -p "$RUN_DIR" "$(dirname "$LOG_JSON")"
 START=$SECONDS
 # Ctrl-C (or SIGTERM): every rank finishes its step and saves; re-running resumes there.
 set +e
-"${CMD[@]}"
+"$PY" scripts/torchrun_quiet.py "${CMD[@]:3}"  # torchrun, without its failure report
 RC=$?
 set -e
 if [ "$RC" -ne 0 ]; then

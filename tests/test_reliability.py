@@ -5,9 +5,11 @@ torchrun output in test_pretrain_cli.py, preprocessing in test_preprocess.py);
 ``python tools/reliability_probe.py`` runs the full table of cases.
 """
 
+import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from dist_helpers import free_port, run_distributed
 from helpers import ROOT, tiny_model_flags
 
 from mp_offload.config import ConfigError, parse_args, resolve
-from mp_offload.data.checks import token_range
+from mp_offload.data.checks import check_token_ids, token_range
 from mp_offload.data.preprocess import preprocess
 from mp_offload.preflight import check_inputs
 
@@ -172,6 +174,50 @@ def test_fp16_divergence_stops_before_saving(tmp_path):
     assert not os.path.exists(tmp_path / "ck" / "latest_checkpointed_iteration.txt")
 
 
+@pytest.mark.slow
+def test_fp16_divergence_after_resuming_keeps_the_last_good_checkpoint(tmp_path):
+    """--save-interval 1 --keep-checkpoints 2 after good checkpoints 2 and 3: a NaN loss
+    stops an fp16 run before its save and 3 resumes; the checkpoints of a run of skipped
+    steps spare the last one before it."""
+    d, skip = str(tmp_path / "ck"), str(tmp_path / "skip")
+    fp16 = [*TINY, "--mock-data", "--fp16", "--save-interval", "1", "--keep-checkpoints", "2"]
+    assert run_pretrain(*fp16, "--save", d, "--train-iters", "3").returncode == 0
+    shutil.copytree(d, skip)
+    res = run_pretrain(*fp16, "--save", d, "--load", d, "--train-iters", "12", "--lr", "1e10")
+    line = assert_one_line(res, "at iteration 5: the run is diverging; stopping without", 1)
+    assert line.startswith(f"{ERROR}loss is "), line
+    assert sorted(n for n in os.listdir(d) if n.startswith("iter_")) == [
+        "iter_0000003",
+        "iter_0000004",
+    ]
+    res = run_pretrain(
+        *fp16, "--load", f"{d}/iter_0000003", "--save", skip + "2", "--train-iters", "5"
+    )
+    assert res.returncode == 0 and "at iteration 3" in res.stderr + res.stdout, res.stderr
+    every_step_overflows = ["--initial-loss-scale", "1e30", "--min-loss-scale", "1e30"]
+    res = run_pretrain(
+        *fp16, "--save", skip, "--load", skip, "--train-iters", "20", "--no-load-optim",
+        *every_step_overflows, "--max-consecutive-skipped-steps", "4",
+    )  # fmt: skip
+    assert_one_line(res, "4 consecutive steps skipped", code=1)
+    assert sorted(n for n in os.listdir(skip) if n.startswith("iter_")) == [
+        "iter_0000003",
+        "iter_0000005",
+        "iter_0000006",
+    ]
+
+
+@pytest.mark.slow
+def test_an_fp16_run_that_skipped_every_step_is_an_error(tmp_path):
+    res = run_pretrain(
+        *TINY, "--mock-data", "--fp16", "--train-iters", "5", "--initial-loss-scale", "1e30",
+        "--min-loss-scale", "1e30",
+    )  # fmt: skip
+    assert_one_line(
+        res, "5 of the 5 steps of this run (iterations 1-5) were skipped for fp16", code=1
+    )
+
+
 # ------------------------------------------------------ 4. ids beyond the vocabulary
 def test_token_range_is_cached_by_size_and_mtime(wide_ids, tmp_path):
     lo, hi = token_range(wide_ids, str(tmp_path))
@@ -182,6 +228,36 @@ def test_token_range_is_cached_by_size_and_mtime(wide_ids, tmp_path):
     assert token_range(wide_ids, str(tmp_path)) == (lo, 7)  # read from the cache
     os.utime(f"{wide_ids}.bin", ns=(rec["bin_mtime_ns"] + 10**9,) * 2)
     assert token_range(wide_ids, str(tmp_path)) == (lo, hi)  # a changed file is read again
+
+
+def test_a_tampered_index_cache_is_rebuilt_naming_the_file(wide_ids, tmp_path, capsys):
+    from mp_offload.data.gpt_dataset import build_train_valid_test_datasets
+
+    def build():
+        return build_train_valid_test_datasets(
+            [wide_ids], "1,0,0", [40, 0, 0], 16, 1, str(tmp_path)
+        )[0]
+
+    want = [build()[i]["text"].tolist() for i in range(40)]
+    (sample,) = [p for p in os.listdir(tmp_path) if p.endswith("_sample_idx.npy")]
+    arr = np.load(tmp_path / sample)
+    arr[3, 0] = 10**6  # a position far beyond the document stream
+    np.save(tmp_path / sample, arr)
+    ds = build()
+    assert [ds[i]["text"].tolist() for i in range(40)] == want
+    assert (
+        f"{tmp_path}/{sample}: values outside [0,"
+        in capsys.readouterr().out + capsys.readouterr().err
+    )
+
+
+def test_null_tokenizer_on_data_of_another_tokenizer_warns(wide_ids):
+    # wide_ids: NullTokenizer --vocab-size 1000 (EOD 1000); read as --vocab-size 4096
+    (line,) = check_token_ids(
+        [wide_ids], 4097, "--tokenizer-type NullTokenizer --vocab-size 4096", null_eod=4096
+    )
+    assert "its largest token id is 1000, not 4096" in line and "--vocab-size 1000" in line
+    assert check_token_ids([wide_ids], 1001, "NullTokenizer 1000", null_eod=1000) == []
 
 
 @pytest.mark.slow
@@ -205,6 +281,69 @@ def test_token_ids_beyond_the_vocabulary_are_refused(wide_ids, tmp_path):
         f"of --tokenizer-type NullTokenizer --vocab-size 96",
         code=2,
     )
+
+
+# ------------------------------------------------------------ full disk, stale locks
+def test_an_empty_or_dead_lock_is_taken_over_with_a_line(tmp_path):
+    from mp_offload.checkpoint import SaveLock
+
+    (tmp_path / ".lock").write_text("")  # a job died between creating and writing it
+    lines = []
+    lock = SaveLock(str(tmp_path))
+    lock.acquire(lines.append)
+    assert lines == [
+        f"took over the stale lock {tmp_path}/.lock left empty by a job that died while taking it"
+    ]
+    lock.release()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = json.loads(json.dumps(SaveLock(str(tmp_path)).record))["host"]
+    (tmp_path / ".lock").write_text(json.dumps({"host": host, "pid": dead.pid, "started": None}))
+    lines.clear()
+    SaveLock(str(tmp_path)).acquire(lines.append)
+    assert lines == [
+        f"took over the stale lock {tmp_path}/.lock of pid {dead.pid} (not alive on {host})"
+    ]
+
+
+@pytest.mark.slow
+def test_a_full_disk_mid_save_is_one_line_and_leaves_no_partial_save(tmp_path):
+    res = run_pretrain(
+        *TINY, "--mock-data", "--train-iters", "2", "--save", str(tmp_path),
+        MP_OFFLOAD_CKPT_ENOSPC="before_manifest",
+    )  # fmt: skip
+    assert_one_line(
+        res,
+        f"--save {tmp_path}: the checkpoint of iteration 2 could not be written (No space "
+        f"left on device; ",
+        code=1,
+    )
+    assert "MiB free); its partial directory" in res.stderr
+    assert sorted(os.listdir(tmp_path)) == ["config.yaml"], os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_file_size_limit_under_torchrun_is_one_line_on_every_rank(tmp_path):
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + [PRETRAIN, *TINY, "--mock-data", "--train-iters", "2", "--save", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=_env(),
+        cwd=ROOT,
+        preexec_fn=limit,
+    )
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith(ERROR)]
+    assert res.returncode != 0 and len(errors) == 1, (res.returncode, res.stderr[-3000:])
+    assert "File too large, the file-size limit (ulimit -f);" in errors[0], errors[0]
+    assert "[rank" not in res.stderr and "mp_offload/" not in res.stderr, res.stderr[-3000:]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp_iter_")]
 
 
 # --------------------------------------------------------------------- 5. rendezvous
@@ -272,6 +411,62 @@ def test_a_stalled_rank_is_named_by_the_ranks_that_waited_for_it():
     # torchrun's own failure report (with its traceback) may follow; none of ours
     assert "mp_offload/" not in res.stderr and 'pretrain_gpt.py", line' not in res.stderr
     assert time.time() - t0 < 80  # not the stalled rank's 90 s
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and its descendants (torchrun puts each worker in its own session)."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, IndexError):
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    todo, seen = [pid], []
+    while todo:
+        p = todo.pop()
+        seen.append(p)
+        todo.extend(children.get(p, []))
+    for p in seen:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+def _initialize_twice(rank, world):
+    from mp_offload import parallel_state as ps
+
+    ps.initialize_model_parallel(1)
+    with pytest.raises(ps.ParallelStateError, match="initialize_model_parallel called twice"):
+        ps.initialize_model_parallel(1)
+
+
+def test_a_second_initialize_model_parallel_is_refused():
+    run_distributed(_initialize_twice, 1)
+
+
+@pytest.mark.slow
+def test_a_rank_stopped_at_tp2_dp2_is_named_and_ends_the_job():
+    """SIGSTOP of rank 1 at TP=2 x DP=2: the TP and DP groups have the flag's timeout too
+    (they kept gloo's 30 minutes), so the job ends within 90 s with a line naming rank 1."""
+    t0 = time.time()
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        + ["--nproc-per-node", "4", PRETRAIN, *TINY, "--mock-data", "--train-iters", "8"]
+        + ["--tensor-model-parallel-size", "2", "--distributed-timeout-minutes", "0.25"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(MP_OFFLOAD_FAULT_STOP="1:3"),
+        cwd=ROOT,
+    )
+    try:
+        _, stderr = job.communicate(timeout=150)
+    finally:
+        _kill_tree(job.pid)  # the stopped rank too, should the job have hung
+    res = subprocess.CompletedProcess(job.args, job.returncode, "", stderr)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith(ERROR)]
+    assert res.returncode != 0 and len(errors) == 1, (res.returncode, res.stderr[-3000:])
+    assert "timed out after 15 s during iteration 3 waiting for rank 1," in errors[0], errors
+    assert time.time() - t0 < 90
 
 
 # ------------------------------------------------------------ 6. the launcher dies

@@ -28,7 +28,7 @@ from .format import (
     list_iterations,
     read_latest,
 )
-from .guard import SaveLock, check_no_overwrite, check_writable, prepare_save
+from .guard import SaveLock, check_no_overwrite, check_writable, disk_full_guard, prepare_save
 from .hf import export_hf, import_hf
 from .load import load_checkpoint
 from .offline import (
@@ -51,6 +51,7 @@ __all__ = [
     "export_hf",
     "find_checkpoint",
     "import_hf",
+    "disk_full_guard",
     "iter_dir",
     "list_iterations",
     "load_checkpoint",

@@ -293,10 +293,12 @@ def commit(root: str, iteration: int, manifest: dict) -> str:
     return final
 
 
-def prune(root: str, keep: int, newest: int) -> None:
-    """Keep the newest ``keep`` iterations (and ``newest`` whatever the others are)."""
+def prune(root: str, keep: int, newest: int, protect: int | None = None) -> None:
+    """Keep the newest ``keep`` iterations (and ``newest`` whatever the others are), and
+    ``protect``: the last checkpoint before a run of skipped fp16 steps, which the
+    checkpoints taken during that run must not rotate out."""
     for it in list_iterations(root)[:-keep]:
-        if it != newest:
+        if it not in (newest, protect):
             shutil.rmtree(iter_dir(root, it), ignore_errors=True)
 
 

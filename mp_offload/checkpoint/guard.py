@@ -10,12 +10,19 @@ Run before training (``prepare_save``, collective):
   (a misspelled --load, an older iteration, --finetune) would write over those
   iterations and move the latest pointer back, so it refuses unless
   --override-existing-checkpoints is given.
+
+and around every save (``disk_full_guard``): a full disk, quota or file-size limit is
+one line naming the directory and its free space, and the partial save is removed
+(it would keep the disk full).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import shutil
 import socket
 import time
 
@@ -58,6 +65,13 @@ def check_no_overwrite(
         return
     newest = existing[-1]
     ckpt = fmt.find_checkpoint(load) if load else None
+    if ckpt is not None and not os.path.exists(os.path.join(ckpt, fmt.MANIFEST)):
+        raise CheckpointError(
+            f"--load {load}: {os.path.join(ckpt, fmt.MANIFEST)} is missing (the latest "
+            f"pointer or --load names a checkpoint that was deleted or never finished); "
+            f"{save} holds {_iterations_text(existing)}: give --load "
+            f"{fmt.iter_dir(save, newest)} to resume the newest"
+        )
     if ckpt is None:
         why = f"--load {load} holds no checkpoint" if load else "no --load"
     else:
@@ -124,10 +138,15 @@ class SaveLock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.record, f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.record, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            with contextlib.suppress(OSError):  # an empty lock would block the next run
+                os.remove(self.path)
+            raise
         return True
 
     def _holder(self, path: str | None = None) -> dict | None:
@@ -139,12 +158,17 @@ class SaveLock:
                 return None
             except (json.JSONDecodeError, UnicodeDecodeError):
                 time.sleep(0.1)
+        with contextlib.suppress(OSError):
+            if os.path.getsize(path or self.path) == 0:
+                return {}  # still empty: its job died between creating and writing it
         raise CheckpointError(
             f"{path or self.path}: unreadable lock file; remove it if no "
             f"job is saving to --save {self.save}"
         )
 
     def _stale(self, holder: dict) -> bool:
+        if not holder:
+            return True
         return holder.get("host") == self.record["host"] and not _alive(
             int(holder.get("pid", 0)), holder.get("started")
         )
@@ -162,7 +186,9 @@ class SaveLock:
             return
         os.remove(aside)
 
-    def acquire(self) -> None:
+    def acquire(self, log=None) -> None:
+        """Take the lock; one whose holder is gone (an empty file, or a pid not alive on
+        this host) is taken over, with a line saying so through ``log``."""
         for _ in range(3):
             if self._create():
                 self.held = True
@@ -177,6 +203,13 @@ class SaveLock:
                     f"that job is gone"
                 )
             self._take_over(holder)
+            if log:
+                whose = (
+                    f"of pid {holder.get('pid')} (not alive on {holder.get('host')})"
+                    if holder
+                    else "left empty by a job that died while taking it"
+                )
+                log(f"took over the stale lock {self.path} {whose}")
         raise CheckpointError(f"{self.path}: could not take the lock (contended)")
 
     def release(self) -> None:
@@ -202,7 +235,7 @@ def prepare_save(ckpt_cfg, log=None) -> SaveLock | None:
         check_writable(c.save)
         if dist.get_rank() == 0:
             lock = SaveLock(c.save)
-            lock.acquire()
+            lock.acquire(log)
         check_no_overwrite(
             c.save, c.load, finetune=c.finetune, override=c.override_existing_checkpoints
         )
@@ -223,3 +256,47 @@ def prepare_save(ckpt_cfg, log=None) -> SaveLock | None:
             f"saves from this run may overwrite them"
         )
     return lock
+
+
+# ------------------------------------------------------------------- a full disk
+_DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def _disk_full(e: BaseException | None) -> OSError | None:
+    """The full-disk OSError behind ``e`` (torch.save raises its own RuntimeError while
+    handling the OSError of the write), or None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _free_text(root: str) -> str:
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return "free space unknown"
+    return f"{free / 2**20:,.1f} MiB free"
+
+
+@contextlib.contextmanager
+def disk_full_guard(root: str, iteration: int):
+    """Around a save: a full disk (ENOSPC, a quota, a file-size limit) becomes one
+    CheckpointError naming ``root`` and its free space, and the partial save is removed."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        full = _disk_full(e)
+        if full is None:
+            raise
+        tmp = fmt.tmp_dir(root, iteration)
+        shutil.rmtree(tmp, ignore_errors=True)
+        limit = ", the file-size limit (ulimit -f)" if full.errno == errno.EFBIG else ""
+        raise CheckpointError(
+            f"--save {root}: the checkpoint of iteration {iteration} could not be written "
+            f"({full.strerror or full}{limit}; {_free_text(root)}); its partial directory "
+            f"{tmp} was removed; free space (or lower --keep-checkpoints) and resume"
+        ) from None

@@ -8,6 +8,7 @@ express (naming the flags). The model flags a run from an import needs are
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -107,6 +108,19 @@ def hf_weights(hf_dir: str, strip: str = ""):
         return opened[path].get(name)
 
     return {n.removeprefix(strip): (lambda n=n, p=p: load(n, p)) for n, p in files.items()}
+
+
+def import_args(cfg, hf_dir: str) -> dict:
+    """The recorded args of an imported model: its shape, its source, and the source's
+    tokenizer.json where it has one (copied into the checkpoint, so generation and export
+    find it without flags)."""
+    args = {"model": dataclasses.asdict(cfg), "source": {"hf_dir": os.path.abspath(hf_dir)}}
+    if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
+        args["data"] = {
+            "tokenizer_type": "HuggingFaceTokenizer",
+            "tokenizer_model": os.path.abspath(hf_dir),
+        }
+    return args
 
 
 def fresh_rng(seed: int):

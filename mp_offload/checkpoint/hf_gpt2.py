@@ -14,9 +14,6 @@ usually absent from the file; the activation ``gelu_new`` is GELU's tanh approxi
 
 from __future__ import annotations
 
-import dataclasses
-import os
-
 import torch
 
 from ..model.gpt import GPTConfig
@@ -29,6 +26,7 @@ from .hf_common import (
     check_options,
     fresh_rng,
     hf_weights,
+    import_args,
     read_hf_config,
     write_hf_dir,
 )
@@ -238,7 +236,7 @@ def import_hf(
         t = t.t() if conv else t
         return fit_padding(t, shape, max(dim, 0))
 
-    args = {"model": dataclasses.asdict(cfg), "source": {"hf_dir": os.path.abspath(hf_dir)}}
+    args = import_args(cfg, hf_dir)
     return write_checkpoint(
         save,
         0,

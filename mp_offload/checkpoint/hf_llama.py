@@ -23,7 +23,6 @@ Our layout (model/layers.py) against Llama's (HF transformers' ``modeling_llama`
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
@@ -37,6 +36,7 @@ from .hf_common import (
     check_options,
     fresh_rng,
     hf_weights,
+    import_args,
     read_hf_config,
     write_hf_dir,
 )
@@ -345,7 +345,7 @@ def import_hf(
         t = join_rows(rule, [weights[n]().float() for n in theirs], cfg)
         return fit_padding(t, shape, max(dim, 0))
 
-    args = {"model": dataclasses.asdict(cfg), "source": {"hf_dir": os.path.abspath(hf_dir)}}
+    args = import_args(cfg, hf_dir)
     return write_checkpoint(
         save,
         0,

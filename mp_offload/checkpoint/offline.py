@@ -218,8 +218,12 @@ def write_checkpoint(
     args: dict | None = None,
     bucket_size: int = DEFAULT_BUCKET_SIZE,
     torch_param_groups: list | None = None,
+    tokenizer_data: dict | None = None,
 ) -> str:
     """Write a complete TP=``tp``, DP=1 checkpoint in one process, crash-safe like a save.
+
+    Its tokenizer files (those ``tokenizer_data``, else ``args["data"]``, names that
+    exist) are copied in, as a save does, so the new checkpoint works from anywhere.
 
     ``tensor(name, key, shape, dim)`` returns the full fp32 tensor of a parameter for
     ``key`` in ("master", "exp_avg", "exp_avg_sq") at ``shape`` (padding for ``tp``);
@@ -247,7 +251,15 @@ def write_checkpoint(
     files = {}
     for r in range(tp):
         files.update(_write_rank(plan, tmp, r))
-    common = {"iteration": iteration, "consumed_samples": consumed_samples, "args": args or {}}
+    data = tokenizer_data if tokenizer_data is not None else (args or {}).get("data", {})
+    tok_entries, tok_stored = fmt.copy_tokenizer(data, tmp)
+    files.update(tok_entries)
+    common = {
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
+        "args": args or {},
+        "tokenizer_files": tok_stored,
+    }
     files[fmt.COMMON] = fmt.write_file(common, os.path.join(tmp, fmt.COMMON))
     manifest = fmt.make_manifest(
         iteration=iteration,
@@ -296,4 +308,5 @@ def merge_checkpoint(ckpt: str, save: str, bucket_size: int | None = None) -> st
         args=args,
         bucket_size=bucket_size or DEFAULT_BUCKET_SIZE,
         torch_param_groups=groups,
+        tokenizer_data=fmt.tokenizer_args(ckpt, common),  # the originals, else its copies
     )

@@ -46,8 +46,10 @@ def save_checkpoint(
     optimizer,
     args,
     keep: int | None = None,
+    protect: int | None = None,
 ) -> str:
-    """Collective: every rank calls it. Returns the final directory."""
+    """Collective: every rank calls it. Returns the final directory. ``keep``: the
+    number of iterations kept; ``protect``: one more that rotation spares (``fmt.prune``)."""
     tp, dp = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
     tmp = fmt.tmp_dir(root, iteration)
     if dist.get_rank() == 0:
@@ -83,6 +85,6 @@ def save_checkpoint(
         )
         fmt.commit(root, iteration, manifest)
         if keep:
-            fmt.prune(root, keep, iteration)
+            fmt.prune(root, keep, iteration, protect)
     dist.barrier()
     return final

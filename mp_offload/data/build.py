@@ -81,7 +81,7 @@ def build_datasets(args, tokenizer=None) -> RunData:
     n_train, n_valid, n_test = num_samples(args)
     if d.mock_data:
         return _mock_data(args)
-    from .gpt_dataset import build_train_valid_test_datasets, parse_data_path
+    from .gpt_dataset import build_train_valid_test_datasets
 
     set_phase("building the datasets")
     cache = d.data_cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "mp_offload")
@@ -93,15 +93,7 @@ def build_datasets(args, tokenizer=None) -> RunData:
     if tokenizer is None:
         tokenizer = agreed(lambda: load_tokenizer(data, m.vocab_size))
     # One pass over every .bin (cached): ids beyond the vocabulary mean another tokenizer.
-    agreed(
-        lambda: check_token_ids(
-            parse_data_path(data_path)[0],
-            tokenizer.vocab_size,
-            tokenizer_description(data, m.vocab_size),
-            d.data_cache_dir,
-        ),
-        active=dist.get_rank() == 0,
-    )
+    _check_ids(data, data_path, tokenizer, m.vocab_size)
     datasets = (None, None, None)
     is_reader = ps.get_tensor_model_parallel_rank() == 0
     for turn in (0, 1):  # rank 0 builds the index caches, then the other readers load them
@@ -137,6 +129,26 @@ def build_datasets(args, tokenizer=None) -> RunData:
         for ds, n in zip(datasets, lengths.tolist())
     )
     return RunData(*datasets, tokenizer, True, data.tokenizer_model, tokenizer.vocab_size)
+
+
+def _check_ids(data, data_path, tokenizer, vocab_size: int) -> None:
+    """Global rank 0 reads the ids (cached) and every rank gets its verdict: an error for
+    ids beyond the vocabulary, warning lines for NullTokenizer data of another one."""
+    from .gpt_dataset import parse_data_path
+
+    null = data.tokenizer_type == "NullTokenizer"
+    warnings = agreed(
+        lambda: check_token_ids(
+            parse_data_path(data_path)[0],
+            tokenizer.vocab_size,
+            tokenizer_description(data, vocab_size),
+            data.data_cache_dir,
+            null_eod=tokenizer.eod if null else None,
+        ),
+        active=dist.get_rank() == 0,
+    )
+    for line in warnings or []:
+        log.info(line)
 
 
 def batch_iterator(dataset, args, consumed: int, device):

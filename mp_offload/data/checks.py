@@ -165,13 +165,28 @@ def token_range(prefix: str, cache_dir: str | None = None) -> tuple[int, int]:
 
 
 def check_token_ids(
-    prefixes, vocab_size: int, tokenizer: str, cache_dir: str | None = None
-) -> None:
+    prefixes,
+    vocab_size: int,
+    tokenizer: str,
+    cache_dir: str | None = None,
+    null_eod: int | None = None,
+) -> list[str]:
     """DataError when a prefix holds a token id outside [0, vocab_size): data made with
     another tokenizer (at TP=1 the embedding would raise an IndexError; at TP>1 the
-    vocabulary-parallel embedding would silently read zeros)."""
+    vocabulary-parallel embedding would silently read zeros). Returns warnings: with a
+    NullTokenizer (``null_eod``: its EOD id), data whose largest id is not that EOD was
+    made with another tokenizer or another --vocab-size (NullTokenizer data ends each
+    document with its EOD), and would train on a vocabulary it does not use."""
+    warnings = []
     for prefix in prefixes:
         lo, hi = token_range(prefix, cache_dir)
+        if null_eod is not None and 0 <= hi < null_eod:
+            warnings.append(
+                f"warning: {data_file_path(prefix)}: its largest token id is {hi}, not "
+                f"{null_eod}, the end-of-document id of {tokenizer}: made with another "
+                f"tokenizer or --vocab-size? (give that tokenizer, or --vocab-size {hi} "
+                f"for NullTokenizer data)"
+            )
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi
             raise DataError(
@@ -179,3 +194,4 @@ def check_token_ids(
                 f"{vocab_size} ids of {tokenizer}: the data was made with another tokenizer "
                 f"(give that one, or run tools/preprocess_data.py again with this one)"
             )
+    return warnings

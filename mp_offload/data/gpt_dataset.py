@@ -88,6 +88,20 @@ def _cache_key(name, prefix, sizes, documents, num_samples, seq_length, seed) ->
     return digest, desc
 
 
+def _check_index_arrays(arrays, paths, num_docs: int) -> None:
+    """ValueError naming the file when a cached index points outside what it indexes (a
+    damaged or hand-edited cache would otherwise be a bare IndexError mid-training)."""
+    doc_idx, sample_idx, shuffle_idx = arrays
+    limits = (
+        (doc_idx, num_docs),
+        (sample_idx[:, 0] if sample_idx.ndim == 2 else sample_idx, len(doc_idx)),
+        (shuffle_idx, len(sample_idx)),
+    )
+    for path, (arr, limit) in zip(paths, limits):
+        if sample_idx.ndim != 2 or (len(arr) and (arr.min() < 0 or arr.max() >= limit)):
+            raise ValueError(f"{path}: values outside [0, {limit}) (damaged or edited)")
+
+
 def _save_npy(path: str, arr: np.ndarray) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
@@ -153,6 +167,7 @@ class GPTDataset:
                 try:
                     arrays = tuple(np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
                     if len(arrays[2]) == self.num_samples:
+                        _check_index_arrays(arrays, paths, len(self._sizes))
                         self.cache_hit = True
                         return arrays
                 except (OSError, ValueError) as e:

@@ -182,8 +182,7 @@ def preprocess(
     except (ValueError, FileNotFoundError) as e:
         raise PreprocessError(str(e)) from None
     dtype = best_dtype(tok.vocab_size)
-    out_dir = os.path.dirname(os.path.abspath(output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
+    _make_output_dir(output_prefix)
 
     prefixes = [output_prefix_for(output_prefix, k) for k in json_keys]
     suffix = f".tmp-{os.getpid()}"
@@ -321,6 +320,17 @@ def _nothing_written(
             f"lines were skipped (the first: {stats.first_skip}); nothing written"
         )
     return f"no documents in {where} (the input is empty); nothing written"
+
+
+def _make_output_dir(output_prefix: str) -> None:
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:  # a regular file on the way, a read-only parent...
+        raise PreprocessError(
+            f"--output-prefix {output_prefix}: cannot make the directory {out_dir} "
+            f"({e.strerror or e}{f': {e.filename}' if e.filename else ''})"
+        ) from None
 
 
 def _publish(builders: list, prefixes: list[str], suffix: str) -> None:

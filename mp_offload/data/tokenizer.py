@@ -40,7 +40,14 @@ class NullTokenizer:
         return None
 
     def tokenize(self, text: str) -> list[int]:
-        ids = [int(t) for t in text.split()]
+        try:
+            ids = [int(t) for t in text.split()]
+        except ValueError:
+            word = next((t for t in text.split() if not t.lstrip("-").isdigit()), text)
+            raise ValueError(
+                f"{word!r} is not a token id: the NullTokenizer reads whitespace-separated "
+                f"ids 0..{self._base - 1}"
+            ) from None
         for t in ids:
             if not 0 <= t < self._base:
                 raise ValueError(f"token id {t} outside [0, {self._base})")
