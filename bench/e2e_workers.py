@@ -72,7 +72,8 @@ def instrument_zero(ph: Phases) -> None:
     Z.backward = ph.wrap("backward: autograd compute", Z.backward)
     R._grad_ready = ph.wrap("backward hook: grad -> bucket copy", R._grad_ready)
     R._launch = ph.wrap("reduce-scatter: divide + launch", R._launch)
-    R._deliver = ph.wrap("deliver chunk: copy down (+ add, + norm)", R._deliver)
+    R._copy_down = ph.wrap("copy down (queued at launch; + host add)", R._copy_down)
+    R._drain_one = ph.wrap("drain chunk: wait + device part (+ norm)", R._drain_one)
     R.finish = ph.wrap("finish backward", R.finish)
     R.norm_squared = ph.wrap("grad norm (sum of chunk parts)", R.norm_squared)
     Z._adam_pass = ph.wrap("Adam (C++ CPU Adam, own slice)", Z._adam_pass)
@@ -107,17 +108,17 @@ def _split_worker_argv(argv):
 def _setup(pretrain_argv):
     """Flags, process groups and the training split, in pretrain()'s order."""
     from mp_offload import parallel_state as ps
-    from mp_offload.config import parse_args, resolve
+    from mp_offload.config import parse, resolve
     from mp_offload.data.build import build_datasets
     from mp_offload.distributed import init_distributed
+    from mp_offload.training import with_data
 
-    args = parse_args(pretrain_argv)
-    resolve(args, int(os.environ.get("WORLD_SIZE", 1)))
+    args, given = parse(pretrain_argv)
+    args = resolve(args, int(os.environ.get("WORLD_SIZE", 1)), given)
     device = init_distributed()
     ps.initialize_model_parallel(args.parallel.tensor_model_parallel_size)
-    train_ds, _, _, vocab = build_datasets(args)
-    args.model.vocab_size = vocab
-    return args, device, train_ds
+    data = build_datasets(args)
+    return with_data(args, data), device, data.train
 
 
 def _build_model(args, device):

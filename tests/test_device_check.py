@@ -106,6 +106,9 @@ def test_expected_bytes_per_param():
     assert rc.expected_bytes_per_param("offload", 5) == 4
     assert rc.expected_bytes_per_param("offload-dpu", rc.DPU_WARMUP) == 4
     assert rc.expected_bytes_per_param("offload-dpu", 8) == 4 - 2 / 8
+    # the device sum comes down once, in fp32 (the host path's precision): 4 + 2 B
+    assert rc.expected_bytes_per_param("offload-k8-device-dpu", rc.DPU_WARMUP) == 6
+    assert rc.expected_bytes_per_param("offload-k8-device-dpu", 8) == 6 - 2 / 8
 
 
 def test_run_checks_pass_on_good_records_and_fail_on_each_fault():

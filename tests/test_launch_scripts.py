@@ -50,7 +50,7 @@ def test_gpus_here_respects_cuda_visible_devices(tmp_path, visible, expected):
             "llama2-70b",
             "68,989,231,104",
             (
-                "device: 19.08 of 32 GiB (30.0 usable, 2.0 GiB reserve) -> fits",
+                "device: 19.13 of 32 GiB (30.0 usable, 2.0 GiB reserve) -> fits",
                 "host per node: 1317.20 of 1536 GiB",
             ),
         ),
