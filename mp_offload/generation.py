@@ -26,7 +26,7 @@ from .checkpoint import (
     load_weights_resharded,
     resolve_checkpoint,
 )
-from .checkpoint.format import tokenizer_args
+from .checkpoint.on_disk import tokenizer_args
 from .data.tokenizer import TOKENIZER_TYPES, tokenizer_for
 from .distributed import first_error
 from .help_format import DefaultsHelpFormatter

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .checkpoint.format import MANIFEST, iter_dir
+from .checkpoint.on_disk import MANIFEST, iter_dir
 
 
 class _RankZeroFilter(logging.Filter):

@@ -77,7 +77,7 @@ def test_exact_resume_tp2_dp2_offload(unbroken, tmp_path, dtype):
     assert read_latest(ck) == 4
     run(4, 2, "--load", ck, "--save", ck, "--log-json", log, *flags)
     if dtype == "bf16-moments":  # stored in their own dtype, not widened
-        from mp_offload.checkpoint.format import iter_dir, optim_file
+        from mp_offload.checkpoint.on_disk import iter_dir, optim_file
 
         shard = torch.load(os.path.join(iter_dir(ck, 8), optim_file(1, 1)), weights_only=True)
         assert shard["exp_avg"].dtype == shard["exp_avg_sq"].dtype == torch.bfloat16
@@ -669,7 +669,7 @@ def test_model_shape_check_names_a_different_norm_epsilon():
     """A norm epsilon other than the checkpoint's is a different model: refused, named."""
     import dataclasses
 
-    from mp_offload.checkpoint.format import check_model_shape
+    from mp_offload.checkpoint.on_disk import check_model_shape
     from mp_offload.model.gpt import GPTConfig
 
     saved = GPTConfig(

@@ -402,7 +402,7 @@ def test_checkpoint_saved_at_one_fraction_loads_at_another(tmp_path, capfd):
     import os
 
     from mp_offload.checkpoint import FullTensors, read_latest
-    from mp_offload.checkpoint.format import iter_dir, model_file, optim_file
+    from mp_offload.checkpoint.on_disk import iter_dir, model_file, optim_file
 
     unbroken, ck = str(tmp_path / "unbroken.jsonl"), str(tmp_path / "ckpt")
     _run(4, 2, "0.5", "--log-json", unbroken)

@@ -9,7 +9,7 @@ import torch
 from test_offload_fraction import _single, _train
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mp_offload.checkpoint import format as fmt
+from mp_offload.checkpoint import on_disk as fmt
 
 
 class AllocatedBytes(TorchDispatchMode):

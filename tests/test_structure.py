@@ -138,11 +138,7 @@ def _long_functions() -> list[str]:
 # Over the limit today, each to be split by the change that owns its module; the list
 # may only shrink (a function shortened must leave it, so no new one hides here).
 KNOWN_LONG = {
-    "mp_offload.planner.answer.launch_command",
-    "mp_offload.planner.search.paper_rows",
     "mp_offload.optimizer.zero.__init__",
-    "mp_offload.data.preprocess.preprocess",
-    "mp_offload.data.default_corpus.prepare_default_corpus",
 }
 
 

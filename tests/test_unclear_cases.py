@@ -155,9 +155,9 @@ def test_save_merged_and_hf_import_carry_the_tokenizer(tmp_path):
     from helpers import tiny_gpt_config
 
     from mp_offload.checkpoint import FullTensors, merge_checkpoint
-    from mp_offload.checkpoint.format import tokenizer_args
     from mp_offload.checkpoint.hf_common import import_args
     from mp_offload.checkpoint.offline import write_checkpoint
+    from mp_offload.checkpoint.on_disk import tokenizer_args
     from mp_offload.model.gpt import GPTConfig
 
     model_file = tmp_path / "tok.model"

@@ -2,7 +2,7 @@
 
 Modules, each owning one thing:
 
-- ``format``: the on-disk format (file names, manifest, commit sequence, checked reader,
+- ``on_disk``: the on-disk format (file names, manifest, commit sequence, checked reader,
   vocabulary-padding fit, TP merge of one parameter). Nothing else spells a file name.
 - ``save``: the collective save of a training run.
 - ``load``: the collective load, re-partitioning the optimizer slices when sizes differ.
@@ -21,13 +21,6 @@ Design: docs/DESIGN.md (the metadata contract the resharding reads).
 from __future__ import annotations
 
 from .errors import CheckpointError, ConversionError
-from .format import (
-    FORMAT_VERSION,
-    find_checkpoint,
-    iter_dir,
-    list_iterations,
-    read_latest,
-)
 from .guard import SaveLock, check_no_overwrite, check_writable, disk_full_guard, prepare_save
 from .hf import export_hf, import_hf
 from .load import load_checkpoint
@@ -37,6 +30,13 @@ from .offline import (
     merge_checkpoint,
     resolve_checkpoint,
     write_checkpoint,
+)
+from .on_disk import (
+    FORMAT_VERSION,
+    find_checkpoint,
+    iter_dir,
+    list_iterations,
+    read_latest,
 )
 from .save import save_checkpoint
 

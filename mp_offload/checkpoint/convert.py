@@ -29,7 +29,7 @@ import torch
 
 from ..model.config import model_flags
 from ..optimizer.base import DEFAULT_BUCKET_SIZE
-from . import format as fmt
+from . import on_disk as fmt
 from .errors import CheckpointError, ConversionError
 from .hf import export_architecture, export_hf, import_hf
 from .offline import FullTensors, merge_checkpoint, resolve_checkpoint

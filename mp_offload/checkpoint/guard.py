@@ -28,7 +28,7 @@ import time
 
 import torch.distributed as dist
 
-from . import format as fmt
+from . import on_disk as fmt
 from .errors import CheckpointError, raise_agreed
 
 _READ_TRIES = 5  # a lock just created may still be empty for an instant

@@ -17,7 +17,7 @@ import torch
 from ..model.config import SHAPE_FIELDS
 from ..tensor_parallel.random import get_rng_tracker, model_parallel_seed
 from .errors import ConversionError
-from .format import rng_state
+from .on_disk import rng_state
 from .safetensors_io import SafeTensorsFile, write_safetensors
 
 # GPTConfig fields that leave the weights' meaning alone (training-time choices): no

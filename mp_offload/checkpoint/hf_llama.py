@@ -29,7 +29,6 @@ import torch
 from ..model.gpt import GPTConfig
 from ..optimizer.base import DEFAULT_BUCKET_SIZE
 from .errors import ConversionError
-from .format import fit_padding
 from .hf_common import (
     ANY,
     check_names,
@@ -41,6 +40,7 @@ from .hf_common import (
     write_hf_dir,
 )
 from .offline import FullTensors, write_checkpoint
+from .on_disk import fit_padding
 
 ARCH = "LlamaForCausalLM"
 DEFAULT_THETA = 10000  # transformers' default rope_theta for Llama, and ours

@@ -14,7 +14,7 @@ import torch
 
 from .. import parallel_state as ps
 from ..tensor_parallel.random import get_rng_tracker, model_parallel_seed
-from . import format as fmt
+from . import on_disk as fmt
 from .errors import CheckpointError, raise_agreed
 
 

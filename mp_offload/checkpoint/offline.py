@@ -3,7 +3,7 @@
 A tool reads any checkpoint in one process (or on every rank of a generation job), one
 full parameter at a time (``FullTensors``), and can write a complete TP=k, DP=1
 checkpoint (``write_checkpoint``) through the same commit sequence as a training save.
-File names, checks and the TP merge come from ``format``.
+File names, checks and the TP merge come from ``on_disk``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from .. import parallel_state as ps
 from ..optimizer.base import DEFAULT_BUCKET_SIZE
-from . import format as fmt
+from . import on_disk as fmt
 from .errors import CheckpointError
 
 
@@ -41,7 +41,7 @@ class FullTensors:
     """Full (TP-merged) fp32 tensors of one checkpoint, built one parameter at a time.
 
     ``get(name, key)``: key "master" (the weights), "exp_avg" or "exp_avg_sq" (Adam
-    moments). Tensors keep the saved vocabulary padding (see ``format.fit_padding``).
+    moments). Tensors keep the saved vocabulary padding (see ``on_disk.fit_padding``).
     Reads zero (fp32 master slices) and torch-adamw (fp32 model.pt + torch state)
     checkpoints.
     """
@@ -170,7 +170,7 @@ def _zero_shard(plan: _Plan, tp_rank: int) -> dict:
 
 
 def _adamw_shard(plan: _Plan, tp_rank: int) -> dict:
-    """torch.optim.AdamW's state, numbered as ``format.torch_adamw_order`` says."""
+    """torch.optim.AdamW's state, numbered as ``on_disk.torch_adamw_order`` says."""
     state = {
         i: {
             "step": torch.tensor(float(plan.step)),

@@ -3,7 +3,7 @@
 Each (TP, DP) rank writes its optimizer slice (and DP rank 0 its TP shard of the
 weights) into the save's temporary directory; the file sizes and checksums are
 gathered, and global rank 0 writes ``common.pt`` and the manifest and commits
-(``format.commit``: crash-safe, the previous checkpoint stays loadable until the end).
+(``on_disk.commit``: crash-safe, the previous checkpoint stays loadable until the end).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .. import faults
 from .. import parallel_state as ps
-from . import format as fmt
+from . import on_disk as fmt
 
 
 def _rank_files(tmp: str, model, optimizer, tp_rank: int, dp_rank: int) -> dict:

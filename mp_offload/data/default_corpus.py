@@ -19,7 +19,7 @@ import sysconfig
 import time
 
 from .indexed_dataset import MMapIndexedDataset, exists
-from .preprocess import preprocess
+from .preprocess import PreprocessStats, preprocess
 from .tokenizer_training import train_sentencepiece
 
 _FORMAT = 2  # bumped: documents are shuffled
@@ -141,55 +141,75 @@ def prepare_default_corpus(
             os.remove(stamp)  # invalidate before touching any output
         t0 = time.perf_counter()
         log(f"building in {cache_dir} (first use; cached afterwards)")
-        files = stdlib_source_files(max_bytes)
-        if not files:
-            raise RuntimeError(f"no Python sources found under {sysconfig.get_paths()['stdlib']}")
-        # Seeded shuffle: the train/valid/test split takes contiguous document ranges, and
-        # in path order the validation set would be a few packages at the end of the
-        # alphabet (xml, zipfile, ...) rather than a sample of the whole library.
-        random.Random(1234).shuffle(files)
-        nbytes = sum(len(t.encode("utf-8")) for _, t in files)
-        log(f"collected {len(files)} stdlib files, {nbytes / 1e6:.1f} MB")
-
-        jsonl = os.path.join(cache_dir, "stdlib.jsonl")
-        tmp = f"{jsonl}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            for rel, text in files:
-                f.write(json.dumps({"path": rel, "text": text}, ensure_ascii=False) + "\n")
-        os.replace(tmp, jsonl)
+        files, nbytes = _shuffled_sources(max_bytes, log)
+        jsonl = _write_jsonl(os.path.join(cache_dir, "stdlib.jsonl"), files)
 
         t1 = time.perf_counter()
         train_sentencepiece([t for _, t in files], model_prefix, vocab_size, model_type="bpe")
         log(f"trained SentencePiece BPE (vocab {vocab_size}) in {time.perf_counter() - t1:.1f}s")
 
-        stats = preprocess(
-            [jsonl],
-            os.path.join(cache_dir, "stdlib"),
-            "SentencePieceTokenizer",
-            tokenizer_model=model,
-            json_keys=["text"],
-            append_eod=True,
-            workers=1,
-            log_interval=0,
-            log=_NullLog(),
-        )
+        stats = _tokenize(jsonl, os.path.join(cache_dir, "stdlib"), model)
         log(f"tokenized {stats.documents} documents, {stats.tokens} tokens in {stats.seconds:.1f}s")
-
-        tmp = f"{stamp}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(
-                {
-                    "params": params,
-                    "documents": stats.documents,
-                    "tokens": stats.tokens,
-                    "bytes": nbytes,
-                },
-                f,
-                indent=1,
-            )
-        os.replace(tmp, stamp)  # written last: its presence marks a complete cache
+        _write_stamp(stamp, params, stats, nbytes)  # last: its presence marks a complete cache
         log(f"done in {time.perf_counter() - t0:.1f}s: {prefix}.bin/.idx, {model}")
     return prefix, model
+
+
+def _shuffled_sources(max_bytes: int, log) -> tuple[list[tuple[str, str]], int]:
+    """The stdlib's files (``stdlib_source_files``) in a seeded random order, and their
+    size in bytes."""
+    files = stdlib_source_files(max_bytes)
+    if not files:
+        raise RuntimeError(f"no Python sources found under {sysconfig.get_paths()['stdlib']}")
+    # Seeded shuffle: the train/valid/test split takes contiguous document ranges, and
+    # in path order the validation set would be a few packages at the end of the
+    # alphabet (xml, zipfile, ...) rather than a sample of the whole library.
+    random.Random(1234).shuffle(files)
+    nbytes = sum(len(t.encode("utf-8")) for _, t in files)
+    log(f"collected {len(files)} stdlib files, {nbytes / 1e6:.1f} MB")
+    return files, nbytes
+
+
+def _write_jsonl(jsonl: str, files: list[tuple[str, str]]) -> str:
+    """One JSON line per file (its path and text), written under a temporary name first."""
+    tmp = f"{jsonl}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for rel, text in files:
+            f.write(json.dumps({"path": rel, "text": text}, ensure_ascii=False) + "\n")
+    os.replace(tmp, jsonl)
+    return jsonl
+
+
+def _tokenize(jsonl: str, output_prefix: str, model: str) -> PreprocessStats:
+    """The corpus as a dataset of one document per file, EOD appended; its PreprocessStats."""
+    return preprocess(
+        [jsonl],
+        output_prefix,
+        "SentencePieceTokenizer",
+        tokenizer_model=model,
+        json_keys=["text"],
+        append_eod=True,
+        workers=1,
+        log_interval=0,
+        log=_NullLog(),
+    )
+
+
+def _write_stamp(stamp: str, params: dict, stats: PreprocessStats, nbytes: int) -> None:
+    """The cache's parameters and what was built, replacing ``stamp`` in one rename."""
+    tmp = f"{stamp}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(
+            {
+                "params": params,
+                "documents": stats.documents,
+                "tokens": stats.tokens,
+                "bytes": nbytes,
+            },
+            f,
+            indent=1,
+        )
+    os.replace(tmp, stamp)
 
 
 class _NullLog:

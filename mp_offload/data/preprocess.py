@@ -163,13 +163,7 @@ def preprocess(
     terminal and tqdm is installed, else lines).
     """
     log = sys.stderr if log is None else log
-    if on_bad_line not in ("skip", "fail"):
-        raise ValueError("on_bad_line must be 'skip' or 'fail'")
-    if progress not in PROGRESS_MODES:
-        raise ValueError(f"progress must be one of {PROGRESS_MODES}, got {progress!r}")
-    for path in inputs:
-        if not os.path.isfile(path):
-            raise PreprocessError(f"input file not found: {path}")
+    _check_arguments(inputs, on_bad_line, progress)
     tok_spec = {
         "tokenizer_type": tokenizer_type,
         "tokenizer_model": tokenizer_model,
@@ -209,6 +203,17 @@ def preprocess(
     stats.seconds = time.perf_counter() - start
     _summary(stats, log)
     return stats
+
+
+def _check_arguments(inputs: Sequence[str], on_bad_line: str, progress: str) -> None:
+    """Before anything is built: the modes are known and every input is a file."""
+    if on_bad_line not in ("skip", "fail"):
+        raise ValueError("on_bad_line must be 'skip' or 'fail'")
+    if progress not in PROGRESS_MODES:
+        raise ValueError(f"progress must be one of {PROGRESS_MODES}, got {progress!r}")
+    for path in inputs:
+        if not os.path.isfile(path):
+            raise PreprocessError(f"input file not found: {path}")
 
 
 PROGRESS_MODES = ("auto", "bar", "lines")

@@ -201,55 +201,74 @@ def launch_command(
     dpu_warmup_steps: int | None = None,
     train_tokens: float = TRAIN_TOKENS,
 ) -> str:
-    """The torchrun command that trains ``cfg`` as planned, for ``train_tokens`` tokens."""
-    nodes, per_node = len(plan.node_ranks), max(plan.node_ranks)
-    cmd = ["torchrun"]
-    if nodes > 1:
-        cmd += [
-            "--nnodes",
-            str(nodes),
-            "--node-rank",
-            "$NODE_RANK",
-            "--master-addr",
-            "$MASTER_ADDR",
-            "--master-port",
-            "29500",
-        ]
-    else:
-        cmd += ["--standalone"]
-    cmd += ["--nproc-per-node", str(per_node), "pretrain_gpt.py"]
-    flags = []
-    if run.tp > 1:
-        flags.append(["--tensor-model-parallel-size", str(run.tp)])
-    model = [
-        "--num-layers",
-        str(cfg.num_layers),
-        "--hidden-size",
-        str(cfg.hidden_size),
-        "--num-attention-heads",
-        str(cfg.num_attention_heads),
-    ]
-    if cfg.ffn_hidden_size != 4 * cfg.hidden_size:
-        model += ["--ffn-hidden-size", str(cfg.ffn_hidden_size)]
-    flags.append(model)
-    flags.append(model_flags(cfg, OPTION_FIELDS))  # RMSNorm, SwiGLU, rope, GQA, ...
-    seq = [
-        "--seq-length",
-        str(cfg.seq_length),
-        "--max-position-embeddings",
-        str(cfg.max_position_embeddings),
-    ]
-    global_batch = st.tokens_per_step // cfg.seq_length
+    """The torchrun command that trains ``cfg`` as planned, for ``train_tokens`` tokens:
+    the launcher's words, then one line per group of pretrain_gpt.py's flags."""
     iters = math.ceil(train_tokens / st.tokens_per_step)
-    flags.append(
-        seq + ["--micro-batch-size", str(run.micro_batch), "--global-batch-size", str(global_batch)]
-    )
+    flags = [
+        ["--tensor-model-parallel-size", str(run.tp)] if run.tp > 1 else [],
+        _shape_flags(cfg),
+        model_flags(cfg, OPTION_FIELDS),  # RMSNorm, SwiGLU, rope, GQA, ...
+        _batch_flags(cfg, run, st),
+        _optimizer_flags(cfg, run, precision, dpu_warmup_steps),
+        [
+            "--data-path",
+            *(data_path or ["$DATA_PATH"]),
+            "--tokenizer-model",
+            tokenizer_model or "$TOKENIZER_MODEL",
+        ],
+        _schedule_flags(iters),
+        _SAVE_FLAGS,
+    ]
+    return " \\\n    ".join([_words(_torchrun(plan)), *(_words(f) for f in flags if f)])
+
+
+def _words(ws) -> str:
+    """Shell words; $VARS stay expandable: quoted with "..." instead of '...'."""
+    return " ".join(f'"{w}"' if w.startswith("$") else shlex.quote(w) for w in ws)
+
+
+def _torchrun(plan: JobPlan) -> list[str]:
+    """The launcher and its rendezvous: standalone on one node, node 0's address on more."""
+    nodes, per_node = len(plan.node_ranks), max(plan.node_ranks)
+    if nodes > 1:
+        where = ["--nnodes", str(nodes), "--node-rank", "$NODE_RANK"]
+        where += ["--master-addr", "$MASTER_ADDR", "--master-port", "29500"]
+    else:
+        where = ["--standalone"]
+    return ["torchrun", *where, "--nproc-per-node", str(per_node), "pretrain_gpt.py"]
+
+
+def _shape_flags(cfg: GPTConfig) -> list[str]:
+    """Depth, width and heads; the FFN width only when it is not the default 4h."""
+    shape = ["--num-layers", str(cfg.num_layers), "--hidden-size", str(cfg.hidden_size)]
+    shape += ["--num-attention-heads", str(cfg.num_attention_heads)]
+    if cfg.ffn_hidden_size != 4 * cfg.hidden_size:
+        shape += ["--ffn-hidden-size", str(cfg.ffn_hidden_size)]
+    return shape
+
+
+def _batch_flags(cfg: GPTConfig, run: Run, st: StepTime) -> list[str]:
+    """Sequence length and the batch the throughput model priced."""
+    seq = ["--seq-length", str(cfg.seq_length)]
+    seq += ["--max-position-embeddings", str(cfg.max_position_embeddings)]
+    batch = ["--micro-batch-size", str(run.micro_batch)]
+    batch += ["--global-batch-size", str(st.tokens_per_step // cfg.seq_length)]
+    return seq + batch
+
+
+_MODE_FLAGS = {
+    "offload": ("--cpu-offload",),
+    "zero2": (),
+    "pytorch": ("--optimizer", "torch-adamw"),
+}
+
+
+def _optimizer_flags(
+    cfg: GPTConfig, run: Run, precision: str, dpu_warmup_steps: int | None
+) -> list[str]:
+    """Precision, the planned mode and its options, and the memory savers planned with."""
     opt = [f"--{precision}"] if precision != "fp32" else []
-    opt += {
-        "offload": ["--cpu-offload"],
-        "zero2": [],
-        "pytorch": ["--optimizer", "torch-adamw"],
-    }.get(run.mode, [])
+    opt += _MODE_FLAGS.get(run.mode, ())
     if run.mode == "offload" and run.offload_fraction < 1:
         opt += ["--optimizer-offload-fraction", str(run.offload_fraction)]
     if run.mode == "offload" and dpu_warmup_steps is not None:
@@ -258,44 +277,36 @@ def launch_command(
         opt += ["--recompute-activations"]
     if cfg.sequence_parallel and run.tp > 1:  # planned with sequence-sharded activations
         opt += ["--sequence-parallel"]
-    flags.append(opt)
-    data = [
-        "--data-path",
-        *(data_path or ["$DATA_PATH"]),
-        "--tokenizer-model",
-        tokenizer_model or "$TOKENIZER_MODEL",
+    return opt
+
+
+def _schedule_flags(iters: int) -> list[str]:
+    """``iters`` iterations at the launch scripts' learning-rate schedule and AdamW."""
+    warmup = max(1, min(2000, iters // 10))
+    return [
+        "--train-iters",
+        str(iters),
+        "--lr",
+        "1e-4",
+        "--min-lr",
+        "1e-5",
+        "--lr-warmup-iters",
+        str(warmup),
+        "--weight-decay",
+        "0.1",
+        "--adam-beta2",
+        "0.95",
     ]
-    flags.append(data)
-    flags.append(
-        [
-            "--train-iters",
-            str(iters),
-            "--lr",
-            "1e-4",
-            "--min-lr",
-            "1e-5",
-            "--lr-warmup-iters",
-            str(max(1, min(2000, iters // 10))),
-            "--weight-decay",
-            "0.1",
-            "--adam-beta2",
-            "0.95",
-        ]
-    )
-    flags.append(
-        [
-            "--save",
-            "checkpoints",
-            "--load",
-            "checkpoints",
-            "--save-interval",
-            "500",
-            "--log-json",
-            "checkpoints/log.jsonl",
-        ]
-    )
 
-    def words(ws):  # $VARS stay expandable: quoted with "..." instead of '...'
-        return " ".join(f'"{w}"' if w.startswith("$") else shlex.quote(w) for w in ws)
 
-    return " \\\n    ".join([words(cmd), *(words(f) for f in flags if f)])
+# Checkpoints every 500 iterations into ./checkpoints, resumed from there when relaunched.
+_SAVE_FLAGS = (
+    "--save",
+    "checkpoints",
+    "--load",
+    "checkpoints",
+    "--save-interval",
+    "500",
+    "--log-json",
+    "checkpoints/log.jsonl",
+)

@@ -140,106 +140,66 @@ def _at_all(**kw) -> Hardware:
     return Hardware(device_memory_reserve_gb=0.0, **kw)
 
 
+def _target(gpu: str, host_gb: int, devices: int, name: str) -> Hardware:
+    """One of this project's targets, planned as a run would be (the device reserve kept
+    free)."""
+    return Hardware(
+        device_memory_gb=_reported(gpu), host_memory_gb=host_gb, devices_per_node=devices, name=name
+    )
+
+
+def _paper_machines() -> dict[str, Hardware]:
+    """The table's machines by the key its rows name them with."""
+    # Host sizes assumed for the targets: a single-GPU slice of a DGX/HGX node gets 1/8 of
+    # its 2 TiB (256 GiB); the lent device machine has 128 GiB.
+    return {
+        "v100": _at_all(**dict(V100, devices_per_node=1), name="1x V100-32GB, 1.5 TB host"),
+        "dgx2": _at_all(**V100, name="DGX-2: 16x V100-32GB, 1.5 TB host"),
+        "h100": _target("H100-80GB", 256, 1, "1x 80GB GPU, 256 GiB host"),
+        "hgx": _target("H100-80GB", 2048, 8, "8x 80GB GPU node, 2 TiB host"),
+        "h200": _target("H200-141GB", 256, 1, "1x H200-141GB, 256 GiB host"),
+        "h200-lent": _target("H200-141GB", 128, 1, "1x H200 (139.8 GiB), 128 GiB host"),
+        "h200x8": _target("H200-141GB", 2048, 8, "8x H200-141GB node, 2 TiB host"),
+    }
+
+
+_SMALL = dict(claim="~1.4B", claim_b=1.4)  # the paper: PyTorch alone on one V100
+_OFFLOAD = dict(claim="~13B", claim_b=13.0, micro_batches=2)  # ZeRO-Offload on one V100
+_MP_ALONE = dict(claim="<15B", claim_b=15.0)  # model parallelism alone on a DGX-2
+_MP_OFFLOAD = dict(claim="~70B", claim_b=70.0, micro_batches=2)  # + ZeRO-Offload
+_BF16_MOMENTS = dict(moment_bytes=(2, 2))
+_FRACTION = dict(pick_fraction=True)
+# (label, machine key, mode, the Row's other fields): the paper's rows, then this project's
+# targets
+_PAPER_ROWS = (
+    ("PyTorch (mixed-precision Adam)", "v100", "pytorch", _SMALL),
+    ("PyTorch as apex O2 ran it (20 B/param)", "v100", "pytorch-o2", _SMALL),
+    ("ZeRO-Offload (fp32 grads on host)", "v100", "offload", _OFFLOAD),
+    ("ZeRO-Offload, no fp32 grad copy", "v100", "offload", {}),
+    ("+ bf16 moments", "v100", "offload", _BF16_MOMENTS),
+    ("model parallelism alone, TP=16", "dgx2", "pytorch", dict(tp=16, **_MP_ALONE)),
+    ("model parallelism alone, TP=8 x DP=2", "dgx2", "pytorch", dict(tp=8, dp=2, **_MP_ALONE)),
+    ("TP=16, apex O2 (20 B/param)", "dgx2", "pytorch-o2", dict(tp=16, **_MP_ALONE)),
+    ("TP=8 x DP=2 + ZeRO-Offload (fp32 grads)", "dgx2", "offload", dict(tp=8, dp=2, **_MP_OFFLOAD)),
+    ("TP=16 + ZeRO-Offload (fp32 grads)", "dgx2", "offload", dict(tp=16, **_MP_OFFLOAD)),
+    ("TP=8 x DP=2 + Offload, no fp32 grad copy", "dgx2", "offload", dict(tp=8, dp=2)),
+    ("TP=16 + Offload, no fp32 grads, bf16 m/v", "dgx2", "offload", dict(tp=16, **_BF16_MOMENTS)),
+    ("PyTorch (mixed-precision Adam)", "h100", "pytorch", {}),
+    ("ZeRO-2, no offload (this code)", "h100", "zero2", {}),
+    ("ZeRO-Offload (this code)", "h100", "offload", {}),
+    ("+ offload fraction (device share)", "h100", "offload", _FRACTION),
+    ("TP=8 + ZeRO-Offload", "hgx", "offload", dict(tp=8)),
+    ("PyTorch (mixed-precision Adam)", "h200", "pytorch", {}),
+    ("ZeRO-Offload (this code)", "h200", "offload", {}),
+    ("+ offload fraction (device share)", "h200", "offload", _FRACTION),
+    ("ZeRO-Offload (this code)", "h200-lent", "offload", {}),
+    ("TP=8 + ZeRO-Offload", "h200x8", "offload", dict(tp=8)),
+)
+
+
 def paper_rows() -> list[Row]:
-    one_v100 = _at_all(**dict(V100, devices_per_node=1), name="1x V100-32GB, 1.5 TB host")
-    dgx2 = _at_all(**V100, name="DGX-2: 16x V100-32GB, 1.5 TB host")
-    # This project's targets, planned as a run would be (the device reserve kept free).
-    # Host sizes assumed: a single-GPU slice of a DGX/HGX node
-    # gets 1/8 of its 2 TiB (256 GiB); the lent device machine has 128 GiB.
-    h100 = Hardware(
-        device_memory_gb=_reported("H100-80GB"),
-        host_memory_gb=256,
-        devices_per_node=1,
-        name="1x 80GB GPU, 256 GiB host",
-    )
-    hgx = Hardware(
-        device_memory_gb=_reported("H100-80GB"),
-        host_memory_gb=2048,
-        devices_per_node=8,
-        name="8x 80GB GPU node, 2 TiB host",
-    )
-    h200 = Hardware(
-        device_memory_gb=_reported("H200-141GB"),
-        host_memory_gb=256,
-        devices_per_node=1,
-        name="1x H200-141GB, 256 GiB host",
-    )
-    h200_lent = Hardware(
-        device_memory_gb=_reported("H200-141GB"),
-        host_memory_gb=128,
-        devices_per_node=1,
-        name="1x H200 (139.8 GiB), 128 GiB host",
-    )
-    h200x8 = Hardware(
-        device_memory_gb=_reported("H200-141GB"),
-        host_memory_gb=2048,
-        devices_per_node=8,
-        name="8x H200-141GB node, 2 TiB host",
-    )
-    return [
-        Row("PyTorch (mixed-precision Adam)", one_v100, "pytorch", claim="~1.4B", claim_b=1.4),
-        Row(
-            "PyTorch as apex O2 ran it (20 B/param)",
-            one_v100,
-            "pytorch-o2",
-            claim="~1.4B",
-            claim_b=1.4,
-        ),
-        Row(
-            "ZeRO-Offload (fp32 grads on host)",
-            one_v100,
-            "offload",
-            claim="~13B",
-            claim_b=13.0,
-            micro_batches=2,
-        ),
-        Row("ZeRO-Offload, no fp32 grad copy", one_v100, "offload"),
-        Row("+ bf16 moments", one_v100, "offload", moment_bytes=(2, 2)),
-        Row("model parallelism alone, TP=16", dgx2, "pytorch", tp=16, claim="<15B", claim_b=15.0),
-        Row(
-            "model parallelism alone, TP=8 x DP=2",
-            dgx2,
-            "pytorch",
-            tp=8,
-            dp=2,
-            claim="<15B",
-            claim_b=15.0,
-        ),
-        Row("TP=16, apex O2 (20 B/param)", dgx2, "pytorch-o2", tp=16, claim="<15B", claim_b=15.0),
-        Row(
-            "TP=8 x DP=2 + ZeRO-Offload (fp32 grads)",
-            dgx2,
-            "offload",
-            tp=8,
-            dp=2,
-            claim="~70B",
-            claim_b=70.0,
-            micro_batches=2,
-        ),
-        Row(
-            "TP=16 + ZeRO-Offload (fp32 grads)",
-            dgx2,
-            "offload",
-            tp=16,
-            claim="~70B",
-            claim_b=70.0,
-            micro_batches=2,
-        ),
-        Row("TP=8 x DP=2 + Offload, no fp32 grad copy", dgx2, "offload", tp=8, dp=2),
-        Row(
-            "TP=16 + Offload, no fp32 grads, bf16 m/v", dgx2, "offload", tp=16, moment_bytes=(2, 2)
-        ),
-        Row("PyTorch (mixed-precision Adam)", h100, "pytorch"),
-        Row("ZeRO-2, no offload (this code)", h100, "zero2"),
-        Row("ZeRO-Offload (this code)", h100, "offload"),
-        Row("+ offload fraction (device share)", h100, "offload", pick_fraction=True),
-        Row("TP=8 + ZeRO-Offload", hgx, "offload", tp=8),
-        Row("PyTorch (mixed-precision Adam)", h200, "pytorch"),
-        Row("ZeRO-Offload (this code)", h200, "offload"),
-        Row("+ offload fraction (device share)", h200, "offload", pick_fraction=True),
-        Row("ZeRO-Offload (this code)", h200_lent, "offload"),
-        Row("TP=8 + ZeRO-Offload", h200x8, "offload", tp=8),
-    ]
+    machines = _paper_machines()
+    return [Row(label, machines[key], mode, **more) for label, key, mode, more in _PAPER_ROWS]
 
 
 def paper_base(seq: int = 1024, micro_batch: int = 1, vocab: int = 50257) -> GPTConfig:
