@@ -160,7 +160,7 @@ void run_all_q8(const Q8Step& q, std::size_t n) {
 
 void check_moment_code(const char* name, int code, bool allow_q8) {
   if (code == kF32 || code == kBF16 || (allow_q8 && code == kQ8)) return;
-  throw std::invalid_argument(std::string(name) + " must be 0 (fp32), 2 (bf16)" + (allow_q8 ? " or 5 (8-bit)" : "") +
+  throw std::invalid_argument(std::string(name) + (allow_q8 ? " must be 0 (fp32), 2 (bf16) or 5 (8-bit)" : " must be 0 (fp32) or 2 (bf16)") +
                               ", got " + std::to_string(code));
 }
 
