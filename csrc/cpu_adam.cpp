@@ -138,16 +138,16 @@ void q8_block(const Q8Step& q, std::size_t b, std::size_t e) {
   std::uint8_t* const mc = static_cast<std::uint8_t*>(q.dec.m) + b;
   std::uint8_t* const vc = static_cast<std::uint8_t*>(q.dec.v) + b;
   if (q.mt == kQ8) {
-    q8_decode(mc, q.ms[blk], len, true, mb);
+    q8_decode(mc, q.ms[blk], len, true, mb, g_level);
     d.m = nd.m = mb;
   }
   if (q.vt == kQ8) {
-    q8_decode(vc, q.vs[blk], len, false, vb);
+    q8_decode(vc, q.vs[blk], len, false, vb, g_level);
     d.v = nd.v = vb;
   }
   run_range(q.fn, d, nd, q.runs, b, e, b);
-  if (q.mt == kQ8) q8_encode(mb, len, true, mc, q.ms + blk);
-  if (q.vt == kQ8) q8_encode(vb, len, false, vc, q.vs + blk);
+  if (q.mt == kQ8) q8_encode(mb, len, true, mc, q.ms + blk, g_level);
+  if (q.vt == kQ8) q8_encode(vb, len, false, vc, q.vs + blk, g_level);
 }
 
 void run_all_q8(const Q8Step& q, std::size_t n) {
@@ -337,7 +337,7 @@ void q8_quantize(std::uintptr_t x, std::uintptr_t codes, std::uintptr_t scales, 
   auto* cs = reinterpret_cast<std::uint8_t*>(codes);
   auto* ss = reinterpret_cast<float*>(scales);
   run_split([&](std::size_t b, std::size_t e) {
-    for (; b < e; b += kQ8Block) q8_encode(xs + b, std::min(e, b + kQ8Block) - b, is_exp_avg, cs + b, ss + b / kQ8Block);
+    for (; b < e; b += kQ8Block) q8_encode(xs + b, std::min(e, b + kQ8Block) - b, is_exp_avg, cs + b, ss + b / kQ8Block, g_level);
   }, n);
 }
 
@@ -347,7 +347,7 @@ void q8_dequantize(std::uintptr_t codes, std::uintptr_t scales, std::uintptr_t x
   const auto* ss = reinterpret_cast<const float*>(scales);
   auto* xs = reinterpret_cast<float*>(x);
   run_split([&](std::size_t b, std::size_t e) {
-    for (; b < e; b += kQ8Block) q8_decode(cs + b, ss[b / kQ8Block], std::min(e, b + kQ8Block) - b, is_exp_avg, xs + b);
+    for (; b < e; b += kQ8Block) q8_decode(cs + b, ss[b / kQ8Block], std::min(e, b + kQ8Block) - b, is_exp_avg, xs + b, g_level);
   }, n);
 }
 

@@ -33,6 +33,7 @@
 #include <limits>
 
 #include "simd.h"
+#include "simd_level.h"
 
 namespace {
 
@@ -42,12 +43,14 @@ constexpr int kQ8 = 5;  // moment dtype code: block-wise 8-bit (after the out co
 struct Q8Code {
   int levels = 0;                 // magnitudes: 128 (exp_avg, + a sign bit) or 256 (exp_avg_sq)
   float dec[256] = {};            // magnitude of code k, dec[levels - 1] = 1
+  float value[256] = {};          // what a code byte stands for: dec, signed by bit 7 for exp_avg
   float mid[257] = {};            // mid[k] between dec[k] and dec[k + 1]; +inf from levels - 1 on
   int bin0 = 0, nbins = 0;        // first bin (float bits >> 19) and how many
-  std::uint8_t start[34 * 16 + 1] = {};
+  std::int32_t start[34 * 16 + 1] = {};
 
   explicit Q8Code(int lv) : levels(lv) {
     for (int k = 1; k < lv; ++k) dec[k] = static_cast<float>(std::exp2((k - (lv - 1)) / 8.0));
+    for (int c = 0; c < 256; ++c) value[c] = lv == 256 ? dec[c] : (c & 0x80 ? -dec[c & 0x7f] : dec[c]);
     for (int k = 0; k < 257; ++k)
       mid[k] = k + 1 < lv ? static_cast<float>((static_cast<double>(dec[k]) + dec[k + 1]) * 0.5)
                           : std::numeric_limits<float>::infinity();
@@ -58,7 +61,7 @@ struct Q8Code {
     for (int b = 0; b < nbins; ++b) {
       const float lo = u2f(static_cast<std::uint32_t>(bin0 + b) << 19);
       while (mid[k] < lo) ++k;
-      start[b] = static_cast<std::uint8_t>(k);
+      start[b] = k;
     }
   }
 
@@ -71,49 +74,168 @@ struct Q8Code {
   }
 };
 
-const Q8Code kCodeM(128);   // exp_avg magnitudes
+const Q8Code kCodeM(128);   // exp_avg
 const Q8Code kCodeV(256);   // exp_avg_sq
 
 // The 256 values a code byte stands for (times the scale): the table tests share.
-inline float q8_value(bool is_m, int c) {
-  if (!is_m) return kCodeV.dec[c];
-  const float a = kCodeM.dec[c & 0x7f];
-  return c & 0x80 ? -a : a;
-}
+inline float q8_value(bool is_m, int c) { return (is_m ? kCodeM : kCodeV).value[c]; }
 
-// codes[0, len) with their block's scale -> fp32 x.
-inline void q8_decode(const std::uint8_t* codes, float scale, std::size_t len, bool is_m, float* x) {
-  if (is_m) {
-    for (std::size_t i = 0; i < len; ++i) {
-      const float a = kCodeM.dec[codes[i] & 0x7f] * scale;
-      x[i] = codes[i] & 0x80 ? -a : a;  // -(a * s) == (-a) * s: negation is exact
-    }
-  } else {
-    for (std::size_t i = 0; i < len; ++i) x[i] = kCodeV.dec[codes[i]] * scale;
-  }
-}
-
-// x[0, len) (one block) -> codes and its scale (see CODES).
-inline void q8_encode(const float* x, std::size_t len, bool is_m, std::uint8_t* codes, float* scale) {
-  float amax = 0.0f;
-  bool bad = false;
-  for (std::size_t i = 0; i < len; ++i) {
+// Block absmax, or NaN if the block holds an inf or NaN (see CODES); elements [b, len)
+// on top of a partial result (amax, bad) of [0, b). max is exact: any order, same bits.
+inline float q8_absmax(const float* x, std::size_t len, std::size_t b = 0, float amax = 0.0f, bool bad = false) {
+  for (std::size_t i = b; i < len; ++i) {
     const float a = std::fabs(x[i]);
     bad |= !(a <= std::numeric_limits<float>::max());
     amax = a > amax ? a : amax;
   }
-  if (bad || amax == 0.0f) {
-    *scale = bad ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+  return bad ? std::numeric_limits<float>::quiet_NaN() : amax;
+}
+
+// codes -> RN(value * scale), and x -> codes given its block's finite, non-zero amax,
+// elements [b, e); the SIMD versions below do the same bits lane-wise.
+inline void q8_decode_scalar(const std::uint8_t* codes, float scale, std::size_t b, std::size_t e, const Q8Code& c,
+                             float* x) {
+  for (std::size_t i = b; i < e; ++i) x[i] = c.value[codes[i]] * scale;
+}
+
+inline void q8_encode_scalar(const float* x, float amax, std::size_t b, std::size_t e, const Q8Code& c,
+                             std::uint8_t* codes) {
+  const bool is_m = c.levels == 128;
+  for (std::size_t i = b; i < e; ++i) {
+    const float y = x[i] / amax;
+    const int k = c.encode(is_m ? std::fabs(y) : y);
+    codes[i] = static_cast<std::uint8_t>(k | (is_m & (y < 0.0f)) << 7);
+  }
+}
+
+#if defined(MPO_X86)
+MPO_AVX2 inline float q8_absmax_avx2(const float* x, std::size_t len) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(std::numeric_limits<float>::max());
+  __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  std::size_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i));
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));
+    amax = _mm256_max_ps(amax, a);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  return q8_absmax(x, len, i, q8_absmax(lanes, 8), _mm256_movemask_ps(bad) != 0);
+}
+
+MPO_AVX2 inline std::size_t q8_decode_avx2(const std::uint8_t* codes, float scale, std::size_t len,
+                                           const Q8Code& c, float* x) {
+  const __m256 s = _mm256_set1_ps(scale);
+  std::size_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
+    _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_i32gather_ps(c.value, idx, 4), s));
+  }
+  return i;
+}
+
+MPO_AVX2 inline std::size_t q8_encode_avx2(const float* x, float amax, std::size_t len, const Q8Code& c,
+                                           std::uint8_t* codes) {
+  const __m256 am = _mm256_set1_ps(amax), sign = _mm256_set1_ps(-0.0f);
+  const __m256i b0 = _mm256_set1_epi32(c.bin0), top = _mm256_set1_epi32(c.nbins - 1);
+  const bool is_m = c.levels == 128;
+  std::size_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    const __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + i), am);
+    const __m256 a = is_m ? _mm256_andnot_ps(sign, y) : y;
+    __m256i b = _mm256_sub_epi32(_mm256_srai_epi32(_mm256_castps_si256(a), 19), b0);
+    b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), top);
+    __m256i k = _mm256_i32gather_epi32(c.start, b, 4);
+    const __m256 up = _mm256_cmp_ps(_mm256_i32gather_ps(c.mid, k, 4), a, _CMP_LT_OQ);
+    k = _mm256_sub_epi32(k, _mm256_castps_si256(up));  // true lanes are -1
+    if (is_m) k = _mm256_or_si256(k, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_LT_OQ)), _mm256_set1_epi32(0x80)));
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(k), _mm256_extracti128_si256(k, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(w, w));
+  }
+  return i;
+}
+
+MPO_AVX512 inline float q8_absmax_avx512(const float* x, std::size_t len) {
+  const __m512 big = _mm512_set1_ps(std::numeric_limits<float>::max());
+  __m512 amax = _mm512_setzero_ps();
+  __mmask16 bad = 0;
+  std::size_t i = 0;
+  for (; i + 16 <= len; i += 16) {
+    const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+    bad |= _mm512_cmp_ps_mask(a, big, _CMP_NLE_UQ);
+    amax = _mm512_max_ps(amax, a);
+  }
+  return q8_absmax(x, len, i, _mm512_reduce_max_ps(amax), bad != 0);
+}
+
+MPO_AVX512 inline std::size_t q8_decode_avx512(const std::uint8_t* codes, float scale, std::size_t len,
+                                               const Q8Code& c, float* x) {
+  const __m512 s = _mm512_set1_ps(scale);
+  std::size_t i = 0;
+  for (; i + 16 <= len; i += 16) {
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+    _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_i32gather_ps(idx, c.value, 4), s));
+  }
+  return i;
+}
+
+MPO_AVX512 inline std::size_t q8_encode_avx512(const float* x, float amax, std::size_t len, const Q8Code& c,
+                                               std::uint8_t* codes) {
+  const __m512 am = _mm512_set1_ps(amax);
+  const __m512i b0 = _mm512_set1_epi32(c.bin0), top = _mm512_set1_epi32(c.nbins - 1);
+  const bool is_m = c.levels == 128;
+  std::size_t i = 0;
+  for (; i + 16 <= len; i += 16) {
+    const __m512 y = _mm512_div_ps(_mm512_loadu_ps(x + i), am);
+    const __m512 a = is_m ? _mm512_abs_ps(y) : y;
+    __m512i b = _mm512_sub_epi32(_mm512_srai_epi32(_mm512_castps_si512(a), 19), b0);
+    b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), top);
+    __m512i k = _mm512_i32gather_epi32(b, c.start, 4);
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_i32gather_ps(k, c.mid, 4), a, _CMP_LT_OQ);
+    k = _mm512_mask_add_epi32(k, up, k, _mm512_set1_epi32(1));
+    if (is_m) k = _mm512_mask_or_epi32(k, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ), k, _mm512_set1_epi32(0x80));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(k));
+  }
+  return i;
+}
+#endif  // MPO_X86
+
+// codes[0, len) with their block's scale -> fp32 x, on SIMD path `level`.
+inline void q8_decode(const std::uint8_t* codes, float scale, std::size_t len, bool is_m, float* x,
+                      int level = kScalar) {
+  const Q8Code& c = is_m ? kCodeM : kCodeV;
+  std::size_t i = 0;
+#if defined(MPO_X86)
+  if (level == kAVX512) i = q8_decode_avx512(codes, scale, len, c, x);
+  else if (level == kAVX2) i = q8_decode_avx2(codes, scale, len, c, x);
+#endif
+  (void)level;
+  q8_decode_scalar(codes, scale, i, len, c, x);
+}
+
+// x[0, len) (one block) -> codes and its scale (see CODES), on SIMD path `level`.
+inline void q8_encode(const float* x, std::size_t len, bool is_m, std::uint8_t* codes, float* scale,
+                      int level = kScalar) {
+  float amax;
+#if defined(MPO_X86)
+  if (level == kAVX512) amax = q8_absmax_avx512(x, len);
+  else if (level == kAVX2) amax = q8_absmax_avx2(x, len);
+  else
+#endif
+    amax = q8_absmax(x, len);
+  *scale = amax;
+  if (!(amax > 0.0f)) {  // all zero (scale 0) or non-finite (scale NaN): codes 0
     std::memset(codes, 0, len);
     return;
   }
-  *scale = amax;
   const Q8Code& c = is_m ? kCodeM : kCodeV;
-  for (std::size_t i = 0; i < len; ++i) {
-    const float y = x[i] / amax;
-    const int k = c.encode(is_m ? std::fabs(y) : y);
-    codes[i] = static_cast<std::uint8_t>(is_m && y < 0.0f ? k | 0x80 : k);
-  }
+  std::size_t i = 0;
+#if defined(MPO_X86)
+  if (level == kAVX512) i = q8_encode_avx512(x, amax, len, c, codes);
+  else if (level == kAVX2) i = q8_encode_avx2(x, amax, len, c, codes);
+#endif
+  (void)level;
+  q8_encode_scalar(x, amax, i, len, c, codes);
 }
 
 }  // namespace

@@ -95,7 +95,7 @@ def test_tables_follow_their_formulas(moment):
 
 
 @pytest.mark.parametrize("moment", KINDS)
-def test_encode_every_midpoint_and_its_neighbours(moment):
+def test_encode_every_midpoint_and_its_neighbours(level, moment):
     """The nearest-code rule at its edges: each mid (goes down), its float neighbours,
     every code value, 0 and -0, within blocks whose absmax is 1 (y == x)."""
     mids = _mids(moment)
@@ -143,7 +143,7 @@ def test_quantize_dequantize_against_reference(level, moment, n):
         assert rel.max() <= (STEP - 1) / (STEP + 1) + 1e-6
 
 
-def test_special_blocks_quantize():
+def test_special_blocks_quantize(level):
     """inf or NaN -> that block's scale NaN (decodes to NaN); zero block -> scale 0."""
     x = torch.ones(4 * B + 3)
     x[B + 5] = torch.inf
