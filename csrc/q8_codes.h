@@ -22,8 +22,8 @@
 // ENCODE without a search: the float bits of y >= 0 (monotonic in y), shifted
 // right by 19, index bins of 1/16 octave (the exponent and the top 4 mantissa
 // bits), narrower than the 1/8-octave code spacing: each bin holds at most one
-// mid, so k = start[bin] + (mids[start[bin]] < y), start[bin] = #{mids < bin's
-// lower edge}. Every y below the first bin (2^-17, 2^-33) lies below mids[0].
+// mid, so k = start[bin] + (thr[bin] < y), start[bin] = #{mids < bin's lower
+// edge}, thr[bin] = mids[start[bin]] (two independent table lookups per element). Every y below the first bin (2^-17, 2^-33) lies below mids[0].
 #pragma once
 
 #include <cmath>
@@ -47,6 +47,7 @@ struct Q8Code {
   float mid[257] = {};            // mid[k] between dec[k] and dec[k + 1]; +inf from levels - 1 on
   int bin0 = 0, nbins = 0;        // first bin (float bits >> 19) and how many
   std::int32_t start[34 * 16 + 1] = {};
+  float thr[34 * 16 + 1] = {};    // mid[start[b]]: indexed by the bin too, so no dependent lookup
 
   explicit Q8Code(int lv) : levels(lv) {
     for (int k = 1; k < lv; ++k) dec[k] = static_cast<float>(std::exp2((k - (lv - 1)) / 8.0));
@@ -62,6 +63,7 @@ struct Q8Code {
       const float lo = u2f(static_cast<std::uint32_t>(bin0 + b) << 19);
       while (mid[k] < lo) ++k;
       start[b] = k;
+      thr[b] = mid[k];
     }
   }
 
@@ -69,8 +71,7 @@ struct Q8Code {
   int encode(float y) const {
     int b = (static_cast<std::int32_t>(f2u(y)) >> 19) - bin0;
     b = b < 0 ? 0 : (b >= nbins ? nbins - 1 : b);
-    const int k = start[b];
-    return k + (mid[k] < y);
+    return start[b] + (thr[b] < y);
   }
 };
 
@@ -146,7 +147,7 @@ MPO_AVX2 inline std::size_t q8_encode_avx2(const float* x, float amax, std::size
     __m256i b = _mm256_sub_epi32(_mm256_srai_epi32(_mm256_castps_si256(a), 19), b0);
     b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), top);
     __m256i k = _mm256_i32gather_epi32(c.start, b, 4);
-    const __m256 up = _mm256_cmp_ps(_mm256_i32gather_ps(c.mid, k, 4), a, _CMP_LT_OQ);
+    const __m256 up = _mm256_cmp_ps(_mm256_i32gather_ps(c.thr, b, 4), a, _CMP_LT_OQ);
     k = _mm256_sub_epi32(k, _mm256_castps_si256(up));  // true lanes are -1
     if (is_m) k = _mm256_or_si256(k, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_LT_OQ)), _mm256_set1_epi32(0x80)));
     const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(k), _mm256_extracti128_si256(k, 1));
@@ -191,7 +192,7 @@ MPO_AVX512 inline std::size_t q8_encode_avx512(const float* x, float amax, std::
     __m512i b = _mm512_sub_epi32(_mm512_srai_epi32(_mm512_castps_si512(a), 19), b0);
     b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), top);
     __m512i k = _mm512_i32gather_epi32(b, c.start, 4);
-    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_i32gather_ps(k, c.mid, 4), a, _CMP_LT_OQ);
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_i32gather_ps(b, c.thr, 4), a, _CMP_LT_OQ);
     k = _mm512_mask_add_epi32(k, up, k, _mm512_set1_epi32(1));
     if (is_m) k = _mm512_mask_or_epi32(k, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ), k, _mm512_set1_epi32(0x80));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(k));
