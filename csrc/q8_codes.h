@@ -26,10 +26,9 @@
 // edge}, thr[bin] = mids[start[bin]] (two independent lookups per element).
 // Every y below the first bin (2^-17, 2^-33) lies below mids[0].
 //
-// SIMD. AVX2 / AVX-512 encode (the divide, the bins, two gathers), decode (one
-// gather and the multiply) and absmax lane-wise, the same operations as the scalar
-// rule; a block's ragged end takes the scalar rule. The gathers make this the costly
-// part of an 8-bit step (measured: ~3x the fp32-moment step's time on one core).
+// SIMD. AVX2 / AVX-512 encode (the divide and the octave rule of q8_encode_avx2:
+// the same codes, no table), decode (one gather and the multiply) and absmax
+// lane-wise; a block's ragged end takes the scalar rule.
 #pragma once
 
 #include <cmath>
@@ -54,9 +53,14 @@ struct Q8Code {
   int bin0 = 0, nbins = 0;        // first bin (float bits >> 19) and how many
   std::int32_t start[34 * 16 + 1] = {};
   float thr[34 * 16 + 1] = {};    // mid[start[b]]: indexed by the bin too, so no dependent lookup
+  std::int32_t oct_mid[8] = {};   // mantissa bits of the 8 mids inside every octave (SIMD encode)
 
   explicit Q8Code(int lv) : levels(lv) {
-    for (int k = 1; k < lv; ++k) dec[k] = static_cast<float>(std::exp2((k - (lv - 1)) / 8.0));
+    // 2^e * 2^(j/8) as one rounded mantissa per j, scaled exactly: every octave alike
+    for (int k = 1; k < lv; ++k) {
+      const int t = k - (lv - 1), e = (t - 7) / 8, j = t - 8 * e;  // floor division: j in 0..7
+      dec[k] = std::ldexp(static_cast<float>(std::exp2(j / 8.0)), e);
+    }
     for (int c = 0; c < 256; ++c) value[c] = lv == 256 ? dec[c] : (c & 0x80 ? -dec[c & 0x7f] : dec[c]);
     for (int k = 0; k < 257; ++k)
       mid[k] = k + 1 < lv ? static_cast<float>((static_cast<double>(dec[k]) + dec[k + 1]) * 0.5)
@@ -71,6 +75,7 @@ struct Q8Code {
       start[b] = k;
       thr[b] = mid[k];
     }
+    for (int j = 0; j < 8; ++j) oct_mid[j] = static_cast<std::int32_t>(f2u(mid[lv - 9 + j]) & 0x7fffff);
   }
 
   // y >= 0 (or -0 / negative: code 0) -> its nearest code.
@@ -141,20 +146,23 @@ MPO_AVX2 inline std::size_t q8_decode_avx2(const std::uint8_t* codes, float scal
   return i;
 }
 
+// The SIMD encode needs no table: the codes of the octave [2^e, 2^(e+1)) are
+// levels - 1 + 8e + j (j = 0..7) and its 8 mids have the same mantissas in every octave
+// (oct_mid), so k = levels - 1 + 8e + #{j : mantissa > oct_mid[j]}. At the bottom, where
+// the octaves hold no code, k = 1 for y > mid[0] (the mid between 0 and code 1), else 0.
 MPO_AVX2 inline std::size_t q8_encode_avx2(const float* x, float amax, std::size_t len, const Q8Code& c,
                                            std::uint8_t* codes) {
-  const __m256 am = _mm256_set1_ps(amax), sign = _mm256_set1_ps(-0.0f);
-  const __m256i b0 = _mm256_set1_epi32(c.bin0), top = _mm256_set1_epi32(c.nbins - 1);
+  const __m256 am = _mm256_set1_ps(amax), sign = _mm256_set1_ps(-0.0f), mid0 = _mm256_set1_ps(c.mid[0]);
+  const __m256i base = _mm256_set1_epi32(c.levels - 1 - 8 * 127), one = _mm256_set1_epi32(1);
   const bool is_m = c.levels == 128;
   std::size_t i = 0;
   for (; i + 8 <= len; i += 8) {
     const __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + i), am);
     const __m256 a = is_m ? _mm256_andnot_ps(sign, y) : y;
-    __m256i b = _mm256_sub_epi32(_mm256_srai_epi32(_mm256_castps_si256(a), 19), b0);
-    b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), top);
-    __m256i k = _mm256_i32gather_epi32(c.start, b, 4);
-    const __m256 up = _mm256_cmp_ps(_mm256_i32gather_ps(c.thr, b, 4), a, _CMP_LT_OQ);
-    k = _mm256_sub_epi32(k, _mm256_castps_si256(up));  // true lanes are -1
+    const __m256i u = _mm256_castps_si256(a), mant = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffff));
+    __m256i k = _mm256_add_epi32(base, _mm256_slli_epi32(_mm256_srli_epi32(u, 23), 3));
+    for (int j = 0; j < 8; ++j) k = _mm256_sub_epi32(k, _mm256_cmpgt_epi32(mant, _mm256_set1_epi32(c.oct_mid[j])));
+    k = _mm256_and_si256(_mm256_max_epi32(k, one), _mm256_castps_si256(_mm256_cmp_ps(a, mid0, _CMP_GT_OQ)));
     if (is_m) k = _mm256_or_si256(k, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_LT_OQ)), _mm256_set1_epi32(0x80)));
     const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(k), _mm256_extracti128_si256(k, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(w, w));
@@ -188,18 +196,18 @@ MPO_AVX512 inline std::size_t q8_decode_avx512(const std::uint8_t* codes, float 
 
 MPO_AVX512 inline std::size_t q8_encode_avx512(const float* x, float amax, std::size_t len, const Q8Code& c,
                                                std::uint8_t* codes) {
-  const __m512 am = _mm512_set1_ps(amax);
-  const __m512i b0 = _mm512_set1_epi32(c.bin0), top = _mm512_set1_epi32(c.nbins - 1);
+  const __m512 am = _mm512_set1_ps(amax), mid0 = _mm512_set1_ps(c.mid[0]);
+  const __m512i base = _mm512_set1_epi32(c.levels - 1 - 8 * 127), one = _mm512_set1_epi32(1);
   const bool is_m = c.levels == 128;
   std::size_t i = 0;
   for (; i + 16 <= len; i += 16) {
     const __m512 y = _mm512_div_ps(_mm512_loadu_ps(x + i), am);
     const __m512 a = is_m ? _mm512_abs_ps(y) : y;
-    __m512i b = _mm512_sub_epi32(_mm512_srai_epi32(_mm512_castps_si512(a), 19), b0);
-    b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), top);
-    __m512i k = _mm512_i32gather_epi32(b, c.start, 4);
-    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_i32gather_ps(b, c.thr, 4), a, _CMP_LT_OQ);
-    k = _mm512_mask_add_epi32(k, up, k, _mm512_set1_epi32(1));
+    const __m512i u = _mm512_castps_si512(a), mant = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffff));
+    __m512i k = _mm512_add_epi32(base, _mm512_slli_epi32(_mm512_srli_epi32(u, 23), 3));
+    for (int j = 0; j < 8; ++j)
+      k = _mm512_mask_add_epi32(k, _mm512_cmpgt_epi32_mask(mant, _mm512_set1_epi32(c.oct_mid[j])), k, one);
+    k = _mm512_maskz_max_epi32(_mm512_cmp_ps_mask(a, mid0, _CMP_GT_OQ), k, one);
     if (is_m) k = _mm512_mask_or_epi32(k, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ), k, _mm512_set1_epi32(0x80));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(k));
   }
