@@ -12,6 +12,8 @@ a noisy neighbour or a position in the round hurts all rows alike. Each row is w
   bf16/fp16 grads: 26 B; bf16 exp_avg and exp_avg_sq (fp32 grads): 20 B.
   A bf16 model's step (bf16 grads, bf16 copy out): 28 B, 20 B with bf16 moments; with
   the master as hi + lo halves (adam_step_remainder, no copy out): 26 B and 18 B.
+  Block-wise 8-bit moments (1 B each + a scale per 256): 16 B with an fp32 master and
+  fp32 grads, 14 B with remainders and bf16 grads.
 
 The ceiling does not use our kernel. For each traffic class (28/30/26/20 B, ...) it is the
 best median of several access patterns that move exactly those bytes with trivial
@@ -101,6 +103,22 @@ for _name, (_nbytes, _arrays, _mom) in BF16_MODEL_TRAFFIC.items():
     assert _moved == _nbytes, f"{_name}: {_moved} B moved, {_nbytes} B claimed"
     hc.TRAFFIC.setdefault(_name, (_nbytes, _spec))
 
+# With block-wise 8-bit moments: 1 B per moment element read and written, plus one fp32
+# scale per 256 (0.06 B/element in all, left out of the count). The ceiling streams
+# the two code arrays as one 2-byte array: the same bytes, one stream fewer (if
+# anything a higher ceiling).
+Q8_TRAFFIC = {  # name -> (bytes/element, arrays)
+    "q8mom": (
+        16,
+        [("param", "float32", _RW), ("grad", "float32", _R), ("exp_avg", "bfloat16", _RW)],
+    ),
+    "rem+q8mom": (14, [*_HALVES, ("exp_avg", "bfloat16", _RW)]),
+}
+for _name, (_nbytes, _spec) in Q8_TRAFFIC.items():
+    _moved = sum((2 if dt != "float32" else 4) * (2 if mode == _RW else 1) for _, dt, mode in _spec)
+    assert _moved == _nbytes, f"{_name}: {_moved} B moved, {_nbytes} B claimed"
+    hc.TRAFFIC.setdefault(_name, (_nbytes, _spec))
+
 DECAY_RUNS = 200  # runs of the decay_runs row (~ a GPT slice: matrices decayed, biases/norms not)
 
 
@@ -149,6 +167,10 @@ def bench_size(n, ds_cls, ds_note, lib):
     # ours with remainders: the halves of p's copy (fp32 moments) and of pb's (bf16 moments)
     rem = (*ca.split_fp32(p), m.clone(), v.clone())
     remb = (*ca.split_fp32(pb), mb.clone(), vb.clone())
+    # ours with 8-bit moments: fp32 master (fp32 grads), and remainders (bf16 grads)
+    pq = torch.randn(n, generator=gen)
+    q8 = (ca.quantize_8bit(mb.float(), "exp_avg"), ca.quantize_8bit(vb.float(), "exp_avg_sq"))
+    remq = (*ca.split_fp32(pq), ca.Blockwise8.zeros(n), ca.Blockwise8.zeros(n))
     # torch / DeepSpeed: one big param with an fp32 grad, each optimizer with its own state
     tp = torch.nn.Parameter(torch.randn(n, generator=gen))
     tp.grad = torch.randn(n, generator=gen)
@@ -250,6 +272,16 @@ def bench_size(n, ds_cls, ds_note, lib):
             ours_rem(remb),
             "rem+bf16mom",
         ),
+    ]
+    rows += [  # block-wise 8-bit moments
+        (
+            "ours_q8mom",
+            "(17) ours 8-bit exp_avg + exp_avg_sq",
+            16,
+            ours(g32, state=(pq, *q8)),
+            "q8mom",
+        ),
+        ("ours_rem_q8mom", "(18) ours remainders + 8-bit moments", 14, ours_rem(remq), "rem+q8mom"),
     ]
     # the ceiling: every pattern of every traffic class is a row of the round-robin too
     scratch = {}
@@ -401,6 +433,16 @@ def bench_size(n, ds_cls, ds_note, lib):
             "remainders + bf16 moments at <= 0.95x today's (t_today / t_rem)",
             paired("ours_bf16g_bf16mom_out", "ours_rem_bf16mom"),
             1 / 0.95,
+        ),
+        (
+            "8-bit moments within 10% of ceiling (16 B)",
+            paired(ceiling["q8mom"]["key"], "ours_q8mom"),
+            0.90,
+        ),
+        (
+            "remainders + 8-bit moments within 10% of ceiling (14 B)",
+            paired(ceiling["rem+q8mom"]["key"], "ours_rem_q8mom"),
+            0.90,
         ),
     ]
     if ds is not None:

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "adam_kernels.h"
+#include "q8_codes.h"
 #include "split_kernels.h"
 
 namespace py = pybind11;
@@ -54,20 +55,23 @@ int g_last_team = 0;  // threads that ran the last adam_step / stream_probe (obs
 // uses; they never change how the slice is split between threads.
 using Runs = std::vector<std::pair<std::size_t, std::size_t>>;
 
-void run_range(TileFn fn, const Job& dec, const Job& nodec, const Runs* runs, std::size_t b, std::size_t e) {
-  if (!runs) return fn(dec, b, e);
+// fn's jobs address element 0 at `base` (an 8-bit block's start, see q8_block); b, e
+// and the runs are counted from the slice start.
+void run_range(TileFn fn, const Job& dec, const Job& nodec, const Runs* runs, std::size_t b, std::size_t e,
+               std::size_t base = 0) {
+  if (!runs) return fn(dec, b - base, e - base);
   // first run ending after b
   auto k = std::upper_bound(runs->begin(), runs->end(), b,
                             [](std::size_t x, const std::pair<std::size_t, std::size_t>& r) { return x < r.second; });
   while (b < e) {
     if (k != runs->end() && k->first <= b) {
       const std::size_t s = std::min(e, k->second);
-      fn(dec, b, s);
+      fn(dec, b - base, s - base);
       b = s;
       ++k;
     } else {
       const std::size_t s = k == runs->end() ? e : std::min(e, k->first);
-      fn(nodec, b, s);
+      fn(nodec, b - base, s - base);
       b = s;
     }
   }
@@ -77,11 +81,13 @@ void run_range(TileFn fn, const Job& dec, const Job& nodec, const Runs* runs, st
 // (dynamic schedule) rather than one fixed range each: on a shared host a
 // thread the OS preempts for a while no longer holds the others up at the end
 // (measured ~9% faster than fixed ranges on the loaded 2-core test host).
-// About 8 chunks per thread, at most kChunkMax elements each.
-void run_all(TileFn fn, const Job& dec, const Job& nodec, const Runs* runs, std::size_t n) {
+// About 8 chunks per thread, at most kChunkMax elements each, cut at multiples
+// of `grain` (kQ8Block with 8-bit moments: a block is never split).
+template <typename Range>
+void run_all(const Range& range, std::size_t n, std::size_t grain) {
   const std::size_t want = std::max<std::size_t>(1, std::min<std::size_t>(g_threads, n / kMinPerThread));
   std::size_t chunk = std::min(kChunkMax, (n + want * 8 - 1) / (want * 8));
-  chunk = std::max(kGrain, (chunk + kGrain - 1) / kGrain * kGrain);
+  chunk = std::max(grain, (chunk + grain - 1) / grain * grain);
   const long long nchunks = static_cast<long long>((n + chunk - 1) / chunk);
   int team = 1;
 #pragma omp parallel num_threads(static_cast<int>(want)) if (want > 1)
@@ -90,22 +96,82 @@ void run_all(TileFn fn, const Job& dec, const Job& nodec, const Runs* runs, std:
 #pragma omp for schedule(dynamic, 1) nowait
     for (long long k = 0; k < nchunks; ++k) {
       const std::size_t b = static_cast<std::size_t>(k) * chunk;
-      run_range(fn, dec, nodec, runs, b, std::min(n, b + chunk));
+      range(b, std::min(n, b + chunk));
     }
   }
   g_last_team = team;
 }
 
-void check_codes(int grad_dtype, std::uintptr_t out_ptr, int out_dtype, int exp_avg_dtype, int exp_avg_sq_dtype) {
+void run_all(TileFn fn, const Job& dec, const Job& nodec, const Runs* runs, std::size_t n) {
+  run_all([&](std::size_t b, std::size_t e) { run_range(fn, dec, nodec, runs, b, e); }, n, kGrain);
+}
+
+// ------------------------------------------------------------ 8-bit moments
+// A step with one or both moments block-wise 8-bit (q8_codes.h): Job.m / Job.v hold
+// their codes, ms / vs their scales. Each block is decoded into fp32 stack buffers,
+// stepped by the fp32-moment tile `fn` (any SIMD level, grad and out code) and
+// encoded again: one pass over memory, the same bits as the fp32 kernel run on the
+// decoded moments.
+struct Q8Step {
+  TileFn fn;
+  Job dec, nodec;
+  const Runs* runs;
+  int gt, mt, vt;
+  float *ms, *vs;
+};
+
+// j with its element 0 moved to element b (the 8-bit moments are set by the caller).
+Job rebase(Job j, std::size_t b, int gt, int mt, int vt) {
+  if (j.p) j.p += b;
+  j.g = static_cast<const char*>(j.g) + b * dsize(gt);
+  if (mt != kQ8) j.m = static_cast<char*>(j.m) + b * dsize(mt);
+  if (vt != kQ8) j.v = static_cast<char*>(j.v) + b * dsize(vt);
+  if (j.out) j.out = static_cast<std::uint16_t*>(j.out) + b;  // fp16/bf16 copy or hi: 2 bytes
+  if (j.lo) j.lo += b;
+  return j;
+}
+
+void q8_block(const Q8Step& q, std::size_t b, std::size_t e) {
+  alignas(64) float mb[kQ8Block], vb[kQ8Block];
+  const std::size_t len = e - b, blk = b / kQ8Block;
+  Job d = rebase(q.dec, b, q.gt, q.mt, q.vt), nd = rebase(q.nodec, b, q.gt, q.mt, q.vt);
+  std::uint8_t* const mc = static_cast<std::uint8_t*>(q.dec.m) + b;
+  std::uint8_t* const vc = static_cast<std::uint8_t*>(q.dec.v) + b;
+  if (q.mt == kQ8) {
+    q8_decode(mc, q.ms[blk], len, true, mb, g_level);
+    d.m = nd.m = mb;
+  }
+  if (q.vt == kQ8) {
+    q8_decode(vc, q.vs[blk], len, false, vb, g_level);
+    d.v = nd.v = vb;
+  }
+  run_range(q.fn, d, nd, q.runs, b, e, b);
+  if (q.mt == kQ8) q8_encode(mb, len, true, mc, q.ms + blk, g_level);
+  if (q.vt == kQ8) q8_encode(vb, len, false, vc, q.vs + blk, g_level);
+}
+
+void run_all_q8(const Q8Step& q, std::size_t n) {
+  run_all(
+      [&](std::size_t b, std::size_t e) {
+        for (; b < e; b += kQ8Block) q8_block(q, b, std::min(e, b + kQ8Block));
+      },
+      n, kQ8Block);
+}
+
+void check_moment_code(const char* name, int code, bool allow_q8) {
+  if (code == kF32 || code == kBF16 || (allow_q8 && code == kQ8)) return;
+  throw std::invalid_argument(std::string(name) + (allow_q8 ? " must be 0 (fp32), 2 (bf16) or 5 (8-bit)" : " must be 0 (fp32) or 2 (bf16)") +
+                              ", got " + std::to_string(code));
+}
+
+void check_codes(int grad_dtype, std::uintptr_t out_ptr, int out_dtype, int exp_avg_dtype, int exp_avg_sq_dtype,
+                 bool allow_q8 = true) {
   if (grad_dtype != kF32 && grad_dtype != kF16 && grad_dtype != kBF16)
     throw std::invalid_argument("grad_dtype must be 0 (fp32), 1 (fp16) or 2 (bf16), got " + std::to_string(grad_dtype));
   if (out_ptr != 0 && out_dtype != kF16 && out_dtype != kBF16)
     throw std::invalid_argument("out_dtype must be 1 (fp16) or 2 (bf16), got " + std::to_string(out_dtype));
-  if (exp_avg_dtype != kF32 && exp_avg_dtype != kBF16)
-    throw std::invalid_argument("exp_avg_dtype must be 0 (fp32) or 2 (bf16), got " + std::to_string(exp_avg_dtype));
-  if (exp_avg_sq_dtype != kF32 && exp_avg_sq_dtype != kBF16)
-    throw std::invalid_argument("exp_avg_sq_dtype must be 0 (fp32) or 2 (bf16), got " +
-                                std::to_string(exp_avg_sq_dtype));
+  check_moment_code("exp_avg_dtype", exp_avg_dtype, allow_q8);
+  check_moment_code("exp_avg_sq_dtype", exp_avg_sq_dtype, allow_q8);
 }
 
 // The buffers of a call (lo: the remainders, 0 without); Hyper is filled in later.
@@ -162,15 +228,22 @@ struct StepArgs {
   double grad_scale;
 };
 
+// The scales of 8-bit moments (0: that moment is not 8-bit).
+struct Scales {
+  std::uintptr_t m = 0, v = 0;
+};
+
 // Checks the step and the runs, then runs tile kind `ot` over the n elements of job
 // (its Hyper filled in here; a second one for the undecayed gaps between runs).
 void run_step(Job job, int grad_dtype, int exp_avg_dtype, int exp_avg_sq_dtype, int ot, std::size_t n,
-              const StepArgs& a, const std::optional<Runs>& decay_runs) {
+              const StepArgs& a, const std::optional<Runs>& decay_runs, Scales sc = {}) {
   if (a.step < 1) throw std::invalid_argument("step must be >= 1, got " + std::to_string(a.step));
   std::optional<Runs> runs;
   if (decay_runs) runs = clean_runs(*decay_runs, n);
   if (n == 0) return;
   check_addresses(job);
+  if ((exp_avg_dtype == kQ8 && !sc.m) || (exp_avg_sq_dtype == kQ8 && !sc.v))
+    throw std::invalid_argument("null exp_avg_scale/exp_avg_sq_scale address of an 8-bit moment");
   const auto hyper = [&](double wd) {
     return make_hyper(a.step, a.lr, a.beta1, a.beta2, a.eps, wd, a.adamw, a.bias_correction, a.grad_scale);
   };
@@ -178,20 +251,26 @@ void run_step(Job job, int grad_dtype, int exp_avg_dtype, int exp_avg_sq_dtype, 
   Job nodec = job;
   const bool mixed = runs && a.weight_decay != 0.0;
   if (mixed) nodec.h = hyper(0.0);
-  const TileFn fn = pick<false>(g_level, grad_dtype, exp_avg_dtype, exp_avg_sq_dtype, ot);
-  run_all(fn, job, nodec, mixed ? &*runs : nullptr, n);
+  const Runs* r = mixed ? &*runs : nullptr;
+  const int mt = exp_avg_dtype == kQ8 ? kF32 : exp_avg_dtype, vt = exp_avg_sq_dtype == kQ8 ? kF32 : exp_avg_sq_dtype;
+  const TileFn fn = pick<false>(g_level, grad_dtype, mt, vt, ot);
+  if (mt == exp_avg_dtype && vt == exp_avg_sq_dtype) return run_all(fn, job, nodec, r, n);
+  run_all_q8(Q8Step{fn, job, nodec, r, grad_dtype, exp_avg_dtype, exp_avg_sq_dtype, reinterpret_cast<float*>(sc.m),
+                    reinterpret_cast<float*>(sc.v)},
+             n);
 }
 
 void adam_step(std::uintptr_t param, std::uintptr_t grad, int grad_dtype, std::uintptr_t exp_avg,
                std::uintptr_t exp_avg_sq, std::uintptr_t out, int out_dtype, std::size_t n, long long step,
                double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
                bool bias_correction, double grad_scale, int exp_avg_dtype, int exp_avg_sq_dtype,
-               const std::optional<Runs>& decay_runs, int bf16_rounding) {
+               const std::optional<Runs>& decay_runs, int bf16_rounding, std::uintptr_t exp_avg_scale,
+               std::uintptr_t exp_avg_sq_scale) {
   check_codes(grad_dtype, out, out_dtype, exp_avg_dtype, exp_avg_sq_dtype);
   const int ot = out_code(out, out_dtype, bf16_rounding);
   const StepArgs a{step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale};
   run_step(make_job(param, grad, exp_avg, exp_avg_sq, out), grad_dtype, exp_avg_dtype, exp_avg_sq_dtype, ot, n, a,
-           decay_runs);
+           decay_runs, Scales{exp_avg_scale, exp_avg_sq_scale});
 }
 
 // The same step with the fp32 param kept as (hi, lo) halves (SPLIT in adam_kernels.h):
@@ -200,12 +279,13 @@ void adam_step_remainder(std::uintptr_t hi, std::uintptr_t lo, std::uintptr_t gr
                          std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, std::size_t n, long long step,
                          double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
                          bool bias_correction, double grad_scale, int exp_avg_dtype, int exp_avg_sq_dtype,
-                         const std::optional<Runs>& decay_runs) {
+                         const std::optional<Runs>& decay_runs, std::uintptr_t exp_avg_scale,
+                         std::uintptr_t exp_avg_sq_scale) {
   check_codes(grad_dtype, 0, 0, exp_avg_dtype, exp_avg_sq_dtype);
   const StepArgs a{step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale};
   if (!lo && n) throw std::invalid_argument("null param_hi/param_lo/grad/exp_avg/exp_avg_sq address");
   run_step(make_job(0, grad, exp_avg, exp_avg_sq, hi, lo), grad_dtype, exp_avg_dtype, exp_avg_sq_dtype, kRem, n,
-           a, decay_runs);
+           a, decay_runs, Scales{exp_avg_scale, exp_avg_sq_scale});
 }
 
 // Our kernel's memory traffic with trivial math: identical loads, stores, out
@@ -214,7 +294,7 @@ void adam_step_remainder(std::uintptr_t hi, std::uintptr_t lo, std::uintptr_t gr
 double stream_probe(std::uintptr_t param, std::uintptr_t grad, int grad_dtype, std::uintptr_t exp_avg,
                     std::uintptr_t exp_avg_sq, std::uintptr_t out, int out_dtype, std::size_t n, int exp_avg_dtype,
                     int exp_avg_sq_dtype) {
-  check_codes(grad_dtype, out, out_dtype, exp_avg_dtype, exp_avg_sq_dtype);
+  check_codes(grad_dtype, out, out_dtype, exp_avg_dtype, exp_avg_sq_dtype, false);
   if (n == 0) return 0.0;
   Job j = make_job(param, grad, exp_avg, exp_avg_sq, out);
   check_addresses(j);
@@ -250,6 +330,33 @@ void join_fp32(std::uintptr_t hi, std::uintptr_t lo, std::uintptr_t x, std::size
             reinterpret_cast<const std::uint16_t*>(lo), reinterpret_cast<float*>(x));
 }
 
+// fp32 x <-> 8-bit codes + one scale per kQ8Block elements (q8_codes.h), threaded by block.
+void q8_quantize(std::uintptr_t x, std::uintptr_t codes, std::uintptr_t scales, std::size_t n, bool is_exp_avg) {
+  if (n && (!x || !codes || !scales)) throw std::invalid_argument("null x/codes/scales address");
+  const auto* xs = reinterpret_cast<const float*>(x);
+  auto* cs = reinterpret_cast<std::uint8_t*>(codes);
+  auto* ss = reinterpret_cast<float*>(scales);
+  run_split([&](std::size_t b, std::size_t e) {
+    for (; b < e; b += kQ8Block) q8_encode(xs + b, std::min(e, b + kQ8Block) - b, is_exp_avg, cs + b, ss + b / kQ8Block, g_level);
+  }, n);
+}
+
+void q8_dequantize(std::uintptr_t codes, std::uintptr_t scales, std::uintptr_t x, std::size_t n, bool is_exp_avg) {
+  if (n && (!x || !codes || !scales)) throw std::invalid_argument("null codes/scales/x address");
+  const auto* cs = reinterpret_cast<const std::uint8_t*>(codes);
+  const auto* ss = reinterpret_cast<const float*>(scales);
+  auto* xs = reinterpret_cast<float*>(x);
+  run_split([&](std::size_t b, std::size_t e) {
+    for (; b < e; b += kQ8Block) q8_decode(cs + b, ss[b / kQ8Block], std::min(e, b + kQ8Block) - b, is_exp_avg, xs + b, g_level);
+  }, n);
+}
+
+std::vector<float> q8_table(bool is_exp_avg) {
+  std::vector<float> t(256);
+  for (int c = 0; c < 256; ++c) t[c] = q8_value(is_exp_avg, c);
+  return t;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu_adam, m) {
@@ -267,6 +374,8 @@ PYBIND11_MODULE(_cpu_adam, m) {
   m.attr("DTYPE_FLOAT32") = static_cast<int>(kF32);
   m.attr("DTYPE_FLOAT16") = static_cast<int>(kF16);
   m.attr("DTYPE_BFLOAT16") = static_cast<int>(kBF16);
+  m.attr("DTYPE_Q8") = static_cast<int>(kQ8);
+  m.attr("Q8_BLOCK") = kQ8Block;
   m.attr("TILE") = kMinPerThread;  // elements per thread below which fewer threads run
 
   m.def("adam_step", &adam_step, py::call_guard<py::gil_scoped_release>(), py::arg("param_ptr"),
@@ -274,17 +383,19 @@ PYBIND11_MODULE(_cpu_adam, m) {
         py::arg("out_ptr"), py::arg("out_dtype"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"),
         py::arg("grad_scale"), py::arg("exp_avg_dtype") = 0, py::arg("exp_avg_sq_dtype") = 0,
-        py::arg("decay_runs") = py::none(), py::arg("bf16_rounding") = 0,
+        py::arg("decay_runs") = py::none(), py::arg("bf16_rounding") = 0, py::arg("exp_avg_scale_ptr") = 0,
+        py::arg("exp_avg_sq_scale_ptr") = 0,
         "One fused Adam/AdamW step over n elements at raw addresses (no validation of sizes!).\n"
         "decay_runs: optional [(start, end), ...] sorted disjoint element ranges that get weight_decay;\n"
         "the rest gets 0. Moments are fp32 (0) or bf16 (2) per exp_avg_dtype / exp_avg_sq_dtype.\n"
-        "bf16_rounding: a bf16 param_out rounded to nearest even (0) or by the split rule (1).");
+        "bf16_rounding: a bf16 param_out rounded to nearest even (0) or by the split rule (1).\n"
+        "An 8-bit moment (dtype 5): uint8 codes at its pointer, fp32 block scales at its scale pointer.");
   m.def("adam_step_remainder", &adam_step_remainder, py::call_guard<py::gil_scoped_release>(),
         py::arg("hi_ptr"), py::arg("lo_ptr"), py::arg("grad_ptr"), py::arg("grad_dtype"), py::arg("exp_avg_ptr"),
         py::arg("exp_avg_sq_ptr"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"),
         py::arg("grad_scale"), py::arg("exp_avg_dtype") = 0, py::arg("exp_avg_sq_dtype") = 0,
-        py::arg("decay_runs") = py::none(),
+        py::arg("decay_runs") = py::none(), py::arg("exp_avg_scale_ptr") = 0, py::arg("exp_avg_sq_scale_ptr") = 0,
         "adam_step with the fp32 param as (hi, lo) uint16 halves, updated in place (split rule).");
   m.def("stream_probe", &stream_probe, py::call_guard<py::gil_scoped_release>(), py::arg("param_ptr"),
         py::arg("grad_ptr"), py::arg("grad_dtype"), py::arg("exp_avg_ptr"), py::arg("exp_avg_sq_ptr"),
@@ -295,6 +406,13 @@ PYBIND11_MODULE(_cpu_adam, m) {
         py::arg("lo_ptr"), py::arg("n"), "fp32 x -> (hi, lo) uint16 halves by the split rule.");
   m.def("join_fp32", &join_fp32, py::call_guard<py::gil_scoped_release>(), py::arg("hi_ptr"), py::arg("lo_ptr"),
         py::arg("x_ptr"), py::arg("n"), "(hi, lo) uint16 halves -> fp32 x, the inverse of split_fp32.");
+  m.def("q8_quantize", &q8_quantize, py::call_guard<py::gil_scoped_release>(), py::arg("x_ptr"),
+        py::arg("codes_ptr"), py::arg("scales_ptr"), py::arg("n"), py::arg("is_exp_avg"),
+        "fp32 x -> 8-bit codes + one absmax scale per Q8_BLOCK elements (exp_avg's or exp_avg_sq's code).");
+  m.def("q8_dequantize", &q8_dequantize, py::call_guard<py::gil_scoped_release>(), py::arg("codes_ptr"),
+        py::arg("scales_ptr"), py::arg("x_ptr"), py::arg("n"), py::arg("is_exp_avg"),
+        "8-bit codes + block scales -> fp32 x (code value times its block's scale).");
+  m.def("q8_table", &q8_table, py::arg("is_exp_avg"), "The value of each of the 256 codes before scaling.");
   m.def("simd_level", []() { return std::string(kLevelNames[g_level]); });
   m.def("available_simd_levels", &available_levels);
   m.def("set_simd_level", [](const std::string& name) { g_level = parse_level(name); }, py::arg("name"));

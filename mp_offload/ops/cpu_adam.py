@@ -13,6 +13,11 @@ fp32 and stores them rounded to nearest even. ``decay_runs`` lets one call cover
 a whole slice whose elements take different weight decay (decayed matrices,
 undecayed biases and norms): one pass, one parallel region, the GIL released.
 
+Either moment may also be block-wise 8-bit (``Blockwise8``: uint8 codes and one
+fp32 absmax scale per ``Q8_BLOCK`` = 256 elements, a log code per moment; see
+``quantize_8bit``): each block is decoded, stepped in fp32 exactly as above and
+re-encoded in the same pass.
+
 ``adam_step_remainder`` is the same step for a bf16 model whose fp32 master is
 kept as two 16-bit halves (the kernel of the planned ``--store-param-remainders``):
 ``param_hi``, the bf16 param that goes to the device, and ``param_lo``, a remainder from which the
@@ -36,6 +41,7 @@ import itertools
 import math
 import numbers
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -43,14 +49,19 @@ from mp_offload import _cpu_adam as _C
 from mp_offload.cpu_threads import default_threads_per_rank
 
 __all__ = [
+    "Q8_BLOCK",
+    "Blockwise8",
     "CPUAdam",
     "adam_step",
     "adam_step_remainder",
     "available_simd_levels",
     "default_num_threads",
+    "dequantize_8bit",
     "get_num_threads",
     "join_fp32",
     "last_num_threads",
+    "q8_table",
+    "quantize_8bit",
     "set_num_threads",
     "set_simd_level",
     "simd_level",
@@ -67,6 +78,23 @@ _GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _OUT_DTYPES = (torch.float16, torch.bfloat16)
 _MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 _BF16_ROUNDING = {"nearest_even": 0, "split": 1}
+Q8_BLOCK = _C.Q8_BLOCK  # elements per scale of an 8-bit moment
+
+
+class Blockwise8(NamedTuple):
+    """A block-wise 8-bit moment: ``codes`` (uint8, one per element) and ``scales``
+    (fp32, the absmax of each block of Q8_BLOCK elements, the last one possibly
+    partial; NaN for a block that held an inf or NaN). Blocks count from codes[0]:
+    a view must start on a block (and its scales at that block) and end on one or
+    at its storage's end, so that no block is split between two calls."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @staticmethod
+    def zeros(n: int) -> Blockwise8:
+        """n elements of 0 (codes 0, scales 0)."""
+        return Blockwise8(torch.zeros(n, dtype=torch.uint8), torch.zeros(-(-n // Q8_BLOCK)))
 
 
 def default_num_threads() -> int:
@@ -138,6 +166,50 @@ def _check_tensor(fn: str, name: str, t, dtypes, numel: int | None, of: str = "p
         raise ValueError(f"{fn}: {name} has {t.numel()} elements, {of} has {numel}")
 
 
+def _check_moment(fn: str, name: str, t, numel: int, of: str = "param") -> None:
+    """A moment: an fp32/bf16 tensor, or a Blockwise8 whose blocks start at its first
+    element and end at its last (or at its storage's end: the one partial block)."""
+    if not isinstance(t, Blockwise8):
+        return _check_tensor(fn, name, t, _MOMENT_DTYPES, numel, of)
+    _check_tensor(fn, f"{name}.codes", t.codes, (torch.uint8,), numel, of)
+    blocks = -(-numel // Q8_BLOCK)
+    _check_tensor(
+        fn, f"{name}.scales", t.scales, (torch.float32,), blocks, f"{of}'s {numel} elements need"
+    )
+    at = t.codes.storage_offset()
+    if at % Q8_BLOCK:
+        raise ValueError(
+            f"{fn}: {name}.codes starts at element {at} of its storage, not on a block "
+            f"of {Q8_BLOCK} (8-bit moments are stepped in whole blocks)"
+        )
+    if numel % Q8_BLOCK and at + numel != t.codes.untyped_storage().nbytes():
+        raise ValueError(
+            f"{fn}: {name}.codes ends inside a block of {Q8_BLOCK} ({numel} elements from "
+            f"{at}); only the end of its storage may cut a block short"
+        )
+
+
+def _moment_args(m, v) -> tuple:
+    """The kernel's (exp_avg_dtype, exp_avg_sq_dtype, exp_avg_scale_ptr, exp_avg_sq_scale_ptr)."""
+    codes, ptrs = [], []
+    for t in (m, v):
+        q8 = isinstance(t, Blockwise8)
+        codes.append(_C.DTYPE_Q8 if q8 else _DTYPE_CODES[t.dtype])
+        ptrs.append(t.scales.data_ptr() if q8 else 0)
+    return (*codes, *ptrs)
+
+
+def _moment_bufs(name: str, t) -> dict:
+    """The tensors of a moment, named for the overlap check."""
+    if isinstance(t, Blockwise8):
+        return {f"{name}.codes": t.codes, f"{name}.scales": t.scales}
+    return {name: t}
+
+
+def _ptr(t) -> int:
+    return t.codes.data_ptr() if isinstance(t, Blockwise8) else t.data_ptr()
+
+
 def _check_no_overlap(fn: str, tensors: dict) -> None:
     """The kernel writes param/exp_avg/exp_avg_sq/param_out while reading all:
     any two sharing bytes would make the result depend on the vector width."""
@@ -199,21 +271,14 @@ def _check_buffers(fn, param, grad, exp_avg, exp_avg_sq, param_out) -> int:
     _check_tensor(fn, "param", param, (torch.float32,), None)
     n = param.numel()
     _check_tensor(fn, "grad", grad, _GRAD_DTYPES, n)
-    _check_tensor(fn, "exp_avg", exp_avg, _MOMENT_DTYPES, n)
-    _check_tensor(fn, "exp_avg_sq", exp_avg_sq, _MOMENT_DTYPES, n)
+    _check_moment(fn, "exp_avg", exp_avg, n)
+    _check_moment(fn, "exp_avg_sq", exp_avg_sq, n)
     if param_out is not None:
         _check_tensor(fn, "param_out", param_out, _OUT_DTYPES, n)
     if n:
-        _check_no_overlap(
-            fn,
-            {
-                "param": param,
-                "grad": grad,
-                "exp_avg": exp_avg,
-                "exp_avg_sq": exp_avg_sq,
-                "param_out": param_out,
-            },
-        )
+        moments = {**_moment_bufs("exp_avg", exp_avg), **_moment_bufs("exp_avg_sq", exp_avg_sq)}
+        bufs = {"param": param, "grad": grad, **moments, "param_out": param_out}
+        _check_no_overlap(fn, bufs)
     return n
 
 
@@ -319,6 +384,58 @@ def join_fp32(hi: torch.Tensor, lo: torch.Tensor, out: torch.Tensor | None = Non
     return out
 
 
+# ---------------------------------------------------------- 8-bit moments
+_Q8_KINDS = ("exp_avg", "exp_avg_sq")
+
+
+def _q8_kind(fn: str, moment) -> bool:
+    if moment not in _Q8_KINDS:
+        raise ValueError(f"{fn}: moment must be 'exp_avg' or 'exp_avg_sq', got {moment!r}")
+    return moment == "exp_avg"
+
+
+def q8_table(moment: str) -> torch.Tensor:
+    """The fp32 value of each of the 256 codes of ``moment`` ('exp_avg': sign bit 7
+    and 127 log steps of 2^(1/8) down to 2^-15.75; 'exp_avg_sq': 0 and 255 steps down
+    to 2^-31.75), before its block's scale: element = RN(table[code] * scale)."""
+    return torch.tensor(_C.q8_table(_q8_kind("q8_table", moment)), dtype=torch.float32)
+
+
+def quantize_8bit(x: torch.Tensor, moment: str, out: Blockwise8 | None = None) -> Blockwise8:
+    """fp32 ``x`` -> its Blockwise8 (scale = absmax per block, each element the code
+    nearest to RN(x / scale); NaN scale for a block with an inf or NaN), the code of
+    ``moment`` ('exp_avg' or 'exp_avg_sq'); into ``out`` if given."""
+    fn = "quantize_8bit"
+    is_m = _q8_kind(fn, moment)
+    _check_tensor(fn, "x", x, (torch.float32,), None)
+    n = x.numel()
+    out = Blockwise8.zeros(n) if out is None else out
+    _check_moment(fn, "out", out, n, of="x")
+    if n:
+        _check_no_overlap(fn, {"x": x, **_moment_bufs("out", out)})
+        _ensure_threads()
+        _C.q8_quantize(x.data_ptr(), out.codes.data_ptr(), out.scales.data_ptr(), n, is_m)
+    return out
+
+
+def dequantize_8bit(q: Blockwise8, moment: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Blockwise8 -> fp32 (each code's value times its block's scale), into ``out``
+    if given; the values adam_step steps from."""
+    fn = "dequantize_8bit"
+    is_m = _q8_kind(fn, moment)
+    if not isinstance(q, Blockwise8):
+        raise TypeError(f"{fn}: q must be a Blockwise8, got {type(q).__name__}")
+    n = q.codes.numel() if isinstance(q.codes, torch.Tensor) else 0
+    _check_moment(fn, "q", q, n, of="q.codes")
+    out = torch.empty(n) if out is None else out
+    _check_tensor(fn, "out", out, (torch.float32,), n, of="q.codes")
+    if n:
+        _check_no_overlap(fn, {**_moment_bufs("q", q), "out": out})
+        _ensure_threads()
+        _C.q8_dequantize(q.codes.data_ptr(), q.scales.data_ptr(), out.data_ptr(), n, is_m)
+    return out
+
+
 # ------------------------------------------------------------------ kernels
 def adam_step(
     param: torch.Tensor,
@@ -344,7 +461,8 @@ def adam_step(
     param: fp32 contiguous CPU (updated in place).
     exp_avg, exp_avg_sq: fp32 or bf16 (each on its own), contiguous CPU, same numel;
     updated in place (bf16 ones are widened, the step runs in fp32 and they are
-    stored rounded to nearest even, exactly like ``.to(torch.bfloat16)``).
+    stored rounded to nearest even, exactly like ``.to(torch.bfloat16)``); or a
+    Blockwise8 each (decoded, stepped in fp32, re-encoded as quantize_8bit does).
     grad: fp32/fp16/bf16 contiguous CPU, same numel; multiplied by grad_scale first
     (loss-scale unscaling and clipping folded into the same pass).
     param_out: optional fp16/bf16 contiguous CPU (pinned is fine), same numel;
@@ -367,12 +485,13 @@ def adam_step(
     if n == 0:
         return
     _ensure_threads()
+    mt, vt, ms, vs = _moment_args(exp_avg, exp_avg_sq)
     _C.adam_step(
         param.data_ptr(),
         grad.data_ptr(),
         _DTYPE_CODES[grad.dtype],
-        exp_avg.data_ptr(),
-        exp_avg_sq.data_ptr(),
+        _ptr(exp_avg),
+        _ptr(exp_avg_sq),
         0 if param_out is None else param_out.data_ptr(),
         0 if param_out is None else _DTYPE_CODES[param_out.dtype],
         n,
@@ -385,10 +504,12 @@ def adam_step(
         bool(adamw),
         bool(bias_correction),
         float(grad_scale),
-        _DTYPE_CODES[exp_avg.dtype],
-        _DTYPE_CODES[exp_avg_sq.dtype],
+        mt,
+        vt,
         runs,
         rounding,
+        ms,
+        vs,
     )
 
 
@@ -420,23 +541,25 @@ def adam_step_remainder(
     n = param_hi.numel()
     _check_tensor(fn, "param_lo", param_lo, (torch.int16,), n, of="param_hi")
     _check_tensor(fn, "grad", grad, _GRAD_DTYPES, n, of="param_hi")
-    _check_tensor(fn, "exp_avg", exp_avg, _MOMENT_DTYPES, n, of="param_hi")
-    _check_tensor(fn, "exp_avg_sq", exp_avg_sq, _MOMENT_DTYPES, n, of="param_hi")
+    _check_moment(fn, "exp_avg", exp_avg, n, of="param_hi")
+    _check_moment(fn, "exp_avg_sq", exp_avg_sq, n, of="param_hi")
     if n:
         bufs = {"param_hi": param_hi, "param_lo": param_lo, "grad": grad}
-        _check_no_overlap(fn, {**bufs, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
+        moments = {**_moment_bufs("exp_avg", exp_avg), **_moment_bufs("exp_avg_sq", exp_avg_sq)}
+        _check_no_overlap(fn, {**bufs, **moments})
     step = _as_step(fn, step)
     _check_hyper(fn, lr, beta1, beta2, eps, weight_decay, grad_scale)
     runs = None if decay_runs is None else _check_runs(fn, decay_runs, n)
     if n == 0:
         return
+    mt, vt, ms, vs = _moment_args(exp_avg, exp_avg_sq)
     _C.adam_step_remainder(
         param_hi.data_ptr(),
         param_lo.data_ptr(),
         grad.data_ptr(),
         _DTYPE_CODES[grad.dtype],
-        exp_avg.data_ptr(),
-        exp_avg_sq.data_ptr(),
+        _ptr(exp_avg),
+        _ptr(exp_avg_sq),
         n,
         step,
         float(lr),
@@ -447,9 +570,11 @@ def adam_step_remainder(
         bool(adamw),
         bool(bias_correction),
         float(grad_scale),
-        _DTYPE_CODES[exp_avg.dtype],
-        _DTYPE_CODES[exp_avg_sq.dtype],
+        mt,
+        vt,
         runs,
+        ms,
+        vs,
     )
 
 
@@ -467,6 +592,8 @@ def stream_probe(
     independent patterns). OVERWRITES param/exp_avg/exp_avg_sq/param_out with
     junk: give it scratch buffers."""
     fn = "stream_probe"
+    if isinstance(exp_avg, Blockwise8) or isinstance(exp_avg_sq, Blockwise8):
+        raise TypeError(f"{fn}: 8-bit (Blockwise8) moments have no probe; pass fp32/bf16 tensors")
     n = _check_buffers(fn, param, grad, exp_avg, exp_avg_sq, param_out)
     if n == 0:
         return 0.0
