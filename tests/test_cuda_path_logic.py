@@ -15,6 +15,8 @@ from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer import host_memory, zero
 from mp_offload.optimizer.host_accumulator import HostAccumulator
 from mp_offload.optimizer.layout import FlatLayout
+from mp_offload.optimizer.options import OptimizerOptions
+from mp_offload.optimizer.placement import placement
 from mp_offload.optimizer.reducer import GradientReducer, GradTargets
 from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.training import train_step
@@ -198,14 +200,9 @@ def test_copy_stream_order_and_buffer_reuse_through_a_fake():
     for copier in (fake, None):  # the CUDA wiring (staging + copy stream) vs on-device sums
         model = _model()
         layout = FlatLayout(list(model.named_parameters()), 1, 0, 0, 600)
+        o = OptimizerOptions(cpu_offload=copier is not None, micro_batches=2)
         reducer = GradientReducer(
-            layout,
-            SINGLE,
-            torch.device("cpu"),
-            torch.float32,
-            offload=copier is not None,
-            micro_batches=2,
-            copier=copier,
+            layout, SINGLE, torch.device("cpu"), placement(layout, o, "cpu"), copier=copier
         )
         n = layout.host_numel
         reducer.start_step(
@@ -250,19 +247,15 @@ def test_each_copy_is_queued_when_its_bucket_launches(micro_batches, on_device):
     bucket_of = {id(s.param): s.bucket for s in layout.slots}
     for s in layout.slots:  # registered first: runs before the reducer's own hook
         s.param.register_post_accumulate_grad_hook(lambda p: log.append(("grad", bucket_of[id(p)])))
+    o = OptimizerOptions(
+        dtype=torch.bfloat16, micro_batches=micro_batches, accumulate_on_device=on_device
+    )
     reducer = GradientReducer(
-        layout,
-        SINGLE,
-        torch.device("cpu"),
-        torch.bfloat16,
-        offload=True,
-        micro_batches=micro_batches,
-        accumulate_on_device=on_device,
-        copier=fake,
+        layout, SINGLE, torch.device("cpu"), placement(layout, o, "cpu"), copier=fake
     )
     n = layout.host_numel
-    staging = torch.empty(n, dtype=getattr(reducer, "staging_dtype", torch.bfloat16))
-    grads = None if reducer.direct else torch.empty(n)
+    staging = torch.empty(n, dtype=reducer.staging_dtype)
+    grads = None if reducer.adam_reads_staging else torch.empty(n)
     reducer.start_step(GradTargets(staging=staging, grads=grads))
     at = {b.host_offset: b.index for b in layout.buckets}
     for micro in range(micro_batches):
@@ -429,7 +422,12 @@ def test_norm_parts_on_two_devices_cross_once(monkeypatch):
     and cross to the host once, not once per bucket ("meta" stands in for the GPU)."""
     model = _model()
     layout = FlatLayout(list(model.named_parameters()), 1, 0, 0, 600)
-    reducer = GradientReducer(layout, SINGLE, torch.device("cpu"), torch.float32, offload=False)
+    reducer = GradientReducer(
+        layout,
+        SINGLE,
+        torch.device("cpu"),
+        placement(layout, OptimizerOptions(cpu_offload=False), "cpu"),
+    )
     reducer.micro = reducer.micro_batches
     host = [torch.full((), 2.0, dtype=torch.float64) for _ in range(3)]
     reducer._norm_parts = host + [torch.empty((), dtype=torch.float64, device="meta")] * 4
@@ -486,14 +484,9 @@ def _early_copy_dp2_worker(rank, world):
     for copier in (_FakeCopyStream(), None):
         model = _model()
         layout = FlatLayout(list(model.named_parameters()), dp.size, dp.rank, 0, 600)
+        o = OptimizerOptions(dtype=torch.bfloat16, micro_batches=2)
         reducer = GradientReducer(
-            layout,
-            dp,
-            torch.device("cpu"),
-            torch.bfloat16,
-            offload=True,
-            micro_batches=2,
-            copier=copier,
+            layout, dp, torch.device("cpu"), placement(layout, o, "cpu"), copier=copier
         )
         n = layout.host_numel
         reducer.start_step(

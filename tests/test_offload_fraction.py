@@ -20,6 +20,7 @@ from mp_offload.data.loader import MockGPTDataset
 from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer.adam_math import fused_adamw_available, torch_adam_step
 from mp_offload.optimizer.device_share import DeviceShare, actual_fraction, split_buckets
+from mp_offload.optimizer.placement import STATE
 from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.planner import (
     EXACT,
@@ -141,7 +142,7 @@ def test_fused_device_adam_equals_the_torch_restatement():
     adam_math.torch_adam_step over the same runs: decay on some, clipping scale, 5 steps."""
     torch.manual_seed(0)
     runs = [(0, 300, True), (300, 310, False), (310, 1000, True), (1000, 1024, False)]
-    share = DeviceShare(1024, torch.device("cpu"), runs)
+    share = DeviceShare({k: torch.zeros(1024) for k in STATE}, runs)
     assert share.fused
     share.master.copy_(torch.randn(1024))
     p, m, v = share.master.clone(), torch.zeros(1024), torch.zeros(1024)

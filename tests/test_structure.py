@@ -140,7 +140,6 @@ def _long_functions() -> list[str]:
 KNOWN_LONG = {
     "mp_offload.planner.answer.launch_command",
     "mp_offload.planner.search.paper_rows",
-    "mp_offload.optimizer.zero.__init__",
     "mp_offload.data.preprocess.preprocess",
     "mp_offload.data.default_corpus.prepare_default_corpus",
 }

@@ -131,6 +131,16 @@ class FlatLayout:
                 )
         return segs
 
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """This DP rank's chunk of each bucket, in slice order."""
+        return tuple(b.chunk for b in self.buckets)
+
+    @property
+    def max_bucket(self) -> int:
+        """Elements of one gradient bucket buffer (the largest bucket)."""
+        return max(b.numel for b in self.buckets)
+
     def owned_pieces(self):
         """(slot, flat-offset-in-param, host offset, length) for every owned piece of a param."""
         for b in self.buckets:

@@ -133,6 +133,11 @@ class RankShapes:
     num_buckets: int
     chunks: tuple[int, ...] = ()  # this DP rank's chunk of each bucket, in slice order
 
+    @property
+    def numel(self) -> int:
+        """The flat buffer, as ``FlatLayout.numel`` (what ``placement`` reads)."""
+        return self.flat_numel
+
     def device_share(self, offload_fraction: float) -> int:
         """Elements of the slice kept on the device at this offload fraction (the
         optimizer's own split, ``device_share.split_buckets``)."""
