@@ -204,7 +204,7 @@ def test_copy_stream_order_and_buffer_reuse_through_a_fake():
         reducer = GradientReducer(
             layout, SINGLE, torch.device("cpu"), placement(layout, o, "cpu"), copier=copier
         )
-        n = layout.host_numel
+        n = layout.slice_numel
         reducer.start_step(
             GradTargets(
                 staging=torch.empty(n) if copier else None, grads=torch.full((n,), float("nan"))
@@ -253,11 +253,11 @@ def test_each_copy_is_queued_when_its_bucket_launches(micro_batches, on_device):
     reducer = GradientReducer(
         layout, SINGLE, torch.device("cpu"), placement(layout, o, "cpu"), copier=fake
     )
-    n = layout.host_numel
+    n = layout.slice_numel
     staging = torch.empty(n, dtype=reducer.staging_dtype)
     grads = None if reducer.adam_reads_staging else torch.empty(n)
     reducer.start_step(GradTargets(staging=staging, grads=grads))
-    at = {b.host_offset: b.index for b in layout.buckets}
+    at = {b.slice_offset: b.index for b in layout.buckets}
     for micro in range(micro_batches):
         first = len(fake.dsts)
         _loss(model, micro).backward()
@@ -381,7 +381,7 @@ def test_adam_runs_per_bucket_and_each_upload_follows_its_piece():
     )
     log, calls = [], []
     adam, upload = opt._adam, opt._upload
-    start = {b.host_offset: b.index for b in opt.layout.buckets}
+    start = {b.slice_offset: b.index for b in opt.layout.buckets}
 
     def logged_adam(param, *a, **k):
         h = (param.data_ptr() - opt.master.data_ptr()) // 4
@@ -408,7 +408,7 @@ def test_adam_runs_per_bucket_and_each_upload_follows_its_piece():
         master, grad, m, v = state
         out = torch.empty_like(opt.param_staging)
         k = dict(calls[0], param_out=out)
-        runs = clip_runs(opt.layout.decay_runs(), 0, opt.layout.host_numel)
+        runs = clip_runs(opt.layout.decay_runs(), 0, opt.layout.slice_numel)
         k["decay_runs"] = [(lo, hi) for lo, hi, decay in runs if decay]
         adam_step(master, grad, m, v, **k)
         for mine, whole in zip((opt.master, opt.exp_avg, opt.exp_avg_sq), (master, m, v)):
@@ -488,7 +488,7 @@ def _early_copy_dp2_worker(rank, world):
         reducer = GradientReducer(
             layout, dp, torch.device("cpu"), placement(layout, o, "cpu"), copier=copier
         )
-        n = layout.host_numel
+        n = layout.slice_numel
         reducer.start_step(
             GradTargets(staging=torch.empty(n, dtype=torch.bfloat16), grads=torch.empty(n))
         )

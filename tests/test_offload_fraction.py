@@ -113,7 +113,7 @@ def test_fraction_one_is_todays_offload_and_zero_is_zero2():
 
 def test_device_share_holds_the_first_buckets_and_only_the_rest_crosses():
     model, opt = _single(0.5, dtype=torch.bfloat16)
-    n, split = opt.layout.host_numel, opt.split
+    n, split = opt.layout.slice_numel, opt.share_numel
     assert 0 < opt.device_buckets < len(opt.layout.buckets)
     assert split == sum(b.chunk for b in opt.layout.buckets[: opt.device_buckets])
     assert opt.actual_offload_fraction == pytest.approx(1 - split / n)

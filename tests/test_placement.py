@@ -65,8 +65,8 @@ def test_the_optimizer_allocates_exactly_its_placement(kw):
             assert (t.numel(), t.dtype, t.device.type) == (buf.numel, buf.dtype, "cpu"), buf
     offloaded = kw.get("cpu_offload", True) and kw.get("offload_fraction") != 0.0
     assert opt.cpu_offload == opt.placement.offloaded == offloaded
-    assert opt.split == opt.placement.share_numel
-    assert (opt.split > 0) == (kw.get("offload_fraction") == 0.5)
+    assert opt.share_numel == opt.placement.share_numel
+    assert (opt.share_numel > 0) == (kw.get("offload_fraction") == 0.5)
 
 
 @pytest.mark.parametrize("kw", OPTIONS)

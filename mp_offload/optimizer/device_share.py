@@ -104,7 +104,7 @@ class DeviceShare:
         """Copy (and round) the new master of ``buckets`` into the flat parameter buffer."""
         for b in buckets:
             lo, hi = b.chunk_range(dp_rank)
-            flat[lo:hi].copy_(self.master[b.host_offset : b.host_offset + b.chunk])
+            flat[lo:hi].copy_(self.master[b.slice_offset : b.slice_offset + b.chunk])
 
     def memory_bytes(self) -> dict[str, int]:
         return {

@@ -158,14 +158,14 @@ class GradientReducer:
     def _ranges_for_norm(self) -> list[list[tuple[int, int]]]:
         """Per bucket, the ranges of its chunk that count for the norm (merged runs)."""
         out: list[list[tuple[int, int]]] = [[] for _ in self.layout.buckets]
-        starts = [b.host_offset for b in self.layout.buckets]
+        starts = [b.slice_offset for b in self.layout.buckets]
         b = 0
         for seg in self.layout.segments:
-            while b + 1 < len(starts) and seg.host_start >= starts[b + 1]:
+            while b + 1 < len(starts) and seg.slice_start >= starts[b + 1]:
                 b += 1
-            if not seg.counts_for_norm or seg.host_end <= seg.host_start:
+            if not seg.counts_for_norm or seg.slice_end <= seg.slice_start:
                 continue
-            a, z = seg.host_start - starts[b], seg.host_end - starts[b]
+            a, z = seg.slice_start - starts[b], seg.slice_end - starts[b]
             if out[b] and out[b][-1][1] == a:
                 out[b][-1] = (out[b][-1][0], z)
             else:
@@ -294,7 +294,7 @@ class GradientReducer:
     def _reduce_on_device(self, b, out: torch.Tensor) -> None:
         """The device's part of a reduced chunk: its norm where it is final, and the copy
         or add into the device gradient (no offload, or a bucket of the device share)."""
-        lo, hi = b.host_offset, b.host_offset + b.chunk
+        lo, hi = b.slice_offset, b.slice_offset + b.chunk
         ranges, final = self._norm_ranges[b.index], self._last_micro_batch
         # With device accumulation a chunk is delivered once per step: it is the whole sum.
         overwrite = self.micro == 0 or self.accumulate_on_device
@@ -312,7 +312,7 @@ class GradientReducer:
     def _copy_down(self, b, out: torch.Tensor, work):
         """Copy one reduced chunk into the host staging (after ``work``, its collective);
         queue the host sum of it; returns the copy's event (None: copied already)."""
-        lo = b.host_offset - self.share_numel  # host buffers start after the device share
+        lo = b.slice_offset - self.share_numel  # host buffers start after the device share
         stage = self.targets.staging[lo : lo + b.chunk]
         self.bytes_down += b.chunk * out.element_size()
         landed = None

@@ -122,9 +122,9 @@ class ZeroOptimizer:
 
     # ---------------------------------------------------------------- set-up
     @property
-    def split(self) -> int:
+    def share_numel(self) -> int:
         """Elements of the slice updated on the device (partial offload); host buffers
-        hold the rest, at slice offset - split."""
+        hold the rest, at slice offset - share_numel."""
         return self.placement.share_numel
 
     @property
@@ -140,20 +140,20 @@ class ZeroOptimizer:
 
     def _make_share(self) -> DeviceShare | None:
         """Partial offload: the device share's state (its buckets' decay runs)."""
-        if not self.split:
+        if not self.share_numel:
             return None
         state = {k: self._allocate("share." + k)[0] for k in STATE}
-        return DeviceShare(state, clip_runs(self.layout.decay_runs(), 0, self.split))
+        return DeviceShare(state, clip_runs(self.layout.decay_runs(), 0, self.share_numel))
 
     def _place_model(self, model: torch.nn.Module) -> None:
         """fp32 CPU weights -> master slice, then params become views of one flat buffer."""
-        for slot, p_off, h_off, length in self.layout.owned_pieces():
+        for slot, p_off, offset, length in self.layout.owned_pieces():
             src = slot.param.detach().reshape(-1)[p_off : p_off + length]
             # A piece lies inside one bucket's chunk, so wholly on one side of the split.
             dst = (
-                self.share.master[h_off:]
-                if h_off < self.split
-                else self.master[h_off - self.split :]
+                self.share.master[offset:]
+                if offset < self.share_numel
+                else self.master[offset - self.share_numel :]
             )
             dst[:length].copy_(src)
         (self.flat,) = self._allocate("params")
@@ -174,13 +174,13 @@ class ZeroOptimizer:
         for b in reversed(self.layout.buckets[self.device_buckets :]):
             if b.chunk == 0:
                 continue
-            h = b.host_offset - self.split
-            runs = clip_runs(self.layout.decay_runs(), b.host_offset, b.host_offset + b.chunk)
+            h = b.slice_offset - self.share_numel
+            runs = clip_runs(self.layout.decay_runs(), b.slice_offset, b.slice_offset + b.chunk)
             pieces.append((b, h, b.chunk, [(lo, hi) for lo, hi, decay in runs if decay]))
         if self.cpu_offload:
             return pieces, pieces
-        runs = clip_runs(self.layout.decay_runs(), self.split, self.layout.host_numel)
-        n = self.layout.host_numel - self.split
+        runs = clip_runs(self.layout.decay_runs(), self.share_numel, self.layout.slice_numel)
+        n = self.layout.slice_numel - self.share_numel
         return pieces, [(None, 0, n, [(lo, hi) for lo, hi, decay in runs if decay])]
 
     def _pick_adam(self):
@@ -405,7 +405,7 @@ class ZeroOptimizer:
     # ---------------------------------------------------------------- reports
     def stats(self) -> dict:
         steps = max(self.step_calls, 1)
-        owned = max(self.layout.host_numel, 1)
+        owned = max(self.layout.slice_numel, 1)
         moved = self.reducer.bytes_down + self.bytes_up
         return dict(
             host_device_bytes_per_param=moved / steps / owned, pinned_host_bytes=self.pinned_bytes()
@@ -444,11 +444,11 @@ class ZeroOptimizer:
         fmt = lambda d: ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in d.items())  # noqa
         split = (
             f"; offload fraction {self.actual_offload_fraction:.3f} (asked "
-            f"{self.offload_fraction:g}): the device updates {self.split} of them"
+            f"{self.offload_fraction:g}): the device updates {self.share_numel} of them"
             if self.cpu_offload and self.offload_fraction < 1
             else ""
         )
         return (
             f"rank memory: device [{fmt(rep['device'])}] host [{fmt(rep['host'])}] "
-            f"(owned {self.layout.host_numel} of {self.layout.numel} elements{split})"
+            f"(owned {self.layout.slice_numel} of {self.layout.numel} elements{split})"
         )

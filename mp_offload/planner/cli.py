@@ -194,7 +194,7 @@ def _fraction_line(run: Run, hw: Hardware) -> tuple[Run, str]:
     return replace(run, offload_fraction=f), (
         f"offload fraction: --optimizer-offload-fraction {f:g}{zero2} (the largest device "
         f"share that fits {hw.device_usable_gb:.1f} GiB: the first {kept:,} of each rank's "
-        f"{s.host_numel:,} elements, {kept / s.host_numel:.1%} of its optimizer state, stay on "
+        f"{s.slice_numel:,} elements, {kept / s.slice_numel:.1%} of its optimizer state, stay on "
         f"the device; "
         f"device peak {plan.device_peak / GiB:.2f} GiB)"
     )

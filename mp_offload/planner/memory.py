@@ -12,19 +12,19 @@ by category; the formulas say what it places):
                        only if more than two buckets are filling at once.
   device grad_accumulation  4 * flat_numel with --accumulate-grads-on-device (k > 1): the
                        micro-batches are summed in fp32, as the host sums them
-  master / exp_avg / exp_avg_sq  4 * host_numel each (moments 2 in bf16): 12Ψ/(T·D)
+  master / exp_avg / exp_avg_sq  4 * slice_numel each (moments 2 in bf16): 12Ψ/(T·D)
                        on the host with offload (8 with bf16 moments), on the device without
   partial offload      --optimizer-offload-fraction F < 1: the slice's first buckets (about
                        1 - F of it) keep master, moments and an fp32 gradient (4 B) on the
                        device; every host category above counts the rest only
-  grads                4 * host_numel (twice with DPU), the fp32 sum of k > 1 micro-batches
+  grads                4 * slice_numel (twice with DPU), the fp32 sum of k > 1 micro-batches
                        accumulated on the host, or any gradient without offload; none with
                        offload when one chunk per step is the whole gradient (k = 1 or
                        device accumulation): Adam reads the staging
-  host staging         offload only, pinned at its exact size: e * host_numel for the new
+  host staging         offload only, pinned at its exact size: e * slice_numel for the new
                        low-precision params (not in fp32; none on a CPU "device" with one
                        DP rank and no DPU, where Adam writes the params in place) +
-                       r * host_numel for gradients coming down (4 * host_numel, the fp32
+                       r * slice_numel for gradients coming down (4 * slice_numel, the fp32
                        sum, with device accumulation; twice with DPU when Adam reads them
                        directly)
   (r: bytes of the reduce dtype, e unless --accumulate-allreduce-grads-in-fp32)
@@ -303,7 +303,7 @@ def format_rank(rp: RankPlan, run: Run) -> str:
         f"({len(rp.tp_ranks) * run.dp} of {run.world} ranks)",
         f"    this TP rank's params {s.params:,} ({s.sharded:,} split over TP, "
         f"{s.replicated:,} replicated); flat buffer {s.flat_numel:,} elements in "
-        f"{s.num_buckets} buckets (largest {s.max_bucket:,}); host slice {s.host_numel:,}",
+        f"{s.num_buckets} buckets (largest {s.max_bucket:,}); host slice {s.slice_numel:,}",
         f"    {'device':<14}{'GiB':>9}      {'host (this rank)':<18}{'GiB':>9}",
     ]
     dev, host = list(rp.device.items()), list(rp.host.items())
@@ -364,7 +364,7 @@ def _fraction(plan: JobPlan) -> str:
     kept = s.device_share(run.offload_fraction)
     return (
         f" with --optimizer-offload-fraction {run.offload_fraction:g} (actual "
-        f"{1 - kept / s.host_numel:.4f}: the device keeps {kept:,} of {s.host_numel:,})"
+        f"{1 - kept / s.slice_numel:.4f}: the device keeps {kept:,} of {s.slice_numel:,})"
     )
 
 
