@@ -327,7 +327,7 @@ class ZeroOptimizer:
         if not uploaded:
             for b, h, n, _ in self._pieces:
                 self._upload(b, h, n)
-        if self.device.type == "cuda" and self.cpu_offload:
+        if self.placement.pinned:  # CUDA with offload: the copies up are asynchronous
             self._uploaded = torch.cuda.Event(blocking=True)  # waited on by a (DPU) thread
             self._uploaded.record()
         if self.dp > 1:
@@ -436,8 +436,7 @@ class ZeroOptimizer:
 
     def pinned_bytes(self) -> int:
         """Host bytes page-locked for asynchronous copies (exactly the staging, on CUDA)."""
-        pin = self.device.type == "cuda" and self.cpu_offload
-        return self.memory_bytes()["host"]["staging"] if pin else 0
+        return self.memory_bytes()["host"]["staging"] if self.placement.pinned else 0
 
     def memory_report(self) -> str:
         rep = self.memory_bytes()
