@@ -135,8 +135,8 @@ def bench_row(row: str) -> int:
     reducer_mod.GradientReducer._host_accumulate = timed_acc
     opt, params, consts = build(k, on_device)
     opt.step = step_t.wrap(opt.step)
-    n = opt.layout.host_numel
-    grad_dtype = torch.bfloat16 if opt.reducer.direct else torch.float32
+    n = opt.layout.slice_numel
+    grad_dtype = torch.bfloat16 if opt.reducer.adam_reads_staging else torch.float32
     p, m, v = (torch.rand(n) for _ in range(3))
     g = torch.randn(n).to(grad_dtype)
     out = torch.empty(n, dtype=torch.bfloat16)

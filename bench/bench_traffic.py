@@ -4,7 +4,7 @@ Each row is a short ``pretrain()`` run (mock data, a small GPT, ``--cpu-offload`
 optimizer object is captured and its own counters are read afterwards:
 ``bytes_down`` (each reduced gradient chunk copied to the host, counted once per
 micro-batch) and ``bytes_up`` (the new parameter slice copied back, once per step),
-divided by the parameters this rank owns (``layout.host_numel``) and by the
+divided by the parameters this rank owns (``layout.slice_numel``) and by the
 iterations run. DP=1 rows run in this process; DP>1 rows under ``torchrun``
 (every rank's counters are read; they agree).
 
@@ -84,7 +84,7 @@ def measure(pretrain_argv) -> dict:
         bytes_up=opt.bytes_up,
         steps=opt.step_count,
         iterations=summary["iteration"],
-        owned=opt.layout.host_numel,
+        owned=opt.layout.slice_numel,
         total_params=opt.layout.numel,
         step_stats=opt.stats()["host_device_bytes_per_param"],
         skipped=summary.get("skipped_iterations", 0),

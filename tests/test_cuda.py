@@ -173,7 +173,7 @@ def test_staging_is_pinned_at_its_exact_size():
     model = _model()
     opt = _zero(model, dtype=torch.bfloat16, cpu_offload=True)
     assert opt.param_staging.is_pinned() and opt.grad_staging[0].is_pinned()
-    assert opt.pinned_bytes() == 2 * 2 * opt.layout.host_numel
+    assert opt.pinned_bytes() == 2 * 2 * opt.layout.slice_numel
     # registered memory bypasses the power-of-two caching host allocator: its count stays
     assert host_allocated_bytes(torch.cuda.host_memory_stats()) == before
     _run(opt, model, 2)

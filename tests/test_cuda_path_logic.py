@@ -15,6 +15,8 @@ from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer import host_memory, zero
 from mp_offload.optimizer.host_accumulator import HostAccumulator
 from mp_offload.optimizer.layout import FlatLayout
+from mp_offload.optimizer.options import OptimizerOptions
+from mp_offload.optimizer.placement import placement
 from mp_offload.optimizer.reducer import GradientReducer, GradTargets
 from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.training import train_step
@@ -198,16 +200,11 @@ def test_copy_stream_order_and_buffer_reuse_through_a_fake():
     for copier in (fake, None):  # the CUDA wiring (staging + copy stream) vs on-device sums
         model = _model()
         layout = FlatLayout(list(model.named_parameters()), 1, 0, 0, 600)
+        o = OptimizerOptions(cpu_offload=copier is not None, micro_batches=2)
         reducer = GradientReducer(
-            layout,
-            SINGLE,
-            torch.device("cpu"),
-            torch.float32,
-            offload=copier is not None,
-            micro_batches=2,
-            copier=copier,
+            layout, SINGLE, torch.device("cpu"), placement(layout, o, "cpu"), copier=copier
         )
-        n = layout.host_numel
+        n = layout.slice_numel
         reducer.start_step(
             GradTargets(
                 staging=torch.empty(n) if copier else None, grads=torch.full((n,), float("nan"))
@@ -250,21 +247,17 @@ def test_each_copy_is_queued_when_its_bucket_launches(micro_batches, on_device):
     bucket_of = {id(s.param): s.bucket for s in layout.slots}
     for s in layout.slots:  # registered first: runs before the reducer's own hook
         s.param.register_post_accumulate_grad_hook(lambda p: log.append(("grad", bucket_of[id(p)])))
-    reducer = GradientReducer(
-        layout,
-        SINGLE,
-        torch.device("cpu"),
-        torch.bfloat16,
-        offload=True,
-        micro_batches=micro_batches,
-        accumulate_on_device=on_device,
-        copier=fake,
+    o = OptimizerOptions(
+        dtype=torch.bfloat16, micro_batches=micro_batches, accumulate_on_device=on_device
     )
-    n = layout.host_numel
-    staging = torch.empty(n, dtype=getattr(reducer, "staging_dtype", torch.bfloat16))
-    grads = None if reducer.direct else torch.empty(n)
+    reducer = GradientReducer(
+        layout, SINGLE, torch.device("cpu"), placement(layout, o, "cpu"), copier=fake
+    )
+    n = layout.slice_numel
+    staging = torch.empty(n, dtype=reducer.staging_dtype)
+    grads = None if reducer.adam_reads_staging else torch.empty(n)
     reducer.start_step(GradTargets(staging=staging, grads=grads))
-    at = {b.host_offset: b.index for b in layout.buckets}
+    at = {b.slice_offset: b.index for b in layout.buckets}
     for micro in range(micro_batches):
         first = len(fake.dsts)
         _loss(model, micro).backward()
@@ -388,7 +381,7 @@ def test_adam_runs_per_bucket_and_each_upload_follows_its_piece():
     )
     log, calls = [], []
     adam, upload = opt._adam, opt._upload
-    start = {b.host_offset: b.index for b in opt.layout.buckets}
+    start = {b.slice_offset: b.index for b in opt.layout.buckets}
 
     def logged_adam(param, *a, **k):
         h = (param.data_ptr() - opt.master.data_ptr()) // 4
@@ -415,7 +408,7 @@ def test_adam_runs_per_bucket_and_each_upload_follows_its_piece():
         master, grad, m, v = state
         out = torch.empty_like(opt.param_staging)
         k = dict(calls[0], param_out=out)
-        runs = clip_runs(opt.layout.decay_runs(), 0, opt.layout.host_numel)
+        runs = clip_runs(opt.layout.decay_runs(), 0, opt.layout.slice_numel)
         k["decay_runs"] = [(lo, hi) for lo, hi, decay in runs if decay]
         adam_step(master, grad, m, v, **k)
         for mine, whole in zip((opt.master, opt.exp_avg, opt.exp_avg_sq), (master, m, v)):
@@ -429,7 +422,12 @@ def test_norm_parts_on_two_devices_cross_once(monkeypatch):
     and cross to the host once, not once per bucket ("meta" stands in for the GPU)."""
     model = _model()
     layout = FlatLayout(list(model.named_parameters()), 1, 0, 0, 600)
-    reducer = GradientReducer(layout, SINGLE, torch.device("cpu"), torch.float32, offload=False)
+    reducer = GradientReducer(
+        layout,
+        SINGLE,
+        torch.device("cpu"),
+        placement(layout, OptimizerOptions(cpu_offload=False), "cpu"),
+    )
     reducer.micro = reducer.micro_batches
     host = [torch.full((), 2.0, dtype=torch.float64) for _ in range(3)]
     reducer._norm_parts = host + [torch.empty((), dtype=torch.float64, device="meta")] * 4
@@ -486,16 +484,11 @@ def _early_copy_dp2_worker(rank, world):
     for copier in (_FakeCopyStream(), None):
         model = _model()
         layout = FlatLayout(list(model.named_parameters()), dp.size, dp.rank, 0, 600)
+        o = OptimizerOptions(dtype=torch.bfloat16, micro_batches=2)
         reducer = GradientReducer(
-            layout,
-            dp,
-            torch.device("cpu"),
-            torch.bfloat16,
-            offload=True,
-            micro_batches=2,
-            copier=copier,
+            layout, dp, torch.device("cpu"), placement(layout, o, "cpu"), copier=copier
         )
-        n = layout.host_numel
+        n = layout.slice_numel
         reducer.start_step(
             GradTargets(staging=torch.empty(n, dtype=torch.bfloat16), grads=torch.empty(n))
         )

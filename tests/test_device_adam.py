@@ -18,6 +18,7 @@ from mp_offload.optimizer.adam_math import (
     torch_adam_step,
 )
 from mp_offload.optimizer.device_share import DeviceShare
+from mp_offload.optimizer.placement import STATE
 from mp_offload.optimizer.zero import ZeroOptimizer
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -52,7 +53,7 @@ def test_no_fused_kernel_falls_back_to_the_torch_ops(monkeypatch):
         lambda device_type: hasattr(torch, "_fused_adamw_"),
     )
     assert device_adam(torch.device("cuda"), F32, F32) is torch_adam_step
-    share = DeviceShare(8, torch.device("cpu"), [(0, 8, True)])
+    share = DeviceShare({k: torch.zeros(8) for k in STATE}, [(0, 8, True)])
     assert not share.fused
 
 

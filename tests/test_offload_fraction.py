@@ -20,6 +20,7 @@ from mp_offload.data.loader import MockGPTDataset
 from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer.adam_math import fused_adamw_available, torch_adam_step
 from mp_offload.optimizer.device_share import DeviceShare, actual_fraction, split_buckets
+from mp_offload.optimizer.placement import STATE
 from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.planner import (
     EXACT,
@@ -112,7 +113,7 @@ def test_fraction_one_is_todays_offload_and_zero_is_zero2():
 
 def test_device_share_holds_the_first_buckets_and_only_the_rest_crosses():
     model, opt = _single(0.5, dtype=torch.bfloat16)
-    n, split = opt.layout.host_numel, opt.split
+    n, split = opt.layout.slice_numel, opt.share_numel
     assert 0 < opt.device_buckets < len(opt.layout.buckets)
     assert split == sum(b.chunk for b in opt.layout.buckets[: opt.device_buckets])
     assert opt.actual_offload_fraction == pytest.approx(1 - split / n)
@@ -141,7 +142,7 @@ def test_fused_device_adam_equals_the_torch_restatement():
     adam_math.torch_adam_step over the same runs: decay on some, clipping scale, 5 steps."""
     torch.manual_seed(0)
     runs = [(0, 300, True), (300, 310, False), (310, 1000, True), (1000, 1024, False)]
-    share = DeviceShare(1024, torch.device("cpu"), runs)
+    share = DeviceShare({k: torch.zeros(1024) for k in STATE}, runs)
     assert share.fused
     share.master.copy_(torch.randn(1024))
     p, m, v = share.master.clone(), torch.zeros(1024), torch.zeros(1024)

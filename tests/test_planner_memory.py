@@ -53,7 +53,7 @@ def _check_against_optimizer(opt, cfg, tp, dp, tp_rank, bucket, offload, dpu, dt
         )
         shapes = rank_shapes(named, dp, bucket, tp_rank=tp_rank)
         assert shapes.flat_numel == opt.flat.numel()
-        assert shapes.host_numel == opt.layout.host_numel == opt.master.numel()
+        assert shapes.slice_numel == opt.layout.slice_numel == opt.master.numel()
         assert shapes.max_bucket == opt.reducer.max_bucket
         device, host, _ = plan_rank(run, shapes, Hardware())
         for place, plan in (("device", device), ("host", host)):
@@ -195,9 +195,9 @@ def test_modes_follow_the_design_formulas():
             == 16 * s.params
         )
         z = plans["zero2"].device
-        assert z["master"] + z["exp_avg"] + z["exp_avg_sq"] + z["grads"] == 16 * s.host_numel
+        assert z["master"] + z["exp_avg"] + z["exp_avg_sq"] + z["grads"] == 16 * s.slice_numel
         assert "master" not in plans["offload"].device
-        assert plans["offload"].host["staging"] == 4 * s.host_numel  # 2 up + 2 down (CUDA)
+        assert plans["offload"].host["staging"] == 4 * s.slice_numel  # 2 up + 2 down (CUDA)
 
 
 def test_device_reserve_keeps_the_10b_plan_off_the_last_gib(capsys):

@@ -112,5 +112,5 @@ def test_throughput_charges_only_the_passes_the_code_makes():
     slow_host = Machine(host_mem_gbs=1.0, pcie_gbs=1e6)
     acc = step_time(cfg, 1, slow_host, batch_per_gpu=16, micro_batch=4)
     bwd = step_time(cfg, 1, slow_host, batch_per_gpu=4, micro_batch=4).compute * 3 / 4
-    n = rank_shapes(spec_named_params(cfg, 1), 1, DEFAULT_BUCKET_SIZE).host_numel
+    n = rank_shapes(spec_named_params(cfg, 1), 1, DEFAULT_BUCKET_SIZE).slice_numel
     assert acc.accumulate == pytest.approx((6 + 3 * 10) * n / 1e9 - 4 * bwd)

@@ -308,7 +308,7 @@ def test_device_keeps_only_low_precision_params_and_fixed_buckets():
     assert rep["device"]["params"] == 2 * opt.flat.numel()
     numel = sum(p.numel() for p in model.parameters())
     assert rep["device"]["grad_buckets"] < 2 * numel / 2, "buckets must not scale with the model"
-    n = opt.layout.host_numel
+    n = opt.layout.slice_numel
     assert {k: rep["host"][k] for k in ("master", "exp_avg", "exp_avg_sq")} == {
         k: 4 * n for k in ("master", "exp_avg", "exp_avg_sq")
     }

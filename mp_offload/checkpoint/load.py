@@ -40,7 +40,7 @@ def _read_zero(read, manifest, optimizer, load_optim: bool):
     keys = ("master", "exp_avg", "exp_avg_sq") if load_optim else ("master",)
     if own is not None and own["layout"] == optimizer.layout.describe():
         return {k: own[k] for k in keys}, own, own  # exact resume: the slice as saved
-    tensors = {k: torch.zeros(optimizer.layout.host_numel) for k in keys}
+    tensors = {k: torch.zeros(optimizer.layout.slice_numel) for k in keys}
     # Re-partition: each parameter owns at most one piece of this slice; build it, copy it.
     for slot, p_off, h_off, n in optimizer.layout.owned_pieces():
         for k in keys:

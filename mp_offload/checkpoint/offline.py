@@ -162,7 +162,7 @@ def _zero_shard(plan: _Plan, tp_rank: int) -> dict:
     layout = FlatLayout(plan.local_meta_params(), 1, 0, tp_rank, plan.bucket_size)
     flat = {}
     for k in ("master", "exp_avg", "exp_avg_sq"):
-        flat[k] = torch.zeros(layout.host_numel)
+        flat[k] = torch.zeros(layout.slice_numel)
         for slot, p_off, h_off, n in layout.owned_pieces():
             src = plan.local(slot.name, k, tp_rank).reshape(-1)
             flat[k][h_off : h_off + n] = src[p_off : p_off + n]

@@ -54,26 +54,20 @@ def clip_runs(runs, lo: int, hi: int) -> list[tuple[int, int, bool]]:
 
 
 class DeviceShare:
-    """fp32 master, Adam moments and fp32 gradient of the slice's first ``numel`` elements,
-    on ``device``. ``decay_runs``: (start, end, decay) runs of that part (relative to it)."""
+    """fp32 master, Adam moments and fp32 gradient of the slice's first elements, on the
+    device. ``state``: those four tensors by name (``master``, ``exp_avg``,
+    ``exp_avg_sq``, ``grads``: allocated as ``placement.py`` places them);
+    ``decay_runs``: (start, end, decay) runs of that part (relative to it)."""
 
-    def __init__(
-        self,
-        numel: int,
-        device: torch.device,
-        decay_runs,
-        exp_avg_dtype: torch.dtype = torch.float32,
-        exp_avg_sq_dtype: torch.dtype = torch.float32,
-    ):
-        self.numel, self.device = numel, device
-        self.master = torch.zeros(numel, dtype=torch.float32, device=device)
-        self.exp_avg = torch.zeros(numel, dtype=exp_avg_dtype, device=device)
-        self.exp_avg_sq = torch.zeros(numel, dtype=exp_avg_sq_dtype, device=device)
-        # Every reduced chunk of these buckets is copied (first micro-batch) or added here.
-        self.grads = torch.zeros(numel, dtype=torch.float32, device=device)
+    def __init__(self, state: dict[str, torch.Tensor], decay_runs):
+        self.master, self.grads = state["master"], state["grads"]
+        self.exp_avg, self.exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        self.numel, self.device = self.master.numel(), self.master.device
+        # Every reduced chunk of these buckets is copied (first micro-batch) or added into
+        # ``grads``.
         self.decay_ranges = [(a, z) for a, z, decay in decay_runs if decay]
         # torch's fused AdamW where it runs and the moments are fp32 (adam_math.device_adam).
-        self._adam = device_adam(device, exp_avg_dtype, exp_avg_sq_dtype)
+        self._adam = device_adam(self.device, self.exp_avg.dtype, self.exp_avg_sq.dtype)
         self.fused = self._adam is fused_adam_step
 
     @torch.no_grad()
@@ -110,7 +104,7 @@ class DeviceShare:
         """Copy (and round) the new master of ``buckets`` into the flat parameter buffer."""
         for b in buckets:
             lo, hi = b.chunk_range(dp_rank)
-            flat[lo:hi].copy_(self.master[b.host_offset : b.host_offset + b.chunk])
+            flat[lo:hi].copy_(self.master[b.slice_offset : b.slice_offset + b.chunk])
 
     def memory_bytes(self) -> dict[str, int]:
         return {

@@ -3,7 +3,8 @@
 Parameters are laid out in reverse model order (the order backward produces their
 gradients) and grouped into buckets of about ``bucket_size`` elements, each padded
 to a multiple of ``dp * ALIGN``. Bucket b is reduce-scattered as a unit, so DP rank
-d owns the d-th chunk of every bucket; its host slice is those chunks back to back.
+d owns the d-th chunk of every bucket; its slice is those chunks back to back (its
+optimizer state: on the host with offload, on the device without, or split between them).
 The layout is a pure function of (parameter shapes, dp, bucket_size): every rank
 computes the same one, and checkpoints record it.
 """
@@ -35,7 +36,7 @@ class Bucket:
     end: int
     dp: int
     slots: list[Slot] = field(default_factory=list)
-    host_offset: int = 0  # where this rank's chunk starts in its host slice
+    slice_offset: int = 0  # where this rank's chunk starts in its slice
 
     @property
     def numel(self) -> int:
@@ -52,10 +53,10 @@ class Bucket:
 
 @dataclass
 class Segment:
-    """A run of this rank's host slice belonging to one parameter (or padding)."""
+    """A run of this rank's slice belonging to one parameter (or padding)."""
 
-    host_start: int
-    host_end: int
+    slice_start: int
+    slice_end: int
     decay: bool  # weight decay applies (matrices, not biases/LayerNorm)
     counts_for_norm: bool  # TP-sharded, or TP rank 0 (docs/DESIGN.md §2)
 
@@ -98,9 +99,9 @@ class FlatLayout:
         self.numel = offset  # padded total
         host = 0
         for b in self.buckets:
-            b.host_offset = host
+            b.slice_offset = host
             host += b.chunk
-        self.host_numel = host
+        self.slice_numel = host
         self.segments = self._segments(tp_rank)
 
     def _segments(self, tp_rank: int) -> list[Segment]:
@@ -114,12 +115,12 @@ class FlatLayout:
                     continue
                 if a > cursor:
                     segs.append(
-                        Segment(cursor - lo + b.host_offset, a - lo + b.host_offset, False, False)
+                        Segment(cursor - lo + b.slice_offset, a - lo + b.slice_offset, False, False)
                     )
                 segs.append(
                     Segment(
-                        a - lo + b.host_offset,
-                        z - lo + b.host_offset,
+                        a - lo + b.slice_offset,
+                        z - lo + b.slice_offset,
                         s.param.ndim > 1,
                         not is_duplicate_across_tp(s.param, tp_rank),
                     )
@@ -127,27 +128,37 @@ class FlatLayout:
                 cursor = z
             if cursor < hi:
                 segs.append(
-                    Segment(cursor - lo + b.host_offset, hi - lo + b.host_offset, False, False)
+                    Segment(cursor - lo + b.slice_offset, hi - lo + b.slice_offset, False, False)
                 )
         return segs
 
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """This DP rank's chunk of each bucket, in slice order."""
+        return tuple(b.chunk for b in self.buckets)
+
+    @property
+    def max_bucket(self) -> int:
+        """Elements of one gradient bucket buffer (the largest bucket)."""
+        return max(b.numel for b in self.buckets)
+
     def owned_pieces(self):
-        """(slot, flat-offset-in-param, host offset, length) for every owned piece of a param."""
+        """(slot, flat-offset-in-param, slice offset, length) for every owned piece of a param."""
         for b in self.buckets:
             lo, hi = b.chunk_range(self.dp_rank)
             for s in b.slots:
                 a, z = max(lo, s.start), min(hi, s.start + s.numel)
                 if a < z:
-                    yield s, a - s.start, a - lo + b.host_offset, z - a
+                    yield s, a - s.start, a - lo + b.slice_offset, z - a
 
     def decay_runs(self) -> list[tuple[int, int, bool]]:
-        """Maximal runs of the host slice with one weight-decay setting (one kernel call each)."""
+        """Maximal runs of the slice with one weight-decay setting (one kernel call each)."""
         runs: list[list] = []
         for seg in self.segments:
-            if runs and runs[-1][2] == seg.decay and runs[-1][1] == seg.host_start:
-                runs[-1][1] = seg.host_end
+            if runs and runs[-1][2] == seg.decay and runs[-1][1] == seg.slice_start:
+                runs[-1][1] = seg.slice_end
             else:
-                runs.append([seg.host_start, seg.host_end, seg.decay])
+                runs.append([seg.slice_start, seg.slice_end, seg.decay])
         return [tuple(r) for r in runs]
 
     def describe(self) -> dict:
@@ -156,7 +167,7 @@ class FlatLayout:
             dp=self.dp,
             bucket_size=self.bucket_size,
             numel=self.numel,
-            host_numel=self.host_numel,
+            host_numel=self.slice_numel,
             buckets=[dict(start=b.start, end=b.end) for b in self.buckets],
             slots=[
                 dict(name=s.name, start=s.start, numel=s.numel, shape=list(s.param.shape))

@@ -40,11 +40,10 @@ from ..ops.host_ops import accumulate_
 from ..parallel_state import ParallelGroup
 from .host_accumulator import HostAccumulator
 from .layout import FlatLayout
+from .placement import BUCKET_BUFFERS, Placement, allocate
 
 # torch >= 2.13 renamed the tensor collectives; keep working on older releases too.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-BUCKET_BUFFERS = 2  # gradient bucket buffers on the device (double buffering)
 
 
 class CopyStream:
@@ -115,27 +114,22 @@ class GradientReducer:
         layout: FlatLayout,
         dp: ParallelGroup,
         device: torch.device,
-        reduce_dtype: torch.dtype,
-        *,
-        offload: bool,
-        micro_batches: int = 1,
-        accumulate_on_device: bool = False,
+        place: Placement,
         copier=None,
-        device_buckets: int = 0,
-        accumulate_dtype: torch.dtype = torch.float32,
     ):
-        """``copier`` (a ``CopyStream``) on CUDA with offload; ``micro_batches``: backward
-        calls per step; ``device_buckets``: with offload, the leading buckets whose chunks
-        stay on the device (partial offload); host targets start after them;
-        ``accumulate_dtype``: of the device accumulation buffer (fp32, as the host sums)."""
-        self.layout, self.dp, self.device, self.dtype = layout, dp, device, reduce_dtype
-        self.offload, self.copier = offload, copier
-        self.device_buckets = device_buckets if offload else 0
-        self.host_start = sum(b.chunk for b in layout.buckets[: self.device_buckets])
-        self.micro_batches = micro_batches
-        self.accumulate_on_device = accumulate_on_device and micro_batches > 1
-        # Adam reads the staging itself when the chunk that comes down is the final gradient.
-        self.direct = offload and (micro_batches == 1 or self.accumulate_on_device)
+        """``place``: the rank's buffers (``placement.py``): the bucket buffers' dtype and
+        size, the device accumulation buffer, where each chunk goes (the leading
+        ``device_buckets`` stay on the device with partial offload; host targets start
+        after them) and whether Adam reads the staging itself. ``copier`` (a
+        ``CopyStream``) on CUDA with offload."""
+        o = place.options
+        buckets = place.buffer("grad_buckets")
+        self.layout, self.dp, self.device, self.dtype = layout, dp, device, buckets.dtype
+        self.offload, self.copier = place.offloaded, copier
+        self.device_buckets, self.share_numel = place.device_buckets, place.share_numel
+        self.micro_batches = o.micro_batches
+        self.accumulate_on_device = o.accumulates_on_device
+        self.adam_reads_staging = place.adam_reads_staging
         self.targets: GradTargets | None = None
         self.bytes_down = 0
         self.micro = 0  # backward calls so far in this step
@@ -147,15 +141,15 @@ class GradientReducer:
         self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> its buffer
         self._pool: list[tuple] = []  # (buffer, event of the copy still reading it, or None)
         self._pending: list[tuple] = []  # (bucket, work, chunk_out, buffer)
-        worker = offload and copier is not None and not self.direct
+        worker = self.offload and copier is not None and not self.adam_reads_staging
         self._accumulator = HostAccumulator(device) if worker else None
-        self.max_bucket = max(b.numel for b in layout.buckets)
-        self.num_buffers = 0
-        self.acc_buffer = None
+        self.max_bucket = buckets.numel
+        self.num_buffers = 0  # the bucket buffers are made as backward first needs them
         # The dtype of the chunks that come down: the sum itself with device accumulation.
-        self.staging_dtype = accumulate_dtype if self.accumulate_on_device else reduce_dtype
-        if self.accumulate_on_device:  # padding stays zero: no slot ever writes it
-            self.acc_buffer = torch.zeros(layout.numel, dtype=accumulate_dtype, device=device)
+        self.staging_dtype = place.chunk_dtype
+        self.acc_buffer = None
+        if place.has("grad_accumulation"):
+            (self.acc_buffer,) = allocate(place.buffer("grad_accumulation"), device)
             self._touched: set[int] = set()
         for s in layout.slots:
             s.param.register_post_accumulate_grad_hook(self._grad_ready)
@@ -164,14 +158,14 @@ class GradientReducer:
     def _ranges_for_norm(self) -> list[list[tuple[int, int]]]:
         """Per bucket, the ranges of its chunk that count for the norm (merged runs)."""
         out: list[list[tuple[int, int]]] = [[] for _ in self.layout.buckets]
-        starts = [b.host_offset for b in self.layout.buckets]
+        starts = [b.slice_offset for b in self.layout.buckets]
         b = 0
         for seg in self.layout.segments:
-            while b + 1 < len(starts) and seg.host_start >= starts[b + 1]:
+            while b + 1 < len(starts) and seg.slice_start >= starts[b + 1]:
                 b += 1
-            if not seg.counts_for_norm or seg.host_end <= seg.host_start:
+            if not seg.counts_for_norm or seg.slice_end <= seg.slice_start:
                 continue
-            a, z = seg.host_start - starts[b], seg.host_end - starts[b]
+            a, z = seg.slice_start - starts[b], seg.slice_end - starts[b]
             if out[b] and out[b][-1][1] == a:
                 out[b][-1] = (out[b][-1][0], z)
             else:
@@ -208,7 +202,7 @@ class GradientReducer:
         return torch.stack([t if t.device.type == "cpu" else t.cpu() for t in sums]).sum()
 
     @property
-    def _final(self) -> bool:
+    def _last_micro_batch(self) -> bool:
         return self.micro == self.micro_batches - 1
 
     # ---------------------------------------------------------------- backward
@@ -237,7 +231,7 @@ class GradientReducer:
             dst.add_(grad) if id(param) in self._touched else dst.copy_(grad)
             self._touched.add(id(param))
             param.grad = None
-            if not self._final:
+            if not self._last_micro_batch:
                 return
         else:
             buf = self._buffers.get(b.index)
@@ -300,25 +294,25 @@ class GradientReducer:
     def _reduce_on_device(self, b, out: torch.Tensor) -> None:
         """The device's part of a reduced chunk: its norm where it is final, and the copy
         or add into the device gradient (no offload, or a bucket of the device share)."""
-        lo, hi = b.host_offset, b.host_offset + b.chunk
-        ranges, final = self._norm_ranges[b.index], self._final
+        lo, hi = b.slice_offset, b.slice_offset + b.chunk
+        ranges, final = self._norm_ranges[b.index], self._last_micro_batch
         # With device accumulation a chunk is delivered once per step: it is the whole sum.
-        first = self.micro == 0 or self.accumulate_on_device
-        once = self.micro_batches == 1 or self.accumulate_on_device
-        if final and once:
+        overwrite = self.micro == 0 or self.accumulate_on_device
+        whole_gradient = self.micro_batches == 1 or self.accumulate_on_device
+        if final and whole_gradient:
             self._norm_parts.append(_sum_squares(out, ranges))  # on the device, no host pass
         if self._to_host(b):
             return
         grads = self.targets.grads if not self.offload else self.targets.device_grads
         grad = grads[lo:hi]
-        grad.copy_(out) if first else grad.add_(out)
-        if final and not once:
+        grad.copy_(out) if overwrite else grad.add_(out)
+        if final and not whole_gradient:
             self._norm_parts.append(_sum_squares(grad, ranges))
 
     def _copy_down(self, b, out: torch.Tensor, work):
         """Copy one reduced chunk into the host staging (after ``work``, its collective);
         queue the host sum of it; returns the copy's event (None: copied already)."""
-        lo = b.host_offset - self.host_start  # host buffers start after the device share
+        lo = b.slice_offset - self.share_numel  # host buffers start after the device share
         stage = self.targets.staging[lo : lo + b.chunk]
         self.bytes_down += b.chunk * out.element_size()
         landed = None
@@ -326,21 +320,23 @@ class GradientReducer:
             landed = self.copier.copy(stage, out, after=work)
         else:
             stage.copy_(out)
-        if not self.direct:
-            first, final = self.micro == 0, self._final
+        if not self.adam_reads_staging:
+            overwrite, final = self.micro == 0, self._last_micro_batch
             grad = self.targets.grads[lo : lo + b.chunk]
-            work = self._host_accumulate(grad, stage, first, final, self._norm_ranges[b.index])
+            work = self._host_accumulate(grad, stage, overwrite, final, self._norm_ranges[b.index])
             if self._accumulator is not None:
                 self._accumulator.submit(work, landed)  # overlaps the rest of backward
             else:
                 work()
         return landed
 
-    def _host_accumulate(self, grad, stage, first: bool, final: bool, ranges):
+    def _host_accumulate(self, grad, stage, overwrite: bool, final: bool, ranges):
         def work():
             # C++ (torch's fp32 += bf16 is slow); the last micro-batch completes the
             # gradient, so its pass also sums the squares for the norm: no second read.
-            norm = accumulate_(grad, stage, overwrite=first, norm_ranges=ranges if final else None)
+            norm = accumulate_(
+                grad, stage, overwrite=overwrite, norm_ranges=ranges if final else None
+            )
             if final:
                 self._norm_parts.append(norm)
 
@@ -348,7 +344,7 @@ class GradientReducer:
 
     def finish(self) -> None:
         """End of one backward: launch what is left, wait for every chunk to land."""
-        if self.acc_buffer is None or self._final:
+        if self.acc_buffer is None or self._last_micro_batch:
             # Buckets whose params got no gradient (or an unused param) still launch, in
             # order, so every DP rank issues the same collectives.
             for b in self.layout.buckets:
@@ -358,9 +354,9 @@ class GradientReducer:
                 self._drain_one()
             if self._accumulator is not None:
                 self._accumulator.wait()
-            if self.direct and self.copier is not None:
+            if self.adam_reads_staging and self.copier is not None:
                 self.copier.drain()  # Adam reads the staging next
-        if self.acc_buffer is not None and self._final:
+        if self.acc_buffer is not None and self._last_micro_batch:
             self._touched.clear()
         self.micro += 1
         self._arrived = [0] * len(self.layout.buckets)

@@ -23,12 +23,14 @@ import torch.distributed as dist
 
 from ..parallel_state import ParallelGroup
 from .adam_math import device_adam, torch_adam_step
-from .base import DEFAULT_BUCKET_SIZE, StepResult
-from .device_share import DeviceShare, actual_fraction, clip_runs, split_buckets
+from .base import StepResult
+from .device_share import DeviceShare, clip_runs
 from .grads import clip_coefficient, reduce_norm_squared
-from .host_memory import host_empty, resolve_device, set_thread_device
+from .host_memory import resolve_device, set_thread_device
 from .layout import FlatLayout
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
+from .options import OptimizerOptions
+from .placement import STATE, allocate, placement
 from .reducer import CopyStream, GradientReducer, GradTargets
 
 # torch >= 2.13 renamed the tensor collectives; keep working on older releases too.
@@ -62,12 +64,10 @@ class ZeroOptimizer:
     Implements the ``Optimizer`` contract (``base.py``). It takes over ``model``: the
     fp32 CPU weights become this rank's master slice and the parameters become views of
     one flat device buffer in ``dtype``. ``dp``/``tp`` are ``ParallelGroup`` handles;
-    ``dpu_warmup_steps`` turns on the one-step delayed update after that many steps;
-    ``loss_scale`` (fp16) holds the dynamic loss scaler's settings. ``offload_fraction``
-    (with ``cpu_offload``): the share of the slice offloaded; the first buckets, about
-    1 - F of it, stay on the device (``device_share.py``); F = 0 is ``cpu_offload=False``.
-    ``accumulate_dtype``: of the buffer that sums the micro-batches with
-    ``accumulate_on_device`` (fp32 by default, as the host path sums them).
+    ``options`` (or their fields as keywords: ``OptimizerOptions``) choose the buffers;
+    ``placement.py`` decides every one of them, and this class allocates exactly those.
+    With partial offload the first buckets, about 1 - F of the slice, stay on the device
+    (``device_share.py``).
     """
 
     checkpoint_kind = "zero"
@@ -85,98 +85,34 @@ class ZeroOptimizer:
         dp: ParallelGroup,
         tp: ParallelGroup,
         device: torch.device,
-        dtype=torch.float32,
-        cpu_offload: bool = True,
-        bucket_size: int = DEFAULT_BUCKET_SIZE,
-        dpu_warmup_steps: int | None = None,
-        loss_scale: dict | None = None,
-        micro_batches: int = 1,
-        accumulate_on_device: bool = False,
-        reduce_dtype: torch.dtype | None = None,
-        exp_avg_dtype: torch.dtype = torch.float32,
-        exp_avg_sq_dtype: torch.dtype = torch.float32,
-        offload_fraction: float = 1.0,
-        accumulate_dtype: torch.dtype = torch.float32,
+        options: OptimizerOptions | None = None,
+        **option_fields,
     ):
-        self.model, self.device, self.dtype = model, resolve_device(device), dtype
-        if cpu_offload and offload_fraction == 0.0:
-            cpu_offload = False  # nothing offloaded: exactly the device-resident ZeRO-2
+        self.model, self.device = model, resolve_device(device)
+        o = self.options = options or OptimizerOptions(**option_fields)
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
-        self.clip_grad = clip_grad
-        self.dp_group, self.tp_group = dp, tp
-        self.dp, self.dp_rank = dp.size, dp.rank
-        self.cpu_offload = cpu_offload
-        self.dpu_warmup_steps = dpu_warmup_steps
-        self.scaler = DynamicLossScaler(**loss_scale) if loss_scale else ConstantLossScaler()
-        self.layout = FlatLayout(
-            list(model.named_parameters()), self.dp, self.dp_rank, tp.rank, bucket_size
-        )
+        self.clip_grad, self.dtype, self.dpu_warmup_steps = clip_grad, o.dtype, o.dpu_warmup_steps
+        self.dp_group, self.tp_group, self.dp, self.dp_rank = dp, tp, dp.size, dp.rank
+        self.scaler = DynamicLossScaler(**o.loss_scale) if o.loss_scale else ConstantLossScaler()
+        named = list(model.named_parameters())
+        self.layout = FlatLayout(named, self.dp, self.dp_rank, tp.rank, o.bucket_size)
+        self.placement = place = placement(self.layout, o, self.device.type)
+        self.cpu_offload, self.offload_fraction = place.offloaded, o.offload_fraction
+        self.host = torch.device("cpu") if place.offloaded else self.device
         self.step_count = 0  # Adam steps taken (skipped fp16 steps do not count)
-        self.step_calls = 0
-        self.bytes_up = 0
-        self.host = torch.device("cpu") if cpu_offload else self.device
-        self._split_off(offload_fraction, exp_avg_dtype, exp_avg_sq_dtype)
-        pin = self.device.type == "cuda" and cpu_offload
-        reduce_dtype = reduce_dtype or dtype
-        self.reducer = GradientReducer(
-            self.layout,
-            dp,
-            self.device,
-            reduce_dtype,
-            offload=cpu_offload,
-            micro_batches=micro_batches,
-            accumulate_on_device=accumulate_on_device,
-            copier=CopyStream(self.device) if pin else None,
-            device_buckets=self.device_buckets,
-            accumulate_dtype=accumulate_dtype,
-        )
-        n, copies = self.layout.host_numel - self.split, 2 if dpu_warmup_steps is not None else 1
-
-        # Host (or device, without offload) state: fp32 master, m, v. The master is filled
-        # and the fp32 CPU model freed (params move to the device buffer) before the rest
-        # is allocated, so start-up peaks at model + master, not model + all state.
-        self.master = torch.zeros(n, dtype=torch.float32, device=self.host)
+        self.step_calls = self.bytes_up = 0
+        copier = CopyStream(self.device) if place.pinned else None
+        self.reducer = GradientReducer(self.layout, dp, self.device, place, copier=copier)
+        self.share = self._make_share()
+        # The master is filled and the fp32 CPU model freed (params move to the device
+        # buffer) before the rest is allocated: start-up peaks at model + master.
+        (self.master,) = self._allocate("master")
         self._place_model(model)
-        # Moments in fp32 or bf16 (Megatron-core's --exp-avg(-sq)-dtype): bf16 halves them;
-        # the kernel widens them, steps in fp32 and rounds them back to nearest even.
-        self.exp_avg = torch.zeros_like(self.master, dtype=exp_avg_dtype)
-        self.exp_avg_sq = torch.zeros_like(self.master, dtype=exp_avg_sq_dtype)
-        # Gradients (DPU: two of each, backward t+1 writes while Adam t reads). With offload
-        # they come down as reduced chunks into grad_staging (pinned on CUDA); when that is
-        # already the step's whole gradient (one micro-batch, or accumulated on the device)
-        # Adam reads it directly, otherwise the micro-batches are summed in fp32 ``grads``.
-        staged = cpu_offload
-        self.grad_staging = (
-            [
-                host_empty(n, self.reducer.staging_dtype, pin)
-                for _ in range(copies if self.reducer.direct else 1)
-            ]
-            if staged
-            else []
-        )
-        self.grads = (
-            [] if self.reducer.direct else [torch.zeros_like(self.master) for _ in range(copies)]
-        )
-        # With offload, Adam writes the new low-precision params into param_staging in its
-        # single pass (pinned on CUDA so the copy up is asynchronous). Without offload
-        # nothing leaves the device: the publish copies (and rounds) the fp32 master
-        # straight into the flat buffer.
-        low = dtype != torch.float32
-        # On a CPU "device" with one DP rank the slice is the flat buffer element for
-        # element: Adam writes the new params into the model's own storage, and the publish
-        # then copies each view onto itself, which torch skips (no memcpy). Not with DPU:
-        # forward t+1 must not see step t's update while it is being written.
-        in_flat = (
-            low
-            and cpu_offload
-            and self.device.type == "cpu"
-            and self.dp == 1
-            and dpu_warmup_steps is None
-            and n == self.flat.numel()
-        )
-        self.param_staging = (
-            self.flat if in_flat else host_empty(n, dtype, pin) if low and cpu_offload else None
-        )
+        (self.exp_avg,) = self._allocate("exp_avg")
+        (self.exp_avg_sq,) = self._allocate("exp_avg_sq")
+        self.grads, self.grad_staging = self._allocate("grads"), self._allocate("grad_staging")
+        staging = self._allocate("param_staging")  # none: the master (fp32) goes up
+        self.param_staging = self.flat if place.adam_writes_flat else (staging or [None])[0]
         self._adam = self._pick_adam()
         self._pieces, self._adam_calls = self._adam_pieces()
         self._thread: threading.Thread | None = None
@@ -185,36 +121,42 @@ class ZeroOptimizer:
         self._begin_step()
 
     # ---------------------------------------------------------------- set-up
-    def _split_off(self, fraction: float, exp_avg_dtype, exp_avg_sq_dtype) -> None:
-        """Partial offload: the first ``device_buckets`` buckets (``split`` elements of the
-        slice) stay on the device (``device_share.py``); host buffers hold the rest, at host
-        offset - split. Nothing to split off without offload or at F = 1."""
-        chunks = [b.chunk for b in self.layout.buckets]
-        self.offload_fraction = fraction
-        self.device_buckets = split_buckets(chunks, fraction) if self.cpu_offload else 0
-        self.actual_offload_fraction = (
-            actual_fraction(chunks, self.device_buckets) if self.cpu_offload else 0.0
-        )
-        self.split = sum(chunks[: self.device_buckets])
-        runs = clip_runs(self.layout.decay_runs(), 0, self.split)
-        self.share = (
-            DeviceShare(self.split, self.device, runs, exp_avg_dtype, exp_avg_sq_dtype)
-            if self.split
-            else None
-        )
+    @property
+    def share_numel(self) -> int:
+        """Elements of the slice updated on the device (partial offload); host buffers
+        hold the rest, at slice offset - share_numel."""
+        return self.placement.share_numel
+
+    @property
+    def device_buckets(self) -> int:
+        return self.placement.device_buckets
+
+    @property
+    def actual_offload_fraction(self) -> float:
+        return self.placement.actual_offload_fraction
+
+    def _allocate(self, name: str) -> list[torch.Tensor]:
+        return allocate(self.placement.buffer(name), self.device)
+
+    def _make_share(self) -> DeviceShare | None:
+        """Partial offload: the device share's state (its buckets' decay runs)."""
+        if not self.share_numel:
+            return None
+        state = {k: self._allocate("share." + k)[0] for k in STATE}
+        return DeviceShare(state, clip_runs(self.layout.decay_runs(), 0, self.share_numel))
 
     def _place_model(self, model: torch.nn.Module) -> None:
         """fp32 CPU weights -> master slice, then params become views of one flat buffer."""
-        for slot, p_off, h_off, length in self.layout.owned_pieces():
+        for slot, p_off, offset, length in self.layout.owned_pieces():
             src = slot.param.detach().reshape(-1)[p_off : p_off + length]
             # A piece lies inside one bucket's chunk, so wholly on one side of the split.
             dst = (
-                self.share.master[h_off:]
-                if h_off < self.split
-                else self.master[h_off - self.split :]
+                self.share.master[offset:]
+                if offset < self.share_numel
+                else self.master[offset - self.share_numel :]
             )
             dst[:length].copy_(src)
-        self.flat = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
+        (self.flat,) = self._allocate("params")
         for slot in self.layout.slots:
             view = self.flat[slot.start : slot.start + slot.numel].view_as(slot.param)
             view.copy_(slot.param.detach())
@@ -232,13 +174,13 @@ class ZeroOptimizer:
         for b in reversed(self.layout.buckets[self.device_buckets :]):
             if b.chunk == 0:
                 continue
-            h = b.host_offset - self.split
-            runs = clip_runs(self.layout.decay_runs(), b.host_offset, b.host_offset + b.chunk)
+            h = b.slice_offset - self.share_numel
+            runs = clip_runs(self.layout.decay_runs(), b.slice_offset, b.slice_offset + b.chunk)
             pieces.append((b, h, b.chunk, [(lo, hi) for lo, hi, decay in runs if decay]))
         if self.cpu_offload:
             return pieces, pieces
-        runs = clip_runs(self.layout.decay_runs(), self.split, self.layout.host_numel)
-        n = self.layout.host_numel - self.split
+        runs = clip_runs(self.layout.decay_runs(), self.share_numel, self.layout.slice_numel)
+        n = self.layout.slice_numel - self.share_numel
         return pieces, [(None, 0, n, [(lo, hi) for lo, hi, decay in runs if decay])]
 
     def _pick_adam(self):
@@ -256,7 +198,7 @@ class ZeroOptimizer:
     # --------------------------------------------------------------- backward
     def _adam_grads(self) -> list[torch.Tensor]:
         """The gradient buffers Adam reads (the staging itself, or the fp32 sums)."""
-        return self.grad_staging if self.reducer.direct else self.grads
+        return self.grad_staging if self.reducer.adam_reads_staging else self.grads
 
     def _begin_step(self) -> None:
         self.reducer.start_step(
@@ -385,7 +327,7 @@ class ZeroOptimizer:
         if not uploaded:
             for b, h, n, _ in self._pieces:
                 self._upload(b, h, n)
-        if self.device.type == "cuda" and self.cpu_offload:
+        if self.placement.pinned:  # CUDA with offload: the copies up are asynchronous
             self._uploaded = torch.cuda.Event(blocking=True)  # waited on by a (DPU) thread
             self._uploaded.record()
         if self.dp > 1:
@@ -463,7 +405,7 @@ class ZeroOptimizer:
     # ---------------------------------------------------------------- reports
     def stats(self) -> dict:
         steps = max(self.step_calls, 1)
-        owned = max(self.layout.host_numel, 1)
+        owned = max(self.layout.slice_numel, 1)
         moved = self.reducer.bytes_down + self.bytes_up
         return dict(
             host_device_bytes_per_param=moved / steps / owned, pinned_host_bytes=self.pinned_bytes()
@@ -494,19 +436,18 @@ class ZeroOptimizer:
 
     def pinned_bytes(self) -> int:
         """Host bytes page-locked for asynchronous copies (exactly the staging, on CUDA)."""
-        pin = self.device.type == "cuda" and self.cpu_offload
-        return self.memory_bytes()["host"]["staging"] if pin else 0
+        return self.memory_bytes()["host"]["staging"] if self.placement.pinned else 0
 
     def memory_report(self) -> str:
         rep = self.memory_bytes()
         fmt = lambda d: ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in d.items())  # noqa
         split = (
             f"; offload fraction {self.actual_offload_fraction:.3f} (asked "
-            f"{self.offload_fraction:g}): the device updates {self.split} of them"
+            f"{self.offload_fraction:g}): the device updates {self.share_numel} of them"
             if self.cpu_offload and self.offload_fraction < 1
             else ""
         )
         return (
             f"rank memory: device [{fmt(rep['device'])}] host [{fmt(rep['host'])}] "
-            f"(owned {self.layout.host_numel} of {self.layout.numel} elements{split})"
+            f"(owned {self.layout.slice_numel} of {self.layout.numel} elements{split})"
         )

@@ -25,6 +25,7 @@ from ..config import (
     resolve,
 )
 from ..model.gpt import flops_per_token, num_parameters
+from ..optimizer.options import OptimizerOptions
 from .answer import (
     MODE_LABELS,
     TRAIN_TOKENS,
@@ -79,7 +80,6 @@ from .throughput import (
 def run_from_args(args: Args, world: int, mode: str | None = None, cuda: bool = True) -> Run:
     """The plan's view of a training command line (its resolved ``Args``)."""
     tp = args.parallel.tensor_model_parallel_size
-    low = args.train.fp16 or args.train.bf16
     if mode is None:
         mode = (
             "pytorch"
@@ -88,29 +88,12 @@ def run_from_args(args: Args, world: int, mode: str | None = None, cuda: bool = 
             if args.optim.cpu_offload
             else "zero2"
         )
-    t, o = args.train, args.optim
-    dp = world // tp
-    return Run(
-        args.model,
-        tp=tp,
-        dp=dp,
-        mode=mode,
-        elem_bytes=2 if low else 4,
-        micro_batch=t.micro_batch_size,
-        bucket_size=o.reduce_bucket_size,
-        dpu=o.dpu_warmup_steps is not None and mode == "offload",
-        cuda=cuda,
-        micro_batches=t.num_micro_batches,  # (args are resolved: config.resolve)
-        accumulate_on_device=o.accumulate_grads_on_device,
-        reduce_bytes=4 if o.accumulate_allreduce_grads_in_fp32 else None,
-        moment_bytes=(
-            2 if o.exp_avg_dtype == "bf16" else 4,
-            2 if o.exp_avg_sq_dtype == "bf16" else 4,
-        ),
-        offload_fraction=1.0
-        if o.optimizer_offload_fraction is None
-        else o.optimizer_offload_fraction,
+    o = OptimizerOptions.from_args(args)  # the flags as the optimizer reads them
+    t = args.train
+    run = Run.from_options(
+        args.model, o, tp=tp, dp=world // tp, mode=mode, micro_batch=t.micro_batch_size, cuda=cuda
     )
+    return replace(run, dpu=run.dpu and mode == "offload")
 
 
 def _host_memory_gib() -> float | None:
@@ -211,7 +194,7 @@ def _fraction_line(run: Run, hw: Hardware) -> tuple[Run, str]:
     return replace(run, offload_fraction=f), (
         f"offload fraction: --optimizer-offload-fraction {f:g}{zero2} (the largest device "
         f"share that fits {hw.device_usable_gb:.1f} GiB: the first {kept:,} of each rank's "
-        f"{s.host_numel:,} elements, {kept / s.host_numel:.1%} of its optimizer state, stay on "
+        f"{s.slice_numel:,} elements, {kept / s.slice_numel:.1%} of its optimizer state, stay on "
         f"the device; "
         f"device peak {plan.device_peak / GiB:.2f} GiB)"
     )

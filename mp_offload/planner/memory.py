@@ -1,29 +1,30 @@
 """Per-rank memory plan (docs/DESIGN.md §4), in bytes, by the same categories as
 ``ZeroOptimizer.memory_bytes()``.
 
-Exact (they are the optimizer's own buffers, sized by FlatLayout):
+Exact (the bytes of the optimizer's own placement, ``optimizer/placement.py``, summed
+by category; the formulas say what it places):
   device params        e * flat_numel             2Ψ/T (+ bucket padding) in fp16/bf16
   device grad_buckets  e * max_bucket * buffers   fixed, not Ψ: buffers = min(2, number
-                       of buckets) (BUCKET_BUFFERS in optimizer/reducer.py, double
+                       of buckets) (BUCKET_BUFFERS in optimizer/placement.py, double
                        buffering: one bucket's reduce-scatter overlaps the backward
                        that fills the next; a third waits for the oldest). Gradients
                        arrive in layout order for this GPT; the pool grows past two
                        only if more than two buckets are filling at once.
   device grad_accumulation  4 * flat_numel with --accumulate-grads-on-device (k > 1): the
                        micro-batches are summed in fp32, as the host sums them
-  master / exp_avg / exp_avg_sq  4 * host_numel each (moments 2 in bf16): 12Ψ/(T·D)
+  master / exp_avg / exp_avg_sq  4 * slice_numel each (moments 2 in bf16): 12Ψ/(T·D)
                        on the host with offload (8 with bf16 moments), on the device without
   partial offload      --optimizer-offload-fraction F < 1: the slice's first buckets (about
                        1 - F of it) keep master, moments and an fp32 gradient (4 B) on the
                        device; every host category above counts the rest only
-  grads                4 * host_numel (twice with DPU), the fp32 sum of k > 1 micro-batches
+  grads                4 * slice_numel (twice with DPU), the fp32 sum of k > 1 micro-batches
                        accumulated on the host, or any gradient without offload; none with
                        offload when one chunk per step is the whole gradient (k = 1 or
                        device accumulation): Adam reads the staging
-  host staging         offload only, pinned at its exact size: e * host_numel for the new
+  host staging         offload only, pinned at its exact size: e * slice_numel for the new
                        low-precision params (not in fp32; none on a CPU "device" with one
                        DP rank and no DPU, where Adam writes the params in place) +
-                       r * host_numel for gradients coming down (4 * host_numel, the fp32
+                       r * slice_numel for gradients coming down (4 * slice_numel, the fp32
                        sum, with device accumulation; twice with DPU when Adam reads them
                        directly)
   (r: bytes of the reduce dtype, e unless --accumulate-allreduce-grads-in-fp32)
@@ -48,9 +49,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from ..model.gpt import GPTConfig
 from ..optimizer.base import DEFAULT_BUCKET_SIZE
-from ..optimizer.reducer import BUCKET_BUFFERS
+from ..optimizer.options import OptimizerOptions
+from ..optimizer.placement import placement
 from .activations import estimate_activations
 from .shapes import RankShapes, meta_named_params, rank_shapes, spec_named_params
 
@@ -132,6 +136,39 @@ class Run:
     def world(self) -> int:
         return self.tp * self.dp
 
+    def options(self) -> OptimizerOptions:
+        """The optimizer options this run stands for (a dtype per byte count: 2 is bf16)."""
+        dt = {2: torch.bfloat16, 4: torch.float32}
+        m1, m2 = self.moment_bytes
+        return OptimizerOptions(
+            dtype=dt[self.elem_bytes],
+            cpu_offload=self.mode == "offload",
+            bucket_size=self.bucket_size,
+            dpu_warmup_steps=0 if self.dpu else None,
+            micro_batches=self.micro_batches,
+            accumulate_on_device=self.accumulate_on_device,
+            reduce_dtype=None if self.reduce_bytes is None else dt[self.reduce_bytes],
+            exp_avg_dtype=dt[m1],
+            exp_avg_sq_dtype=dt[m2],
+            offload_fraction=self.offload_fraction,
+        )
+
+    @classmethod
+    def from_options(cls, cfg: GPTConfig, o: OptimizerOptions, **fields) -> Run:
+        """The plan of a run built with options ``o`` (``fields``: tp, dp, mode, ...)."""
+        return cls(
+            cfg,
+            elem_bytes=o.dtype.itemsize,
+            bucket_size=o.bucket_size,
+            dpu=o.dpu_warmup_steps is not None,
+            micro_batches=o.micro_batches,
+            accumulate_on_device=o.accumulate_on_device,
+            reduce_bytes=None if o.reduce_dtype is None else o.reduce_dtype.itemsize,
+            moment_bytes=(o.exp_avg_dtype.itemsize, o.exp_avg_sq_dtype.itemsize),
+            offload_fraction=o.offload_fraction,
+            **fields,
+        )
+
 
 @dataclass
 class RankPlan:
@@ -179,9 +216,23 @@ class JobPlan:
         return self.fits_device and self.fits_host
 
 
+def _zero_buffers(run: Run, shapes: RankShapes) -> tuple[dict, dict, int]:
+    """(device bytes, host bytes, reduce-scatter outputs) of this code's buffers: the sums
+    of the optimizer's own placement (``optimizer/placement.py``)."""
+    place = placement(shapes, run.options(), "cuda" if run.cuda else "cpu")
+    device, host = place.bytes("device"), place.bytes("host")
+    buckets = place.buffer("grad_buckets")
+    if run.bucket_buffers:  # a what-if: more bucket buffers than the optimizer makes
+        device["grad_buckets"] = buckets.numel * buckets.dtype.itemsize * run.bucket_buffers
+    # Workspace: the reduce-scatter output chunks, one per bucket buffer (the reducer keeps
+    # no more pending), in the reduced chunks' dtype.
+    rs_out = place.chunk_dtype.itemsize * (shapes.max_bucket // run.dp) * buckets.copies
+    return device, host, rs_out if run.dp > 1 else 0
+
+
 def plan_rank(run: Run, shapes: RankShapes, hw: Hardware) -> tuple[dict, dict, str]:
     """(device bytes, host bytes, activation peak phase) of one rank."""
-    e, n = run.elem_bytes, shapes.host_numel
+    e = run.elem_bytes
     if run.mode not in ALL_MODES:
         raise ValueError(f"unknown mode {run.mode!r}: one of {ALL_MODES}")
     plain = run.mode.startswith("pytorch")
@@ -199,42 +250,9 @@ def plan_rank(run: Run, shapes: RankShapes, hw: Hardware) -> tuple[dict, dict, s
         )
         if run.mode == "pytorch-o2":
             device["master_grads"] = 4 * p
-        host = {}
+        host, rs_out = {}, 0
     else:
-        r, k, copies = run.reduce_bytes or e, run.micro_batches, 2 if run.dpu else 1
-        acc = run.accumulate_on_device and k > 1
-        offload = run.mode == "offload" and run.offload_fraction > 0  # F = 0: zero2
-        direct = offload and (k == 1 or acc)  # Adam reads the gradient staging itself
-        m1, m2 = run.moment_bytes
-        kept = shapes.device_share(run.offload_fraction) if offload else 0
-        n -= kept  # the host part of a partially offloaded slice
-        state = dict(
-            master=4 * n, exp_avg=m1 * n, exp_avg_sq=m2 * n, grads=0 if direct else 4 * n * copies
-        )
-        device = dict(
-            params=e * shapes.flat_numel,
-            grad_buckets=r
-            * shapes.max_bucket
-            * (run.bucket_buffers or min(BUCKET_BUFFERS, shapes.num_buckets)),
-        )
-        if acc:  # fp32 sum: the chunks that come down and are reduced are fp32 too
-            r = 4
-            device["grad_accumulation"] = r * shapes.flat_numel
-        # Offload only: low-precision params up, gradients down, pinned at exact size.
-        # (A CPU "device" with one DP rank, no DPU and the whole slice on the host: Adam
-        # writes the params in place.)
-        up = e < 4 and (run.cuda or run.dp > 1 or run.dpu or kept > 0)
-        staging = (e * n if up else 0) + r * n * (copies if direct else 1) if offload else 0
-        host = dict(staging=staging)
-        (host if offload else device).update(state)
-        if kept:  # the device share: its own master, moments and fp32 gradient
-            device.update(master=4 * kept, exp_avg=m1 * kept, exp_avg_sq=m2 * kept, grads=4 * kept)
-    rs_bytes = 4 if run.accumulate_on_device and run.micro_batches > 1 else run.reduce_bytes or e
-    rs_out = (
-        rs_bytes * (shapes.max_bucket // run.dp) * min(BUCKET_BUFFERS, shapes.num_buckets)
-        if run.dp > 1 and not plain
-        else 0
-    )
+        device, host, rs_out = _zero_buffers(run, shapes)
     device.update(activations=act.peak, workspace=int(hw.device_reserved_gb * GiB) + rs_out)
     host["process"] = int(hw.host_process_gb * GiB)
     return device, host, act.phase
@@ -285,7 +303,7 @@ def format_rank(rp: RankPlan, run: Run) -> str:
         f"({len(rp.tp_ranks) * run.dp} of {run.world} ranks)",
         f"    this TP rank's params {s.params:,} ({s.sharded:,} split over TP, "
         f"{s.replicated:,} replicated); flat buffer {s.flat_numel:,} elements in "
-        f"{s.num_buckets} buckets (largest {s.max_bucket:,}); host slice {s.host_numel:,}",
+        f"{s.num_buckets} buckets (largest {s.max_bucket:,}); host slice {s.slice_numel:,}",
         f"    {'device':<14}{'GiB':>9}      {'host (this rank)':<18}{'GiB':>9}",
     ]
     dev, host = list(rp.device.items()), list(rp.host.items())
@@ -346,7 +364,7 @@ def _fraction(plan: JobPlan) -> str:
     kept = s.device_share(run.offload_fraction)
     return (
         f" with --optimizer-offload-fraction {run.offload_fraction:g} (actual "
-        f"{1 - kept / s.host_numel:.4f}: the device keeps {kept:,} of {s.host_numel:,})"
+        f"{1 - kept / s.slice_numel:.4f}: the device keeps {kept:,} of {s.slice_numel:,})"
     )
 
 

@@ -128,10 +128,15 @@ class RankShapes:
     sharded: int  # of which split over TP
     replicated: int  # of which held whole by every TP rank
     flat_numel: int  # the padded flat device buffer
-    host_numel: int  # this DP rank's slice: master / m / v / grad, each
+    slice_numel: int  # this DP rank's slice: master / m / v / grad, each
     max_bucket: int  # elements of one gradient bucket buffer
     num_buckets: int
     chunks: tuple[int, ...] = ()  # this DP rank's chunk of each bucket, in slice order
+
+    @property
+    def numel(self) -> int:
+        """The flat buffer, as ``FlatLayout.numel`` (what ``placement`` reads)."""
+        return self.flat_numel
 
     def device_share(self, offload_fraction: float) -> int:
         """Elements of the slice kept on the device at this offload fraction (the
@@ -150,7 +155,7 @@ def rank_shapes(
         sharded=sharded,
         replicated=total - sharded,
         flat_numel=layout.numel,
-        host_numel=layout.host_numel,
+        slice_numel=layout.slice_numel,
         max_bucket=max(b.numel for b in layout.buckets),
         num_buckets=len(layout.buckets),
         chunks=tuple(b.chunk for b in layout.buckets),

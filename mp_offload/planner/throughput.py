@@ -1,6 +1,6 @@
 """A step-time model of TP x ZeRO-Offload DP, set against the paper's scaling claim.
 
-Per DP rank, with n = its host slice (host_numel), P = its TP rank's flat buffer,
+Per DP rank, with n = its host slice (slice_numel), P = its TP rank's flat buffer,
 e = 2 bytes, B = sequences per GPU per step in micro-batches of b, F = training
 FLOPs per token (flops_per_token, recomputation counted), C = sustained device FLOPS:
 
@@ -168,11 +168,11 @@ def _offload_gradients(k, down, accumulate_s, r, on_device, bwd, rs):
     return _overlapped(bwd, rs, [c * down for c in copies], acc)
 
 
-def _offload_optimizer(n, kept, e, r, direct, moments, machine, host_bw, ranks_node):
+def _offload_optimizer(n, kept, e, r, reads_staging, moments, machine, host_bw, ranks_node):
     """(CPU Adam over the host part, device Adam over the device share) seconds; bytes
-    from ops/traffic.py, the gradient as Adam reads it (the staging itself when direct,
+    from ops/traffic.py, the gradient as Adam reads it (the staging itself when reads_staging,
     else the fp32 sum), the rounded params written beside (none in fp32)."""
-    host_bytes = host_adam_bytes(e, r, direct, moments)
+    host_bytes = host_adam_bytes(e, r, reads_staging, moments)
     rate = min(
         machine.cpu_cores_per_node / ranks_node * machine.adam_rate_per_core,
         host_bw / host_bytes,
@@ -180,11 +180,11 @@ def _offload_optimizer(n, kept, e, r, direct, moments, machine, host_bw, ranks_n
     return n / rate, device_adam_bytes(e, moments) * kept / (machine.device_mem_gbs * 1e9)
 
 
-def host_adam_bytes(e: int, r: int, direct: bool, moments=(4, 4)) -> int:
+def host_adam_bytes(e: int, r: int, reads_staging: bool, moments=(4, 4)) -> int:
     """Bytes per element of the CPU Adam over the host part: the gradient as it reads it
-    (the r-byte staging when ``direct``, else the fp32 sum), the rounded params written
+    (the r-byte staging when ``reads_staging``, else the fp32 sum), the rounded params written
     beside (e bytes; none in fp32, where the master itself goes up)."""
-    return bytes_per_element(adam_arrays(r if direct else 4, *moments, e if e < 4 else 0))
+    return bytes_per_element(adam_arrays(r if reads_staging else 4, *moments, e if e < 4 else 0))
 
 
 def device_adam_bytes(e: int, moments=(4, 4)) -> int:
@@ -218,7 +218,7 @@ def step_time(
 ) -> StepTime:
     dp = _data_parallel(gpus, tp, mode)
     shapes = rank_shapes(spec_named_params(cfg, tp), dp, bucket_size)
-    n, P, e, r = shapes.host_numel, shapes.flat_numel, elem_bytes, reduce_bytes or elem_bytes
+    n, P, e, r = shapes.slice_numel, shapes.flat_numel, elem_bytes, reduce_bytes or elem_bytes
     kept = shapes.device_share(offload_fraction) if mode == "offload" else 0
     n -= kept  # partial offload: the host terms count the host part only
     F = flops_per_token(cfg, cfg.recompute_activations, tp)
@@ -240,12 +240,12 @@ def step_time(
     rs = ag = (dp - 1) / dp * e * P / dp_bw
     norm = 0.0  # ZeRO: the squares are summed where each gradient first exists
     if mode == "offload":
-        direct = k == 1 or accumulate_on_device  # Adam reads the staging: no fp32 sum
+        reads_staging = k == 1 or accumulate_on_device  # Adam reads the staging: no fp32 sum
         grad_exposed, accumulate = _offload_gradients(
-            k, n * r / pcie, 0.0 if direct else n / host_bw, r, accumulate_on_device, bwd, rs
+            k, n * r / pcie, 0.0 if reads_staging else n / host_bw, r, accumulate_on_device, bwd, rs
         )
         adam_host, adam_device = _offload_optimizer(
-            n, kept, e, r, direct, moment_bytes, machine, host_bw, ranks_node
+            n, kept, e, r, reads_staging, moment_bytes, machine, host_bw, ranks_node
         )
         adam = max(adam_host, adam_device)  # the device share runs beside the CPU Adam
         up = e * n / pcie
@@ -268,7 +268,7 @@ def step_time(
     return StepTime(
         gpus, tp, dp, k * fb, k * tp_comm, grad_exposed, accumulate, 0.0, norm, adam, up, ag,
         sync, dpu, flops / sync / 1e12, flops / dpu / 1e12, mode, k * micro_batch * dp * s,
-        adam_host, adam_device, 1.0 - kept / shapes.host_numel if mode == "offload" else 0.0,
+        adam_host, adam_device, 1.0 - kept / shapes.slice_numel if mode == "offload" else 0.0,
     )  # fmt: skip
 
 
