@@ -25,8 +25,7 @@ def after_iteration(iteration: int) -> None:
     spec = os.environ.get("MP_OFFLOAD_FAULT_ONCE")
     if spec:
         marker, at = spec.rsplit(":", 1)
-        if iteration == int(at) and not os.path.exists(marker):
-            open(marker, "w").close()
+        if iteration == int(at) and _claim(marker):
             os._exit(13)
     stall = os.environ.get("MP_OFFLOAD_FAULT_STALL")
     if stall:
@@ -51,3 +50,13 @@ def checkpoint_point(point: str, iteration: int) -> None:
     where, _, at = os.environ.get("MP_OFFLOAD_CKPT_ENOSPC", "").partition(":")
     if where == point and (not at or int(at) == iteration):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _claim(marker: str) -> bool:
+    """True for the one process that creates ``marker`` (O_EXCL: two ranks reaching the
+    iteration together cannot both see it missing and both die, leaving no survivor)."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True

@@ -600,3 +600,26 @@ def test_generate_rejects_bad_sampling_flags(flags, needle, tmp_path):
     with pytest.raises(SystemExit) as e:  # before any checkpoint is read
         main(["--load", str(tmp_path / "none"), *flags])
     assert str(e.value).startswith(f"generate: {needle}"), str(e.value)
+
+
+def test_the_kill_once_fault_kills_exactly_one_of_the_ranks_that_race_for_it(tmp_path):
+    """MP_OFFLOAD_FAULT_ONCE: ranks reaching the iteration together must not both find the
+    marker missing and both die (the probe's "a rank is killed" case then had no survivor
+    to name the lost rank). Many threads race for one marker: exactly one claims it."""
+    import threading
+
+    from mp_offload import faults
+
+    marker = str(tmp_path / "killed-once")
+    start, wins = threading.Barrier(16), []
+
+    def rank():
+        start.wait()
+        wins.append(faults._claim(marker))
+
+    threads = [threading.Thread(target=rank) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(wins) == [False] * 15 + [True]
