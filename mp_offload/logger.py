@@ -18,8 +18,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from .checkpoint.on_disk import MANIFEST, iter_dir
-
 
 class _RankZeroFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
@@ -230,10 +228,15 @@ class Logger:
 
 
 def run_summary(
-    args, logger: Logger, summary: dict, start_iteration: int, start_consumed: int
+    args,
+    logger: Logger,
+    summary: dict,
+    start_iteration: int,
+    start_consumed: int,
+    checkpoint_written: bool,
 ) -> str:
     """The lines that end a run (``args``: its ``config.Args``): time, tokens, final losses
-    and the checkpoint."""
+    and the checkpoint (``checkpoint_written``: the one of the last iteration is in --save)."""
     seq, it = args.model.seq_length, summary["iteration"]
     seconds = time.time() - logger.start
     session = (summary["consumed_samples"] - start_consumed) * seq
@@ -250,7 +253,7 @@ def run_summary(
         f"session {session:,} ({session / max(seconds, 1e-9):,.0f} tokens/s overall)",
         f"   final loss  {' | '.join(losses) or '-'}",
     ]
-    if args.ckpt.save and os.path.exists(os.path.join(iter_dir(args.ckpt.save, it), MANIFEST)):
+    if args.ckpt.save and checkpoint_written:
         lines.append(f"   checkpoint  {args.ckpt.save} (iteration {it})")
     elif args.ckpt.save:
         lines.append(f"   checkpoint  none written to {args.ckpt.save} (no step was taken)")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import signal
 import time
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from .checkpoint import (
     prepare_save,
     save_checkpoint,
 )
+from .checkpoint.on_disk import is_complete
 from .config import Args, ConfigError, config_warnings, parse, resolve
 from .config_file import write_run_config
 from .data.build import RunData, batch_iterator, build_datasets
@@ -58,6 +58,7 @@ from .distributed import (
     set_phase,
     threads_per_rank,
 )
+from .divergence import Skips, TrainingError, check_loss
 from .generation import TextSampler
 from .logger import Logger, log, run_summary
 from .lr_scheduler import LRScheduler
@@ -65,10 +66,6 @@ from .model.gpt import GPTModel, flops_per_token, num_parameters
 from .optimizer import Optimizer, StepResult, build_optimizer
 from .phase_timer import PhaseTimer
 from .tensor_parallel import model_parallel_seed
-
-
-class TrainingError(RuntimeError):
-    """Stops the run with a message (NaN loss, data exhausted...)."""
 
 
 def dp_mean(value: torch.Tensor, dp: ps.ParallelGroup) -> float:
@@ -244,76 +241,12 @@ def _record(
     return rec
 
 
-def _check_skipped(in_a_row: int, limit: int, iteration: int, out: StepOutput) -> None:
-    """fp16: every rank skips the same steps (the overflow test is on the global norm), so
-    all of them stop here together, before the step's checkpoint could be saved."""
-    if in_a_row >= limit:
-        raise TrainingError(
-            f"{in_a_row} consecutive steps skipped for fp16 gradient overflow (iterations "
-            f"{iteration - in_a_row + 1}-{iteration}, loss {out.loss:.4g}, loss scale "
-            f"{out.result.loss_scale:g}): the run is diverging; stopping without saving (lower "
-            f"--lr, check the data, or use --bf16; --max-consecutive-skipped-steps sets the "
-            f"limit)"
-        )
-
-
 def _evaluation(args: Args, model, optimizer, valid_iter, device, logger, iteration, sampler):
     """Validation (and the sample) at ``iteration``."""
     set_phase(f"the evaluation at iteration {iteration}")
     loss = evaluate(model, optimizer, valid_iter, device, args.train.eval_iters)
     logger.evaluation(iteration, "valid", loss)
     _sample(sampler, model, optimizer, device, iteration, logger)
-
-
-def _check_loss(loss: float, iteration: int) -> None:
-    """A non-finite loss stops the run in every precision, before the step's checkpoint
-    (under fp16 too: an overflow shows in the gradients, a diverged model in the loss)."""
-    if not math.isfinite(loss):
-        raise TrainingError(
-            f"loss is {loss} at iteration {iteration}: the run is diverging; stopping "
-            f"without saving (lower --lr, check the data, or use --bf16)"
-        )
-
-
-def _check_session(skipped: int, steps: int, start: int) -> None:
-    """fp16: a run whose steps were all skipped trained nothing (an error); one that
-    skipped most of them says so (a run that never learns must not end silently)."""
-    if not steps or 2 * skipped <= steps:
-        return
-    what = (
-        f"{skipped} of the {steps} steps of this run (iterations {start + 1}-{start + steps}) "
-        f"were skipped for fp16 gradient overflow"
-    )
-    if skipped == steps:
-        raise TrainingError(
-            f"{what}: nothing was trained (lower --lr or --initial-loss-scale, or use --bf16)"
-        )
-    log.info(f"WARNING: {what} (lower --lr or --initial-loss-scale, or use --bf16)")
-
-
-class _Skips:
-    """The fp16 steps skipped for overflow, as the loop counts them: the limit in a row,
-    the run's share, and ``good``, the last checkpoint before the current run of skipped
-    steps, which the checkpoints taken during that run must not rotate out."""
-
-    def __init__(self, limit: int, start: int):
-        self.limit, self.start, self.in_a_row, self.total = limit, start, 0, 0
-        self.good = start or None
-
-    def step(self, out: StepOutput, iteration: int) -> None:
-        self.in_a_row = self.in_a_row + 1 if out.result.skipped else 0
-        self.total += bool(out.result.skipped)
-        _check_skipped(self.in_a_row, self.limit, iteration, out)
-
-    def protect(self) -> int | None:
-        return self.good if self.in_a_row else None
-
-    def saved(self, iteration: int) -> None:
-        if not self.in_a_row:
-            self.good = iteration
-
-    def check_run(self, iteration: int) -> None:
-        _check_session(self.total, iteration - self.start, self.start)
 
 
 def train(
@@ -346,7 +279,7 @@ def train(
     flops_tok = flops_per_token(
         args.model, args.model.recompute_activations, args.parallel.tensor_model_parallel_size
     )
-    skips = _Skips(t.max_consecutive_skipped_steps, start_iteration)
+    skips = Skips(t.max_consecutive_skipped_steps, start_iteration)
     while iteration < end:
         set_phase(f"iteration {iteration + 1}")
         faults.before_iteration(iteration + 1)
@@ -358,7 +291,7 @@ def train(
             raise TrainingError(f"{e} at iteration {iteration}") from None
         iteration += 1
         consumed_samples += t.global_batch_size
-        _check_loss(out.loss, iteration)
+        check_loss(out.loss, iteration)
         skips.step(out, iteration)
         elapsed = time.perf_counter() - t0
         last = _record(args, iteration, consumed_samples, lr, out, optimizer, elapsed, flops_tok)
@@ -526,7 +459,8 @@ def _run(flags: Args, device, logger: Logger, tokenizer=None) -> dict:
             loss = evaluate(model, optimizer, batches, device, t.eval_iters)
             logger.evaluation(summary["iteration"], name, loss)
     _sample(sampler, model, optimizer, device, summary["iteration"], logger)
-    log.info(run_summary(args, logger, summary, start, consumed))
+    written = bool(args.ckpt.save) and is_complete(args.ckpt.save, summary["iteration"])
+    log.info(run_summary(args, logger, summary, start, consumed, written))
     return summary
 
 

@@ -97,7 +97,7 @@ def test_round_trip_all_bit_patterns(level):
     """join_fp32(split_fp32(x)) == x for all 2^32 fp32 bit patterns (C++, this level;
     ~30 s for AVX-512 on the loaded 2-core test host, ~50-70 s for AVX2 / scalar)."""
     if level != ca.available_simd_levels()[-1]:
-        pytest.skip("the exhaustive pass runs on the best level (the others: test_*_slow)")
+        pytest.skip("exhaustive on the best level only (the others: one chunk in 16, below)")
     _round_trip_everything()
 
 

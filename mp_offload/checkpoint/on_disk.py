@@ -61,6 +61,11 @@ def iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+def is_complete(root: str, iteration: int) -> bool:
+    """The checkpoint of ``iteration`` under ``root`` was committed (its manifest is there)."""
+    return os.path.exists(os.path.join(iter_dir(root, iteration), MANIFEST))
+
+
 def tmp_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"{TMP_PREFIX}{iteration:07d}")
 

@@ -37,16 +37,30 @@ forces the SIMD path at import.
 
 from __future__ import annotations
 
-import itertools
-import math
-import numbers
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
 
 import torch
 
 from mp_offload import _cpu_adam as _C
 from mp_offload.cpu_threads import default_threads_per_rank
+from mp_offload.ops.adam_args import (
+    DTYPE_CODES,
+    GRAD_DTYPES,
+    MOMENT_DTYPES,
+    Q8_BLOCK,
+    Blockwise8,
+    as_step,
+    check_buffers,
+    check_hyper,
+    check_moment,
+    check_no_overlap,
+    check_rounding,
+    check_runs,
+    check_tensor,
+    moment_args,
+    moment_bufs,
+    ptr,
+)
 
 __all__ = [
     "Q8_BLOCK",
@@ -68,33 +82,6 @@ __all__ = [
     "split_fp32",
     "stream_probe",
 ]
-
-_DTYPE_CODES = {
-    torch.float32: _C.DTYPE_FLOAT32,
-    torch.float16: _C.DTYPE_FLOAT16,
-    torch.bfloat16: _C.DTYPE_BFLOAT16,
-}
-_GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_OUT_DTYPES = (torch.float16, torch.bfloat16)
-_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
-_BF16_ROUNDING = {"nearest_even": 0, "split": 1}
-Q8_BLOCK = _C.Q8_BLOCK  # elements per scale of an 8-bit moment
-
-
-class Blockwise8(NamedTuple):
-    """A block-wise 8-bit moment: ``codes`` (uint8, one per element) and ``scales``
-    (fp32, the absmax of each block of Q8_BLOCK elements, the last one possibly
-    partial; NaN for a block that held an inf or NaN). Blocks count from codes[0]:
-    a view must start on a block (and its scales at that block) and end on one or
-    at its storage's end, so that no block is split between two calls."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-
-    @staticmethod
-    def zeros(n: int) -> Blockwise8:
-        """n elements of 0 (codes 0, scales 0)."""
-        return Blockwise8(torch.zeros(n, dtype=torch.uint8), torch.zeros(-(-n // Q8_BLOCK)))
 
 
 def default_num_threads() -> int:
@@ -147,198 +134,6 @@ def last_num_threads() -> int:
     return _C.last_num_threads()
 
 
-# ------------------------------------------------------------------ checks
-def _check_tensor(fn: str, name: str, t, dtypes, numel: int | None, of: str = "param") -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{fn}: {name} must be a CPU tensor, got device '{t.device}'")
-    if t.layout != torch.strided:
-        raise ValueError(f"{fn}: {name} must be a dense (strided) tensor, got layout {t.layout}")
-    if t.dtype not in dtypes:
-        names = "/".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{fn}: {name} must be {names}, got {str(t.dtype).replace('torch.', '')}")
-    if not t.is_contiguous():
-        raise ValueError(
-            f"{fn}: {name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})"
-        )
-    if numel is not None and t.numel() != numel:
-        raise ValueError(f"{fn}: {name} has {t.numel()} elements, {of} has {numel}")
-
-
-def _check_moment(fn: str, name: str, t, numel: int, of: str = "param") -> None:
-    """A moment: an fp32/bf16 tensor, or a Blockwise8 whose blocks start at its first
-    element and end at its last (or at its storage's end: the one partial block)."""
-    if not isinstance(t, Blockwise8):
-        return _check_tensor(fn, name, t, _MOMENT_DTYPES, numel, of)
-    _check_tensor(fn, f"{name}.codes", t.codes, (torch.uint8,), numel, of)
-    blocks = -(-numel // Q8_BLOCK)
-    _check_tensor(
-        fn, f"{name}.scales", t.scales, (torch.float32,), blocks, f"{of}'s {numel} elements need"
-    )
-    at = t.codes.storage_offset()
-    if at % Q8_BLOCK:
-        raise ValueError(
-            f"{fn}: {name}.codes starts at element {at} of its storage, not on a block "
-            f"of {Q8_BLOCK} (8-bit moments are stepped in whole blocks)"
-        )
-    if numel % Q8_BLOCK and at + numel != t.codes.untyped_storage().nbytes():
-        raise ValueError(
-            f"{fn}: {name}.codes ends inside a block of {Q8_BLOCK} ({numel} elements from "
-            f"{at}); only the end of its storage may cut a block short"
-        )
-
-
-def _moment_args(m, v) -> tuple:
-    """The kernel's (exp_avg_dtype, exp_avg_sq_dtype, exp_avg_scale_ptr, exp_avg_sq_scale_ptr)."""
-    codes, ptrs = [], []
-    for t in (m, v):
-        q8 = isinstance(t, Blockwise8)
-        codes.append(_C.DTYPE_Q8 if q8 else _DTYPE_CODES[t.dtype])
-        ptrs.append(t.scales.data_ptr() if q8 else 0)
-    return (*codes, *ptrs)
-
-
-def _moment_bufs(name: str, t) -> dict:
-    """The tensors of a moment, named for the overlap check."""
-    if isinstance(t, Blockwise8):
-        return {f"{name}.codes": t.codes, f"{name}.scales": t.scales}
-    return {name: t}
-
-
-def _ptr(t) -> int:
-    return t.codes.data_ptr() if isinstance(t, Blockwise8) else t.data_ptr()
-
-
-def _check_no_overlap(fn: str, tensors: dict) -> None:
-    """The kernel writes param/exp_avg/exp_avg_sq/param_out while reading all:
-    any two sharing bytes would make the result depend on the vector width."""
-    spans = []
-    for name, t in tensors.items():
-        if t is not None:
-            a0 = t.data_ptr()
-            spans.append((a0, a0 + t.numel() * t.element_size(), name))
-    spans.sort()  # by start: only neighbours can overlap first
-    for (_, a1, na), (b0, _, nb) in itertools.pairwise(spans):
-        if b0 < a1:
-            first, second = sorted((na, nb), key=list(tensors).index)
-            raise ValueError(f"{fn}: {first} and {second} overlap in memory")
-
-
-def _as_step(fn: str, step) -> int:
-    if isinstance(step, torch.Tensor):
-        if step.numel() != 1:
-            raise ValueError(f"{fn}: step tensor must have one element, got {step.numel()}")
-        step = step.item()
-    if isinstance(step, bool) or not isinstance(step, numbers.Real):
-        raise TypeError(f"{fn}: step must be an integer, got {type(step).__name__}")
-    if isinstance(step, float) and not step.is_integer():
-        raise ValueError(f"{fn}: step must be an integer, got {step}")
-    step = int(step)
-    if step < 1:
-        raise ValueError(f"{fn}: step must be >= 1, got {step}")
-    return step
-
-
-def _check_hyper(fn: str, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0) -> None:
-    for name, x in (
-        ("lr", lr),
-        ("beta1", beta1),
-        ("beta2", beta2),
-        ("eps", eps),
-        ("weight_decay", weight_decay),
-        ("grad_scale", grad_scale),
-    ):
-        t = type(x)  # float/int first: the ABC check below costs ~10x more per call
-        if not (
-            (t is float or t is int or (t is not bool and isinstance(x, numbers.Real)))
-            and math.isfinite(x)
-        ):
-            raise ValueError(f"{fn}: {name} must be a finite real number, got {x!r}")
-    if lr < 0:
-        raise ValueError(f"{fn}: lr must be >= 0, got {lr}")
-    if not 0.0 <= beta1 < 1.0:
-        raise ValueError(f"{fn}: beta1 must be in [0, 1), got {beta1}")
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"{fn}: beta2 must be in [0, 1), got {beta2}")
-    if eps < 0:
-        raise ValueError(f"{fn}: eps must be >= 0, got {eps}")
-    if weight_decay < 0:
-        raise ValueError(f"{fn}: weight_decay must be >= 0, got {weight_decay}")
-
-
-def _check_buffers(fn, param, grad, exp_avg, exp_avg_sq, param_out) -> int:
-    _check_tensor(fn, "param", param, (torch.float32,), None)
-    n = param.numel()
-    _check_tensor(fn, "grad", grad, _GRAD_DTYPES, n)
-    _check_moment(fn, "exp_avg", exp_avg, n)
-    _check_moment(fn, "exp_avg_sq", exp_avg_sq, n)
-    if param_out is not None:
-        _check_tensor(fn, "param_out", param_out, _OUT_DTYPES, n)
-    if n:
-        moments = {**_moment_bufs("exp_avg", exp_avg), **_moment_bufs("exp_avg_sq", exp_avg_sq)}
-        bufs = {"param": param, "grad": grad, **moments, "param_out": param_out}
-        _check_no_overlap(fn, bufs)
-    return n
-
-
-def _check_rounding(fn: str, bf16_rounding, param_out) -> int:
-    """bf16_rounding -> its code; "split" only with a bf16 param_out to round."""
-    if not isinstance(bf16_rounding, str) or bf16_rounding not in _BF16_ROUNDING:
-        raise ValueError(
-            f"{fn}: bf16_rounding must be 'nearest_even' or 'split', got {bf16_rounding!r}"
-        )
-    if bf16_rounding == "split" and (param_out is None or param_out.dtype != torch.bfloat16):
-        got = "none" if param_out is None else str(param_out.dtype).replace("torch.", "")
-        raise ValueError(f"{fn}: bf16_rounding='split' needs a bfloat16 param_out, got {got}")
-    return _BF16_ROUNDING[bf16_rounding]
-
-
-def _check_runs(fn: str, runs, n: int) -> list:
-    """decay_runs -> [(start, end), ...]: pairs of ints, 0 <= start <= end <= n,
-    sorted and non-overlapping (each starts at or after the previous one's end).
-    Empty runs are allowed (a zero-size tensor) and do nothing."""
-    if isinstance(runs, torch.Tensor):
-        runs = runs.tolist()
-    if isinstance(runs, (str, bytes)) or not isinstance(runs, Iterable):
-        raise TypeError(
-            f"{fn}: decay_runs must be a sequence of (start, end) pairs, got {type(runs).__name__}"
-        )
-    runs = list(runs)
-    out = []
-    prev_end = 0
-    for k, r in enumerate(runs):  # fast path; _bad_run explains the first problem
-        try:
-            s, e = r
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"{fn}: decay_runs[{k}] must be a (start, end) pair, got {r!r}"
-            ) from None
-        if type(s) is not int or type(e) is not int:
-            if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in (s, e)):
-                raise TypeError(f"{fn}: decay_runs[{k}] must hold two integers, got {r!r}")
-            s, e = int(s), int(e)
-        if not prev_end <= s <= e <= n:
-            _bad_run(fn, runs, k, n)
-        prev_end = e
-        out.append((s, e))
-    return out
-
-
-def _bad_run(fn: str, runs: list, k: int, n: int) -> None:
-    """Raise the ValueError that names what is wrong with runs[k] (runs[:k] are fine)."""
-    s, e = (int(x) for x in runs[k])
-    at = f"{fn}: decay_runs[{k}] = ({s}, {e})"
-    if s > e:
-        raise ValueError(f"{at} has start > end")
-    if s < 0 or e > n:
-        raise ValueError(f"{at} is out of range [0, {n}] (param has {n} elements)")
-    ps, pe = (int(x) for x in runs[k - 1])
-    if s < ps:
-        raise ValueError(f"{at} is unsorted: it starts before decay_runs[{k - 1}] = ({ps}, {pe})")
-    raise ValueError(f"{at} overlaps decay_runs[{k - 1}] = ({ps}, {pe})")
-
-
 # ------------------------------------------------------------- remainders
 def split_fp32(
     x: torch.Tensor, hi: torch.Tensor | None = None, lo: torch.Tensor | None = None
@@ -357,14 +152,14 @@ def split_fp32(
     A finite x never gets an inf or NaN hi. No bijective rule can give RNE(x) at
     every non-tie without such a wrap (docs/DESIGN.md §7)."""
     fn = "split_fp32"
-    _check_tensor(fn, "x", x, (torch.float32,), None)
+    check_tensor(fn, "x", x, (torch.float32,), None)
     n = x.numel()
     hi = torch.empty(x.shape, dtype=torch.bfloat16) if hi is None else hi
     lo = torch.empty(x.shape, dtype=torch.int16) if lo is None else lo
-    _check_tensor(fn, "hi", hi, (torch.bfloat16,), n, of="x")
-    _check_tensor(fn, "lo", lo, (torch.int16,), n, of="x")
+    check_tensor(fn, "hi", hi, (torch.bfloat16,), n, of="x")
+    check_tensor(fn, "lo", lo, (torch.int16,), n, of="x")
     if n:
-        _check_no_overlap(fn, {"x": x, "hi": hi, "lo": lo})
+        check_no_overlap(fn, {"x": x, "hi": hi, "lo": lo})
         _C.split_fp32(x.data_ptr(), hi.data_ptr(), lo.data_ptr(), n)
     return hi, lo
 
@@ -373,13 +168,13 @@ def join_fp32(hi: torch.Tensor, lo: torch.Tensor, out: torch.Tensor | None = Non
     """(hi bf16, lo int16) -> the fp32 x with split_fp32(x) == (hi, lo), into ``out``
     if given."""
     fn = "join_fp32"
-    _check_tensor(fn, "hi", hi, (torch.bfloat16,), None)
+    check_tensor(fn, "hi", hi, (torch.bfloat16,), None)
     n = hi.numel()
-    _check_tensor(fn, "lo", lo, (torch.int16,), n, of="hi")
+    check_tensor(fn, "lo", lo, (torch.int16,), n, of="hi")
     out = torch.empty(hi.shape, dtype=torch.float32) if out is None else out
-    _check_tensor(fn, "out", out, (torch.float32,), n, of="hi")
+    check_tensor(fn, "out", out, (torch.float32,), n, of="hi")
     if n:
-        _check_no_overlap(fn, {"hi": hi, "lo": lo, "out": out})
+        check_no_overlap(fn, {"hi": hi, "lo": lo, "out": out})
         _C.join_fp32(hi.data_ptr(), lo.data_ptr(), out.data_ptr(), n)
     return out
 
@@ -407,12 +202,12 @@ def quantize_8bit(x: torch.Tensor, moment: str, out: Blockwise8 | None = None) -
     ``moment`` ('exp_avg' or 'exp_avg_sq'); into ``out`` if given."""
     fn = "quantize_8bit"
     is_m = _q8_kind(fn, moment)
-    _check_tensor(fn, "x", x, (torch.float32,), None)
+    check_tensor(fn, "x", x, (torch.float32,), None)
     n = x.numel()
     out = Blockwise8.zeros(n) if out is None else out
-    _check_moment(fn, "out", out, n, of="x")
+    check_moment(fn, "out", out, n, of="x")
     if n:
-        _check_no_overlap(fn, {"x": x, **_moment_bufs("out", out)})
+        check_no_overlap(fn, {"x": x, **moment_bufs("out", out)})
         _ensure_threads()
         _C.q8_quantize(x.data_ptr(), out.codes.data_ptr(), out.scales.data_ptr(), n, is_m)
     return out
@@ -426,11 +221,11 @@ def dequantize_8bit(q: Blockwise8, moment: str, out: torch.Tensor | None = None)
     if not isinstance(q, Blockwise8):
         raise TypeError(f"{fn}: q must be a Blockwise8, got {type(q).__name__}")
     n = q.codes.numel() if isinstance(q.codes, torch.Tensor) else 0
-    _check_moment(fn, "q", q, n, of="q.codes")
+    check_moment(fn, "q", q, n, of="q.codes")
     out = torch.empty(n) if out is None else out
-    _check_tensor(fn, "out", out, (torch.float32,), n, of="q.codes")
+    check_tensor(fn, "out", out, (torch.float32,), n, of="q.codes")
     if n:
-        _check_no_overlap(fn, {**_moment_bufs("q", q), "out": out})
+        check_no_overlap(fn, {**moment_bufs("q", q), "out": out})
         _ensure_threads()
         _C.q8_dequantize(q.codes.data_ptr(), q.scales.data_ptr(), out.data_ptr(), n, is_m)
     return out
@@ -477,23 +272,23 @@ def adam_step(
     "split" (split_fp32's hi: the bits adam_step_remainder hands the device).
     """
     fn = "adam_step"
-    n = _check_buffers(fn, param, grad, exp_avg, exp_avg_sq, param_out)
-    step = _as_step(fn, step)
-    _check_hyper(fn, lr, beta1, beta2, eps, weight_decay, grad_scale)
-    rounding = _check_rounding(fn, bf16_rounding, param_out)
-    runs = None if decay_runs is None else _check_runs(fn, decay_runs, n)
+    n = check_buffers(fn, param, grad, exp_avg, exp_avg_sq, param_out)
+    step = as_step(fn, step)
+    check_hyper(fn, lr, beta1, beta2, eps, weight_decay, grad_scale)
+    rounding = check_rounding(fn, bf16_rounding, param_out)
+    runs = None if decay_runs is None else check_runs(fn, decay_runs, n)
     if n == 0:
         return
     _ensure_threads()
-    mt, vt, ms, vs = _moment_args(exp_avg, exp_avg_sq)
+    mt, vt, ms, vs = moment_args(exp_avg, exp_avg_sq)
     _C.adam_step(
         param.data_ptr(),
         grad.data_ptr(),
-        _DTYPE_CODES[grad.dtype],
-        _ptr(exp_avg),
-        _ptr(exp_avg_sq),
+        DTYPE_CODES[grad.dtype],
+        ptr(exp_avg),
+        ptr(exp_avg_sq),
         0 if param_out is None else param_out.data_ptr(),
-        0 if param_out is None else _DTYPE_CODES[param_out.dtype],
+        0 if param_out is None else DTYPE_CODES[param_out.dtype],
         n,
         step,
         *(float(x) for x in (lr, beta1, beta2, eps, weight_decay)),
@@ -533,29 +328,29 @@ def adam_step_remainder(
     new master == join_fp32(new hi, new lo), new hi == that param_out, moments equal.
     Other arguments as adam_step's."""
     fn = "adam_step_remainder"
-    _check_tensor(fn, "param_hi", param_hi, (torch.bfloat16,), None)
+    check_tensor(fn, "param_hi", param_hi, (torch.bfloat16,), None)
     n = param_hi.numel()
-    _check_tensor(fn, "param_lo", param_lo, (torch.int16,), n, of="param_hi")
-    _check_tensor(fn, "grad", grad, _GRAD_DTYPES, n, of="param_hi")
-    _check_moment(fn, "exp_avg", exp_avg, n, of="param_hi")
-    _check_moment(fn, "exp_avg_sq", exp_avg_sq, n, of="param_hi")
+    check_tensor(fn, "param_lo", param_lo, (torch.int16,), n, of="param_hi")
+    check_tensor(fn, "grad", grad, GRAD_DTYPES, n, of="param_hi")
+    check_moment(fn, "exp_avg", exp_avg, n, of="param_hi")
+    check_moment(fn, "exp_avg_sq", exp_avg_sq, n, of="param_hi")
     if n:
         bufs = {"param_hi": param_hi, "param_lo": param_lo, "grad": grad}
-        moments = {**_moment_bufs("exp_avg", exp_avg), **_moment_bufs("exp_avg_sq", exp_avg_sq)}
-        _check_no_overlap(fn, {**bufs, **moments})
-    step = _as_step(fn, step)
-    _check_hyper(fn, lr, beta1, beta2, eps, weight_decay, grad_scale)
-    runs = None if decay_runs is None else _check_runs(fn, decay_runs, n)
+        moments = {**moment_bufs("exp_avg", exp_avg), **moment_bufs("exp_avg_sq", exp_avg_sq)}
+        check_no_overlap(fn, {**bufs, **moments})
+    step = as_step(fn, step)
+    check_hyper(fn, lr, beta1, beta2, eps, weight_decay, grad_scale)
+    runs = None if decay_runs is None else check_runs(fn, decay_runs, n)
     if n == 0:
         return
-    mt, vt, ms, vs = _moment_args(exp_avg, exp_avg_sq)
+    mt, vt, ms, vs = moment_args(exp_avg, exp_avg_sq)
     _C.adam_step_remainder(
         param_hi.data_ptr(),
         param_lo.data_ptr(),
         grad.data_ptr(),
-        _DTYPE_CODES[grad.dtype],
-        _ptr(exp_avg),
-        _ptr(exp_avg_sq),
+        DTYPE_CODES[grad.dtype],
+        ptr(exp_avg),
+        ptr(exp_avg_sq),
         n,
         step,
         *(float(x) for x in (lr, beta1, beta2, eps, weight_decay)),
@@ -586,21 +381,21 @@ def stream_probe(
     fn = "stream_probe"
     if isinstance(exp_avg, Blockwise8) or isinstance(exp_avg_sq, Blockwise8):
         raise TypeError(f"{fn}: 8-bit (Blockwise8) moments have no probe; pass fp32/bf16 tensors")
-    n = _check_buffers(fn, param, grad, exp_avg, exp_avg_sq, param_out)
+    n = check_buffers(fn, param, grad, exp_avg, exp_avg_sq, param_out)
     if n == 0:
         return 0.0
     _ensure_threads()
     return _C.stream_probe(
         param.data_ptr(),
         grad.data_ptr(),
-        _DTYPE_CODES[grad.dtype],
+        DTYPE_CODES[grad.dtype],
         exp_avg.data_ptr(),
         exp_avg_sq.data_ptr(),
         0 if param_out is None else param_out.data_ptr(),
-        0 if param_out is None else _DTYPE_CODES[param_out.dtype],
+        0 if param_out is None else DTYPE_CODES[param_out.dtype],
         n,
-        _DTYPE_CODES[exp_avg.dtype],
-        _DTYPE_CODES[exp_avg_sq.dtype],
+        DTYPE_CODES[exp_avg.dtype],
+        DTYPE_CODES[exp_avg_sq.dtype],
     )
 
 
@@ -629,9 +424,9 @@ class CPUAdam(torch.optim.Optimizer):
     ):
         if len(betas) != 2:
             raise ValueError(f"CPUAdam: betas must be a pair, got {betas!r}")
-        _check_hyper("CPUAdam", lr, betas[0], betas[1], eps, weight_decay)
+        check_hyper("CPUAdam", lr, betas[0], betas[1], eps, weight_decay)
         for name, dt in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
-            if dt not in _MOMENT_DTYPES:
+            if dt not in MOMENT_DTYPES:
                 raise TypeError(
                     f"CPUAdam: {name} must be torch.float32 or torch.bfloat16, got {dt}"
                 )
@@ -647,7 +442,7 @@ class CPUAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
-                _check_tensor("CPUAdam", "param", p, (torch.float32,), None)
+                check_tensor("CPUAdam", "param", p, (torch.float32,), None)
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
