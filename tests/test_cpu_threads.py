@@ -72,3 +72,28 @@ def test_the_cpu_adam_sets_nothing_at_import_and_uses_the_rule_at_first_use():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert out.stdout.split() == ["4", "True"]  # 12 cores / 3 ranks; OMP_NUM_THREADS=5 ignored
+
+
+@pytest.mark.parametrize(
+    "first_call",
+    [
+        "ca.split_fp32(torch.ones(8))",
+        "ca.join_fp32(*ca.split_fp32(torch.ones(8)))",
+        "ca.adam_step_remainder(*ca.split_fp32(torch.ones(8)), torch.ones(8), torch.zeros(8),"
+        " torch.zeros(8), step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)",
+    ],
+)
+def test_every_threaded_entry_point_applies_the_rule_first(first_call):
+    """The remainder and split/join kernels run threaded too: whichever is called first
+    must apply the thread rule, not run with the module's built-in count."""
+    code = (
+        "import torch, mp_offload.ops.cpu_adam as ca, mp_offload.cpu_threads as ct\n"
+        "ct.available_cores = lambda root=None: 12\n"
+        f"{first_call}\n"
+        "print(ca._threads_chosen, ca._C.get_num_threads())\n"
+    )
+    env = {"LOCAL_WORLD_SIZE": "3", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["True", "4"]

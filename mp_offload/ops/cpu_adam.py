@@ -160,6 +160,7 @@ def split_fp32(
     check_tensor(fn, "lo", lo, (torch.int16,), n, of="x")
     if n:
         check_no_overlap(fn, {"x": x, "hi": hi, "lo": lo})
+        _ensure_threads()
         _C.split_fp32(x.data_ptr(), hi.data_ptr(), lo.data_ptr(), n)
     return hi, lo
 
@@ -175,6 +176,7 @@ def join_fp32(hi: torch.Tensor, lo: torch.Tensor, out: torch.Tensor | None = Non
     check_tensor(fn, "out", out, (torch.float32,), n, of="hi")
     if n:
         check_no_overlap(fn, {"hi": hi, "lo": lo, "out": out})
+        _ensure_threads()
         _C.join_fp32(hi.data_ptr(), lo.data_ptr(), out.data_ptr(), n)
     return out
 
@@ -343,6 +345,7 @@ def adam_step_remainder(
     runs = None if decay_runs is None else check_runs(fn, decay_runs, n)
     if n == 0:
         return
+    _ensure_threads()
     mt, vt, ms, vs = moment_args(exp_avg, exp_avg_sq)
     _C.adam_step_remainder(
         param_hi.data_ptr(),
