@@ -225,7 +225,7 @@ def test_paper_table_targets_plan_the_reported_memory():
 
 
 def test_help_is_grouped_and_every_planner_flag_has_help(capsys):
-    from mp_offload.planner.cli import _planner_parser
+    from mp_offload.planner.flags import _planner_parser
 
     p = _planner_parser()
     text = p.format_help()

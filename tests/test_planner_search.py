@@ -49,8 +49,8 @@ def test_paper_table_plans_the_llama_recipes():
     """--paper-table's recipe lines are the plans of the recipes' flags: bf16 moments save
     exactly 4 B per parameter of host memory on the DGX-2 (all 16 ranks on one node hold
     the whole model once), and every recipe fits the hardware its script targets."""
-    from mp_offload.planner.cli import format_recipe_table, recipe_plan
     from mp_offload.planner.named_models import RECIPES
+    from mp_offload.planner.report import format_recipe_table, recipe_plan
 
     table = format_recipe_table()
     assert len(table.strip().splitlines()) == 2 + len(RECIPES)
