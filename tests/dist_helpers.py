@@ -1,13 +1,16 @@
-"""Run a function on N gloo ranks (spawned processes) and surface their errors."""
+"""Run a function on N gloo ranks (spawned processes) and surface their errors; the
+checkpoint tests' runs and their JSON logs."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import CKPT_RUN
 
 
 def free_port() -> int:
@@ -70,3 +73,22 @@ def pretrain_worker(rank, world, argv):
     from mp_offload.training import pretrain
 
     pretrain(argv)
+
+
+def ckpt_run(world: int, tp: int, *extra) -> None:
+    """``pretrain_gpt.py`` on ``world`` ranks at TP=``tp``: helpers.CKPT_RUN plus ``extra``
+    (the checkpoint tests' runs)."""
+    run_distributed(
+        pretrain_worker, world, CKPT_RUN + ["--tensor-model-parallel-size", str(tp), *extra]
+    )
+
+
+def log_records(path) -> list:
+    """The records of a ``--log-json`` file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def log_losses(path) -> dict:
+    """``{iteration: loss}`` of a ``--log-json`` file."""
+    return {r["iteration"]: r["loss"] for r in log_records(path) if "loss" in r}
