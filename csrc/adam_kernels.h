@@ -100,8 +100,20 @@ Hyper make_hyper(long long step, double lr, double beta1, double beta2, double e
   return h;
 }
 
+// OUT OF PLACE (adam_step's *_dst): the step reads the state at Src and writes
+// it at the Job's own addresses, which then only take stores (streamed when
+// aligned, see stream_all): the bytes of the in-place step. Null: in place.
+struct Src {
+  const float* p = nullptr;
+  const void* m = nullptr;
+  const void* v = nullptr;
+  const std::uint16_t* hi = nullptr;  // with remainders
+  const std::uint16_t* lo = nullptr;
+};
+
 // Moments are float* or uint16_t* (bf16) as the tile's template says. With
 // OT == kRem there is no fp32 param (p is null): out holds hi, lo the remainders.
+// These are where the step writes; it reads there too unless src says otherwise.
 struct Job {
   float* p;
   const void* g;
@@ -110,11 +122,25 @@ struct Job {
   void* out;
   std::uint16_t* lo;
   Hyper h;
+  Src src{};
+};
+
+// Where a tile reads each stream: src's address, or the written one in place.
+struct Reads {
+  const float* p;
+  const void* m;
+  const void* v;
+  const std::uint16_t* hi;
+  const std::uint16_t* lo;
+  explicit Reads(const Job& j)
+      : p(j.src.p ? j.src.p : j.p), m(j.src.m ? j.src.m : j.m), v(j.src.v ? j.src.v : j.v),
+        hi(j.src.hi ? j.src.hi : static_cast<const std::uint16_t*>(j.out)), lo(j.src.lo ? j.src.lo : j.lo) {}
 };
 
 template <int GT, int MT, int VT, int OT, bool PROBE>
 void tile_scalar(const Job& j, std::size_t b, std::size_t e) {
   const Hyper h = j.h;  // locals: stores through the buffers cannot alias them
+  const Reads r(j);
   float* const pp = j.p;
   const void* const gp = j.g;
   void* const mp = j.m;
@@ -123,8 +149,8 @@ void tile_scalar(const Job& j, std::size_t b, std::size_t e) {
   std::uint16_t* const lp = j.lo;
   for (std::size_t i = b; i < e; ++i) {
     float g = load_scalar<GT>(gp, i) * h.grad_scale;
-    float p = OT == kRem ? join_hi_lo(static_cast<std::uint16_t*>(op)[i], lp[i]) : pp[i];
-    float m = load_scalar<MT>(mp, i), v = load_scalar<VT>(vp, i);
+    float p = OT == kRem ? join_hi_lo(r.hi[i], r.lo[i]) : r.p[i];
+    float m = load_scalar<MT>(r.m, i), v = load_scalar<VT>(r.v, i);
     if constexpr (PROBE) {  // same traffic, trivial math
       m = m + g; v = v + g; p = p + g;
     } else {
@@ -156,15 +182,18 @@ struct TailBuf {
   alignas(64) float p[W] = {}, g[W] = {}, m[W] = {}, v[W] = {};
   alignas(64) std::uint16_t out[W] = {}, lo[W] = {};
   // With remainders (j.lo set) hi (in out) and lo are read as well as written.
+  // Read from the sources, stepped in place here, stored to the Job's addresses.
   Job load(const Job& j, int gt, int mt, int vt, std::size_t i, std::size_t r) {
-    if (j.p) std::memcpy(p, j.p + i, r * 4);
-    if (j.lo) std::memcpy(out, static_cast<const std::uint16_t*>(j.out) + i, r * 2);
-    if (j.lo) std::memcpy(lo, j.lo + i, r * 2);
+    const Reads s(j);
+    if (j.p) std::memcpy(p, s.p + i, r * 4);
+    if (j.lo) std::memcpy(out, s.hi + i, r * 2);
+    if (j.lo) std::memcpy(lo, s.lo + i, r * 2);
     std::memcpy(g, static_cast<const char*>(j.g) + i * dsize(gt), r * dsize(gt));
-    std::memcpy(m, static_cast<const char*>(j.m) + i * dsize(mt), r * dsize(mt));
-    std::memcpy(v, static_cast<const char*>(j.v) + i * dsize(vt), r * dsize(vt));
+    std::memcpy(m, static_cast<const char*>(s.m) + i * dsize(mt), r * dsize(mt));
+    std::memcpy(v, static_cast<const char*>(s.v) + i * dsize(vt), r * dsize(vt));
     Job t = j;
     t.p = p; t.g = g; t.m = m; t.v = v; t.out = j.out ? out : nullptr; t.lo = j.lo ? lo : nullptr;
+    t.src = Src{};
     return t;
   }
   void store(const Job& j, int mt, int vt, std::size_t i, std::size_t r) const {
@@ -185,10 +214,23 @@ std::size_t head_len(const Job& j, std::size_t i, std::size_t e) {
   return std::min(e - i, (W - at % W) % W);
 }
 
-// param_out is write-only: streamed when aligned. Never with remainders (hi is read too).
+// Which stores stream (non-temporal): none, param_out (write-only: streamed when
+// aligned; never with remainders in place, hi is read too), or, out of place, every
+// store (all write-only), when every written stream is aligned to its vector there.
+enum : int { kStreamNone = 0, kStreamOut = 1, kStreamAll = 2 };
+
 template <int OT, int ALIGN>
 bool stream_out(const Job& j, std::size_t i) {
   return OT != kNone && OT != kRem && reinterpret_cast<std::uintptr_t>(static_cast<std::uint16_t*>(j.out) + i) % ALIGN == 0;
+}
+
+template <int W, int MT, int VT, int OT>
+bool stream_all(const Job& j, std::size_t i) {
+  const auto at = [i](const void* a, std::size_t es) {  // element i of a, es bytes each, on a vector
+    return !a || reinterpret_cast<std::uintptr_t>(static_cast<const char*>(a) + i * es) % (W * es) == 0;
+  };
+  return j.src.m && at(OT == kRem ? nullptr : j.p, 4) && at(j.m, dsize(MT)) && at(j.v, dsize(VT)) &&
+         at(OT == kNone ? nullptr : j.out, 2) && at(OT == kRem ? j.lo : nullptr, 2);
 }
 
 // One call's buffers, copied out of the Job into a local: stores through them
@@ -200,7 +242,8 @@ struct Ptrs {
   void* v;
   void* out;
   std::uint16_t* lo;
-  explicit Ptrs(const Job& j) : p(j.p), g(j.g), m(j.m), v(j.v), out(j.out), lo(j.lo) {}
+  Reads r;
+  explicit Ptrs(const Job& j) : p(j.p), g(j.g), m(j.m), v(j.v), out(j.out), lo(j.lo), r(j) {}
 };
 
 // The vector loops take U vectors per step, stage by stage (all loads, then each
@@ -237,31 +280,31 @@ MPO_AVX2 inline __m256 div_bc2_avx2(__m256 x, const C256& c) {
 // The param: fp32, or joined from / split into (hi, lo) with remainders.
 template <int OT>
 MPO_AVX2 inline __m256 load_p_avx2(const Ptrs& s, std::size_t i) {
-  if constexpr (OT != kRem) return _mm256_loadu_ps(s.p + i);
+  if constexpr (OT != kRem) return _mm256_loadu_ps(s.r.p + i);
   else
-    return join_avx2(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const std::uint16_t*>(s.out) + i)),
-                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(s.lo + i)));
+    return join_avx2(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s.r.hi + i)),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(s.r.lo + i)));
 }
 
-template <int OT, bool NT>
+template <int OT, int NT>
 MPO_AVX2 inline void store_p_avx2(const Ptrs& s, std::size_t i, __m256 p) {
   if constexpr (OT != kRem) {
-    store_out_avx2<OT, NT>(s.out, i, p);
+    if constexpr (OT != kNone) store_out_avx2<OT, NT != kStreamNone>(s.out, i, p);
   } else {
     __m128i hi, lo;
     split_avx2(p, &hi, &lo);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<std::uint16_t*>(s.out) + i), hi);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(s.lo + i), lo);
+    put_avx2<NT == kStreamAll>(static_cast<std::uint16_t*>(s.out) + i, hi);
+    put_avx2<NT == kStreamAll>(s.lo + i, lo);
   }
 }
 
-template <int GT, int MT, int VT, int OT, bool PROBE, bool NT, int U>
+template <int GT, int MT, int VT, int OT, bool PROBE, int NT, int U>
 MPO_AVX2 inline void body_avx2(const Ptrs& s, const C256& c, std::size_t i) {
   __m256 g[U], p[U], m[U], v[U];
   MPO_UNROLL for (int u = 0; u < U; ++u) g[u] = load_avx2<GT>(s.g, i + 8 * u);
   MPO_UNROLL for (int u = 0; u < U; ++u) p[u] = load_p_avx2<OT>(s, i + 8 * u);
-  MPO_UNROLL for (int u = 0; u < U; ++u) m[u] = load_avx2<MT>(s.m, i + 8 * u);
-  MPO_UNROLL for (int u = 0; u < U; ++u) v[u] = load_avx2<VT>(s.v, i + 8 * u);
+  MPO_UNROLL for (int u = 0; u < U; ++u) m[u] = load_avx2<MT>(s.r.m, i + 8 * u);
+  MPO_UNROLL for (int u = 0; u < U; ++u) v[u] = load_avx2<VT>(s.r.v, i + 8 * u);
   if (c.scale) MPO_UNROLL for (int u = 0; u < U; ++u) g[u] = _mm256_mul_ps(g[u], c.gs);
   if constexpr (PROBE) {
     MPO_UNROLL for (int u = 0; u < U; ++u) {
@@ -277,9 +320,10 @@ MPO_AVX2 inline void body_avx2(const Ptrs& s, const C256& c, std::size_t i) {
     MPO_UNROLL for (int u = 0; u < U; ++u) d[u] = _mm256_add_ps(div_bc2_avx2(_mm256_sqrt_ps(v[u]), c), c.eps);
     MPO_UNROLL for (int u = 0; u < U; ++u) p[u] = _mm256_add_ps(p[u], _mm256_div_ps(_mm256_mul_ps(c.nstep, m[u]), d[u]));
   }
-  if constexpr (OT != kRem) MPO_UNROLL for (int u = 0; u < U; ++u) _mm256_storeu_ps(s.p + i + 8 * u, p[u]);
-  MPO_UNROLL for (int u = 0; u < U; ++u) store_mom_avx2<MT>(s.m, i + 8 * u, m[u]);
-  MPO_UNROLL for (int u = 0; u < U; ++u) store_mom_avx2<VT>(s.v, i + 8 * u, v[u]);
+  constexpr bool all = NT == kStreamAll;
+  if constexpr (OT != kRem) MPO_UNROLL for (int u = 0; u < U; ++u) put_avx2<all>(s.p + i + 8 * u, p[u]);
+  MPO_UNROLL for (int u = 0; u < U; ++u) store_mom_avx2<MT, all>(s.m, i + 8 * u, m[u]);
+  MPO_UNROLL for (int u = 0; u < U; ++u) store_mom_avx2<VT, all>(s.v, i + 8 * u, v[u]);
   MPO_UNROLL for (int u = 0; u < U; ++u) store_p_avx2<OT, NT>(s, i + 8 * u, p[u]);
 }
 
@@ -287,18 +331,18 @@ template <int GT, int MT, int VT, int OT, bool PROBE>
 MPO_AVX2 void piece_avx2(const Job& j, const C256& c, std::size_t i, std::size_t r) {
   TailBuf<8> t;
   const Ptrs s(t.load(j, GT, MT, VT, i, r));
-  body_avx2<GT, MT, VT, OT, PROBE, false, 1>(s, c, 0);
+  body_avx2<GT, MT, VT, OT, PROBE, kStreamNone, 1>(s, c, 0);
   t.store(j, MT, VT, i, r);
 }
 
 constexpr int kUnrollAVX2 = 2;  // 16 ymm registers: two vectors' state fits without spills
 
-template <int GT, int MT, int VT, int OT, bool PROBE, bool NT>
+template <int GT, int MT, int VT, int OT, bool PROBE, int NT>
 MPO_AVX2 std::size_t loop_avx2(const Ptrs& s, const C256& c, std::size_t i, std::size_t e) {
   constexpr int U = kUnrollAVX2;
   for (; i + 8 * U <= e; i += 8 * U) body_avx2<GT, MT, VT, OT, PROBE, NT, U>(s, c, i);
   for (; i + 8 <= e; i += 8) body_avx2<GT, MT, VT, OT, PROBE, NT, 1>(s, c, i);
-  if constexpr (NT) _mm_sfence();  // order the streaming stores before anyone reads param_out
+  if constexpr (NT != kStreamNone) _mm_sfence();  // order the streaming stores before anyone reads them
   return i;
 }
 
@@ -310,10 +354,12 @@ MPO_AVX2 void tile_avx2(const Job& j, std::size_t b, std::size_t e) {
   const std::size_t head = head_len<8, OT>(j, i, e);
   if (head) piece_avx2<GT, MT, VT, OT, PROBE>(j, c, i, head);
   i += head;
-  if (stream_out<OT, 16>(j, i))
-    i = loop_avx2<GT, MT, VT, OT, PROBE, true>(s, c, i, e);
+  if (!PROBE && stream_all<8, MT, VT, OT>(j, i))
+    i = loop_avx2<GT, MT, VT, OT, PROBE, PROBE ? kStreamNone : kStreamAll>(s, c, i, e);
+  else if (stream_out<OT, 16>(j, i))
+    i = loop_avx2<GT, MT, VT, OT, PROBE, kStreamOut>(s, c, i, e);
   else
-    i = loop_avx2<GT, MT, VT, OT, PROBE, false>(s, c, i, e);
+    i = loop_avx2<GT, MT, VT, OT, PROBE, kStreamNone>(s, c, i, e);
   if (i < e) piece_avx2<GT, MT, VT, OT, PROBE>(j, c, i, e - i);
 }
 
@@ -341,32 +387,31 @@ MPO_AVX512 inline __m512 div_bc2_avx512(__m512 x, const C512& c) {
 
 template <int OT>
 MPO_AVX512 inline __m512 load_p_avx512(const Ptrs& s, std::size_t i) {
-  if constexpr (OT != kRem) return _mm512_loadu_ps(s.p + i);
+  if constexpr (OT != kRem) return _mm512_loadu_ps(s.r.p + i);
   else
-    return join_avx512(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const std::uint16_t*>(s.out) + i)),
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.lo + i)));
+    return join_avx512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.r.hi + i)),
+                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.r.lo + i)));
 }
 
-template <int OT, bool NT>
+template <int OT, int NT>
 MPO_AVX512 inline void store_p_avx512(const Ptrs& s, std::size_t i, __m512 p) {
   if constexpr (OT != kRem) {
-    store_out_avx512<OT, NT>(s.out, i, p);
+    if constexpr (OT != kNone) store_out_avx512<OT, NT != kStreamNone>(s.out, i, p);
   } else {
     __m256i hi, lo;
     split_avx512(p, &hi, &lo);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<std::uint16_t*>(s.out) + i), hi);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.lo + i), lo);
+    put_avx512<NT == kStreamAll>(static_cast<std::uint16_t*>(s.out) + i, hi);
+    put_avx512<NT == kStreamAll>(s.lo + i, lo);
   }
 }
 
-template <int GT, int MT, int VT, int OT, bool PROBE, bool NT, int U>
+template <int GT, int MT, int VT, int OT, bool PROBE, int NT, int U>
 MPO_AVX512 inline void body_avx512(const Ptrs& s, const C512& c, std::size_t i) {
   __m512 g[U], p[U], m[U], v[U];
   MPO_UNROLL for (int u = 0; u < U; ++u) g[u] = load_avx512<GT>(s.g, i + 16 * u);
   MPO_UNROLL for (int u = 0; u < U; ++u) p[u] = load_p_avx512<OT>(s, i + 16 * u);
-  MPO_UNROLL for (int u = 0; u < U; ++u) m[u] = load_avx512<MT>(s.m, i + 16 * u);
-  MPO_UNROLL for (int u = 0; u < U; ++u) v[u] = load_avx512<VT>(s.v, i + 16 * u);
+  MPO_UNROLL for (int u = 0; u < U; ++u) m[u] = load_avx512<MT>(s.r.m, i + 16 * u);
+  MPO_UNROLL for (int u = 0; u < U; ++u) v[u] = load_avx512<VT>(s.r.v, i + 16 * u);
   if (c.scale) MPO_UNROLL for (int u = 0; u < U; ++u) g[u] = _mm512_mul_ps(g[u], c.gs);
   if constexpr (PROBE) {
     MPO_UNROLL for (int u = 0; u < U; ++u) {
@@ -382,9 +427,10 @@ MPO_AVX512 inline void body_avx512(const Ptrs& s, const C512& c, std::size_t i) 
     MPO_UNROLL for (int u = 0; u < U; ++u) d[u] = _mm512_add_ps(div_bc2_avx512(_mm512_sqrt_ps(v[u]), c), c.eps);
     MPO_UNROLL for (int u = 0; u < U; ++u) p[u] = _mm512_add_ps(p[u], _mm512_div_ps(_mm512_mul_ps(c.nstep, m[u]), d[u]));
   }
-  if constexpr (OT != kRem) MPO_UNROLL for (int u = 0; u < U; ++u) _mm512_storeu_ps(s.p + i + 16 * u, p[u]);
-  MPO_UNROLL for (int u = 0; u < U; ++u) store_mom_avx512<MT>(s.m, i + 16 * u, m[u]);
-  MPO_UNROLL for (int u = 0; u < U; ++u) store_mom_avx512<VT>(s.v, i + 16 * u, v[u]);
+  constexpr bool all = NT == kStreamAll;
+  if constexpr (OT != kRem) MPO_UNROLL for (int u = 0; u < U; ++u) put_avx512<all>(s.p + i + 16 * u, p[u]);
+  MPO_UNROLL for (int u = 0; u < U; ++u) store_mom_avx512<MT, all>(s.m, i + 16 * u, m[u]);
+  MPO_UNROLL for (int u = 0; u < U; ++u) store_mom_avx512<VT, all>(s.v, i + 16 * u, v[u]);
   MPO_UNROLL for (int u = 0; u < U; ++u) store_p_avx512<OT, NT>(s, i + 16 * u, p[u]);
 }
 
@@ -392,18 +438,18 @@ template <int GT, int MT, int VT, int OT, bool PROBE>
 MPO_AVX512 void piece_avx512(const Job& j, const C512& c, std::size_t i, std::size_t r) {
   TailBuf<16> t;
   const Ptrs s(t.load(j, GT, MT, VT, i, r));
-  body_avx512<GT, MT, VT, OT, PROBE, false, 1>(s, c, 0);
+  body_avx512<GT, MT, VT, OT, PROBE, kStreamNone, 1>(s, c, 0);
   t.store(j, MT, VT, i, r);
 }
 
 constexpr int kUnrollAVX512 = 4;  // measured on Zen 4: 4 > 8 (spills) ~ 1 in cache, 4 best from DRAM
 
-template <int GT, int MT, int VT, int OT, bool PROBE, bool NT>
+template <int GT, int MT, int VT, int OT, bool PROBE, int NT>
 MPO_AVX512 std::size_t loop_avx512(const Ptrs& s, const C512& c, std::size_t i, std::size_t e) {
   constexpr int U = kUnrollAVX512;
   for (; i + 16 * U <= e; i += 16 * U) body_avx512<GT, MT, VT, OT, PROBE, NT, U>(s, c, i);
   for (; i + 16 <= e; i += 16) body_avx512<GT, MT, VT, OT, PROBE, NT, 1>(s, c, i);
-  if constexpr (NT) _mm_sfence();  // order the streaming stores before anyone reads param_out
+  if constexpr (NT != kStreamNone) _mm_sfence();  // order the streaming stores before anyone reads them
   return i;
 }
 
@@ -415,10 +461,12 @@ MPO_AVX512 void tile_avx512(const Job& j, std::size_t b, std::size_t e) {
   const std::size_t head = head_len<16, OT>(j, i, e);
   if (head) piece_avx512<GT, MT, VT, OT, PROBE>(j, c, i, head);
   i += head;
-  if (stream_out<OT, 32>(j, i))
-    i = loop_avx512<GT, MT, VT, OT, PROBE, true>(s, c, i, e);
+  if (!PROBE && stream_all<16, MT, VT, OT>(j, i))
+    i = loop_avx512<GT, MT, VT, OT, PROBE, PROBE ? kStreamNone : kStreamAll>(s, c, i, e);
+  else if (stream_out<OT, 32>(j, i))
+    i = loop_avx512<GT, MT, VT, OT, PROBE, kStreamOut>(s, c, i, e);
   else
-    i = loop_avx512<GT, MT, VT, OT, PROBE, false>(s, c, i, e);
+    i = loop_avx512<GT, MT, VT, OT, PROBE, kStreamNone>(s, c, i, e);
   if (i < e) piece_avx512<GT, MT, VT, OT, PROBE>(j, c, i, e - i);
 }
 #endif  // MPO_X86

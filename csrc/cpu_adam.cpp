@@ -189,6 +189,33 @@ void check_addresses(const Job& j) {
     throw std::invalid_argument("null param/grad/exp_avg/exp_avg_sq address");
 }
 
+// Out of place (OUT OF PLACE in adam_kernels.h): the job's state addresses become the
+// sources and the dst ones (all or none; p is hi with remainders) take the writes.
+struct Dst {
+  std::uintptr_t p = 0, lo = 0, m = 0, v = 0;
+};
+
+Job out_of_place(Job j, const Dst& d, bool rem, int exp_avg_dtype, int exp_avg_sq_dtype, std::size_t n) {
+  const char* names = rem ? "param_hi_dst/param_lo_dst/exp_avg_dst/exp_avg_sq_dst"
+                          : "param_dst/exp_avg_dst/exp_avg_sq_dst";
+  const int given = (d.p != 0) + (d.m != 0) + (d.v != 0) + (rem && d.lo != 0), all = rem ? 4 : 3;
+  if (given == 0 || n == 0) return j;
+  if (given != all || (!rem && d.lo)) throw std::invalid_argument(std::string(names) + ": all or none");
+  if (exp_avg_dtype == kQ8 || exp_avg_sq_dtype == kQ8)
+    throw std::invalid_argument(std::string(names) + " need fp32/bf16 moments: 8-bit ones step in place only");
+  check_addresses(j);  // the sources
+  j.src = Src{j.p, j.m, j.v, rem ? static_cast<const std::uint16_t*>(j.out) : nullptr, j.lo};
+  j.m = reinterpret_cast<void*>(d.m);
+  j.v = reinterpret_cast<void*>(d.v);
+  if (rem) {
+    j.out = reinterpret_cast<void*>(d.p);
+    j.lo = reinterpret_cast<std::uint16_t*>(d.lo);
+  } else {
+    j.p = reinterpret_cast<float*>(d.p);
+  }
+  return j;
+}
+
 // The out code of a bf16 param_out: rounded to nearest even (0) or by the split rule (1).
 int out_code(std::uintptr_t out, int out_dtype, int bf16_rounding) {
   if (bf16_rounding != 0 && bf16_rounding != 1)
@@ -265,12 +292,15 @@ void adam_step(std::uintptr_t param, std::uintptr_t grad, int grad_dtype, std::u
                double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
                bool bias_correction, double grad_scale, int exp_avg_dtype, int exp_avg_sq_dtype,
                const std::optional<Runs>& decay_runs, int bf16_rounding, std::uintptr_t exp_avg_scale,
-               std::uintptr_t exp_avg_sq_scale) {
+               std::uintptr_t exp_avg_sq_scale, std::uintptr_t param_dst, std::uintptr_t exp_avg_dst,
+               std::uintptr_t exp_avg_sq_dst) {
   check_codes(grad_dtype, out, out_dtype, exp_avg_dtype, exp_avg_sq_dtype);
   const int ot = out_code(out, out_dtype, bf16_rounding);
   const StepArgs a{step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale};
-  run_step(make_job(param, grad, exp_avg, exp_avg_sq, out), grad_dtype, exp_avg_dtype, exp_avg_sq_dtype, ot, n, a,
-           decay_runs, Scales{exp_avg_scale, exp_avg_sq_scale});
+  const Job job = out_of_place(make_job(param, grad, exp_avg, exp_avg_sq, out),
+                               Dst{param_dst, 0, exp_avg_dst, exp_avg_sq_dst}, false, exp_avg_dtype, exp_avg_sq_dtype, n);
+  run_step(job, grad_dtype, exp_avg_dtype, exp_avg_sq_dtype, ot, n, a, decay_runs,
+           Scales{exp_avg_scale, exp_avg_sq_scale});
 }
 
 // The same step with the fp32 param kept as (hi, lo) halves (SPLIT in adam_kernels.h):
@@ -280,12 +310,15 @@ void adam_step_remainder(std::uintptr_t hi, std::uintptr_t lo, std::uintptr_t gr
                          double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
                          bool bias_correction, double grad_scale, int exp_avg_dtype, int exp_avg_sq_dtype,
                          const std::optional<Runs>& decay_runs, std::uintptr_t exp_avg_scale,
-                         std::uintptr_t exp_avg_sq_scale) {
+                         std::uintptr_t exp_avg_sq_scale, std::uintptr_t hi_dst, std::uintptr_t lo_dst,
+                         std::uintptr_t exp_avg_dst, std::uintptr_t exp_avg_sq_dst) {
   check_codes(grad_dtype, 0, 0, exp_avg_dtype, exp_avg_sq_dtype);
   const StepArgs a{step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale};
   if (!lo && n) throw std::invalid_argument("null param_hi/param_lo/grad/exp_avg/exp_avg_sq address");
-  run_step(make_job(0, grad, exp_avg, exp_avg_sq, hi, lo), grad_dtype, exp_avg_dtype, exp_avg_sq_dtype, kRem, n,
-           a, decay_runs, Scales{exp_avg_scale, exp_avg_sq_scale});
+  const Job job = out_of_place(make_job(0, grad, exp_avg, exp_avg_sq, hi, lo),
+                               Dst{hi_dst, lo_dst, exp_avg_dst, exp_avg_sq_dst}, true, exp_avg_dtype, exp_avg_sq_dtype, n);
+  run_step(job, grad_dtype, exp_avg_dtype, exp_avg_sq_dtype, kRem, n, a, decay_runs,
+           Scales{exp_avg_scale, exp_avg_sq_scale});
 }
 
 // Our kernel's memory traffic with trivial math: identical loads, stores, out
@@ -384,19 +417,24 @@ PYBIND11_MODULE(_cpu_adam, m) {
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"),
         py::arg("grad_scale"), py::arg("exp_avg_dtype") = 0, py::arg("exp_avg_sq_dtype") = 0,
         py::arg("decay_runs") = py::none(), py::arg("bf16_rounding") = 0, py::arg("exp_avg_scale_ptr") = 0,
-        py::arg("exp_avg_sq_scale_ptr") = 0,
+        py::arg("exp_avg_sq_scale_ptr") = 0, py::arg("param_dst_ptr") = 0, py::arg("exp_avg_dst_ptr") = 0,
+        py::arg("exp_avg_sq_dst_ptr") = 0,
         "One fused Adam/AdamW step over n elements at raw addresses (no validation of sizes!).\n"
         "decay_runs: optional [(start, end), ...] sorted disjoint element ranges that get weight_decay;\n"
         "the rest gets 0. Moments are fp32 (0) or bf16 (2) per exp_avg_dtype / exp_avg_sq_dtype.\n"
         "bf16_rounding: a bf16 param_out rounded to nearest even (0) or by the split rule (1).\n"
-        "An 8-bit moment (dtype 5): uint8 codes at its pointer, fp32 block scales at its scale pointer.");
+        "An 8-bit moment (dtype 5): uint8 codes at its pointer, fp32 block scales at its scale pointer.\n"
+        "*_dst_ptr (all or none): out of place, the new state goes there and the sources stay as they are.");
   m.def("adam_step_remainder", &adam_step_remainder, py::call_guard<py::gil_scoped_release>(),
         py::arg("hi_ptr"), py::arg("lo_ptr"), py::arg("grad_ptr"), py::arg("grad_dtype"), py::arg("exp_avg_ptr"),
         py::arg("exp_avg_sq_ptr"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"),
         py::arg("grad_scale"), py::arg("exp_avg_dtype") = 0, py::arg("exp_avg_sq_dtype") = 0,
         py::arg("decay_runs") = py::none(), py::arg("exp_avg_scale_ptr") = 0, py::arg("exp_avg_sq_scale_ptr") = 0,
-        "adam_step with the fp32 param as (hi, lo) uint16 halves, updated in place (split rule).");
+        py::arg("hi_dst_ptr") = 0, py::arg("lo_dst_ptr") = 0, py::arg("exp_avg_dst_ptr") = 0,
+        py::arg("exp_avg_sq_dst_ptr") = 0,
+        "adam_step with the fp32 param as (hi, lo) uint16 halves, updated in place (split rule),\n"
+        "or out of place into the *_dst_ptr buffers (all or none).");
   m.def("stream_probe", &stream_probe, py::call_guard<py::gil_scoped_release>(), py::arg("param_ptr"),
         py::arg("grad_ptr"), py::arg("grad_dtype"), py::arg("exp_avg_ptr"), py::arg("exp_avg_sq_ptr"),
         py::arg("out_ptr"), py::arg("out_dtype"), py::arg("n"), py::arg("exp_avg_dtype") = 0,

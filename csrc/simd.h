@@ -164,21 +164,33 @@ MPO_AVX2 inline __m256 join_avx2(__m128i hi, __m128i lo) {
   return _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(top, 16), l));
 }
 
-template <int T>
+// NT: a non-temporal store (the address aligned to the vector): for a stream the step
+// only writes (param_out, or out-of-place state), no read for ownership of its lines.
+template <bool NT>
+MPO_AVX2 inline void put_avx2(float* a, __m256 x) {
+  if constexpr (NT) _mm256_stream_ps(a, x); else _mm256_storeu_ps(a, x);
+}
+template <bool NT>
+MPO_AVX2 inline void put_avx2(std::uint16_t* a, __m128i x) {
+  if constexpr (NT) _mm_stream_si128(reinterpret_cast<__m128i*>(a), x);
+  else _mm_storeu_si128(reinterpret_cast<__m128i*>(a), x);
+}
+
+template <int T, bool NT = false>
 MPO_AVX2 inline void store_mom_avx2(void* a, std::size_t i, __m256 x) {
-  if constexpr (T == kF32) _mm256_storeu_ps(static_cast<float*>(a) + i, x);
-  else _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<std::uint16_t*>(a) + i), to_bf16_avx2(x));
+  if constexpr (T == kF32) put_avx2<NT>(static_cast<float*>(a) + i, x);
+  else put_avx2<NT>(static_cast<std::uint16_t*>(a) + i, to_bf16_avx2(x));
 }
 
 template <int OT, bool NT>
 MPO_AVX2 inline void store_out_avx2(void* out, std::size_t i, __m256 x) {
   if constexpr (OT == kNone) return;
-  __m128i* dst = reinterpret_cast<__m128i*>(static_cast<std::uint16_t*>(out) + i);
+  std::uint16_t* const dst = static_cast<std::uint16_t*>(out) + i;
   __m128i h;
   if constexpr (OT == kF16) h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
   else if constexpr (OT == kBF16Split) h = pack16_avx2(split_hi32_avx2(_mm256_castps_si256(x)));
   else h = to_bf16_avx2(x);
-  if constexpr (NT) _mm_stream_si128(dst, h); else _mm_storeu_si128(dst, h);
+  put_avx2<NT>(dst, h);
 }
 
 // ------------------------------------------------------------- AVX-512 (16)
@@ -225,21 +237,31 @@ MPO_AVX512 inline __m512 join_avx512(__m256i hi, __m256i lo) {
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(top, 16), l));
 }
 
-template <int T>
+template <bool NT>
+MPO_AVX512 inline void put_avx512(float* a, __m512 x) {
+  if constexpr (NT) _mm512_stream_ps(a, x); else _mm512_storeu_ps(a, x);
+}
+template <bool NT>
+MPO_AVX512 inline void put_avx512(std::uint16_t* a, __m256i x) {
+  if constexpr (NT) _mm256_stream_si256(reinterpret_cast<__m256i*>(a), x);
+  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(a), x);
+}
+
+template <int T, bool NT = false>
 MPO_AVX512 inline void store_mom_avx512(void* a, std::size_t i, __m512 x) {
-  if constexpr (T == kF32) _mm512_storeu_ps(static_cast<float*>(a) + i, x);
-  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<std::uint16_t*>(a) + i), to_bf16_avx512(x));
+  if constexpr (T == kF32) put_avx512<NT>(static_cast<float*>(a) + i, x);
+  else put_avx512<NT>(static_cast<std::uint16_t*>(a) + i, to_bf16_avx512(x));
 }
 
 template <int OT, bool NT>
 MPO_AVX512 inline void store_out_avx512(void* out, std::size_t i, __m512 x) {
   if constexpr (OT == kNone) return;
-  __m256i* dst = reinterpret_cast<__m256i*>(static_cast<std::uint16_t*>(out) + i);
+  std::uint16_t* const dst = static_cast<std::uint16_t*>(out) + i;
   __m256i h;
   if constexpr (OT == kF16) h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   else if constexpr (OT == kBF16Split) h = _mm512_cvtepi32_epi16(split_hi32_avx512(_mm512_castps_si512(x)));
   else h = to_bf16_avx512(x);
-  if constexpr (NT) _mm256_stream_si256(dst, h); else _mm256_storeu_si256(dst, h);
+  put_avx512<NT>(dst, h);
 }
 #endif  // MPO_X86
 

@@ -161,7 +161,14 @@ def check_hyper(fn: str, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0) ->
         raise ValueError(f"{fn}: weight_decay must be >= 0, got {weight_decay}")
 
 
-def check_buffers(fn, param, grad, exp_avg, exp_avg_sq, param_out) -> int:
+def hyper_args(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale) -> tuple:
+    """The kernel's hyper-parameter arguments, in its order and types."""
+    floats = (float(x) for x in (lr, beta1, beta2, eps, weight_decay))
+    return (*floats, bool(adamw), bool(bias_correction), float(grad_scale))
+
+
+def check_buffers(fn, param, grad, exp_avg, exp_avg_sq, param_out, dsts=None) -> int:
+    """adam_step's buffers (``dsts``: its out-of-place ``*_dst`` by name, see check_dsts)."""
     check_tensor(fn, "param", param, (torch.float32,), None)
     n = param.numel()
     check_tensor(fn, "grad", grad, GRAD_DTYPES, n)
@@ -169,11 +176,59 @@ def check_buffers(fn, param, grad, exp_avg, exp_avg_sq, param_out) -> int:
     check_moment(fn, "exp_avg_sq", exp_avg_sq, n)
     if param_out is not None:
         check_tensor(fn, "param_out", param_out, OUT_DTYPES, n)
+    srcs = {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    dsts = check_dsts(fn, srcs, dsts or {})
     if n:
         moments = {**moment_bufs("exp_avg", exp_avg), **moment_bufs("exp_avg_sq", exp_avg_sq)}
-        bufs = {"param": param, "grad": grad, **moments, "param_out": param_out}
+        bufs = {"param": param, "grad": grad, **moments, "param_out": param_out, **dsts}
         check_no_overlap(fn, bufs)
     return n
+
+
+def check_remainder_buffers(fn, param_hi, param_lo, grad, exp_avg, exp_avg_sq, dsts) -> int:
+    """adam_step_remainder's buffers, as check_buffers."""
+    check_tensor(fn, "param_hi", param_hi, (torch.bfloat16,), None)
+    n = param_hi.numel()
+    check_tensor(fn, "param_lo", param_lo, (torch.int16,), n, of="param_hi")
+    check_tensor(fn, "grad", grad, GRAD_DTYPES, n, of="param_hi")
+    check_moment(fn, "exp_avg", exp_avg, n, of="param_hi")
+    check_moment(fn, "exp_avg_sq", exp_avg_sq, n, of="param_hi")
+    srcs = {"param_hi": param_hi, "param_lo": param_lo}
+    srcs.update(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+    dsts = check_dsts(fn, srcs, dsts)
+    if n:
+        bufs = {"param_hi": param_hi, "param_lo": param_lo, "grad": grad}
+        moments = {**moment_bufs("exp_avg", exp_avg), **moment_bufs("exp_avg_sq", exp_avg_sq)}
+        check_no_overlap(fn, {**bufs, **moments, **dsts})
+    return n
+
+
+def check_dsts(fn: str, srcs: dict, dsts: dict) -> dict:
+    """Out-of-place state: ``dsts`` ("<src>_dst" -> tensor or None, in the order of
+    ``srcs``) all None (in place: returns {}) or all given, each of its source's dtype and
+    size; 8-bit (Blockwise8) moments step in place only. Returns the given ones."""
+    given = [k for k, t in dsts.items() if t is not None]
+    if not given:
+        return {}
+    if len(given) != len(srcs):
+        missing = [f"{k}_dst" for k in srcs if dsts.get(f"{k}_dst") is None]
+        raise ValueError(
+            f"{fn}: {', '.join(f'{k}_dst' for k in srcs)} go together (all or none): "
+            f"got {', '.join(given)} without {', '.join(missing)}"
+        )
+    for name, src in srcs.items():
+        if isinstance(src, Blockwise8):
+            raise TypeError(
+                f"{fn}: {name}_dst needs an fp32/bf16 {name}: an 8-bit (Blockwise8) {name} "
+                "is stepped in place only"
+            )
+        check_tensor(fn, f"{name}_dst", dsts[f"{name}_dst"], (src.dtype,), src.numel(), of=name)
+    return dict(dsts)
+
+
+def dst_ptrs(dsts: dict) -> list:
+    """The kernel's *_dst_ptr arguments (0: in place)."""
+    return [0 if t is None else t.data_ptr() for t in dsts.values()]
 
 
 def check_rounding(fn: str, bf16_rounding, param_out) -> int:

@@ -45,7 +45,6 @@ from mp_offload import _cpu_adam as _C
 from mp_offload.cpu_threads import default_threads_per_rank
 from mp_offload.ops.adam_args import (
     DTYPE_CODES,
-    GRAD_DTYPES,
     MOMENT_DTYPES,
     Q8_BLOCK,
     Blockwise8,
@@ -54,9 +53,12 @@ from mp_offload.ops.adam_args import (
     check_hyper,
     check_moment,
     check_no_overlap,
+    check_remainder_buffers,
     check_rounding,
     check_runs,
     check_tensor,
+    dst_ptrs,
+    hyper_args,
     moment_args,
     moment_bufs,
     ptr,
@@ -252,8 +254,11 @@ def adam_step(
     grad_scale: float = 1.0,
     decay_runs: Sequence[tuple[int, int]] | None = None,
     bf16_rounding: str = "nearest_even",
+    param_dst: torch.Tensor | None = None,
+    exp_avg_dst: torch.Tensor | None = None,
+    exp_avg_sq_dst: torch.Tensor | None = None,
 ) -> None:
-    """One in-place Adam (adamw=False, L2 added to the grad) or AdamW step.
+    """One Adam (adamw=False, L2 added to the grad) or AdamW step, in place or out of place.
 
     param: fp32 contiguous CPU (updated in place).
     exp_avg, exp_avg_sq: fp32 or bf16 (each on its own), contiguous CPU, same numel;
@@ -272,9 +277,15 @@ def adam_step(
     None (the default): weight_decay applies everywhere.
     bf16_rounding: how a bf16 param_out is rounded: "nearest_even" (torch's .to) or
     "split" (split_fp32's hi: the bits adam_step_remainder hands the device).
+    param_dst, exp_avg_dst, exp_avg_sq_dst: all or none; out of place, the new state
+    goes there (each of its source's dtype and size, overlapping no other buffer) and
+    param/exp_avg/exp_avg_sq stay untouched: bit for bit copying them there and stepping
+    in place, with the in-place step's bytes (the kernel streams the stores). fp32/bf16
+    moments only.
     """
     fn = "adam_step"
-    n = check_buffers(fn, param, grad, exp_avg, exp_avg_sq, param_out)
+    dsts = {"param_dst": param_dst, "exp_avg_dst": exp_avg_dst, "exp_avg_sq_dst": exp_avg_sq_dst}
+    n = check_buffers(fn, param, grad, exp_avg, exp_avg_sq, param_out, dsts)
     step = as_step(fn, step)
     check_hyper(fn, lr, beta1, beta2, eps, weight_decay, grad_scale)
     rounding = check_rounding(fn, bf16_rounding, param_out)
@@ -283,26 +294,11 @@ def adam_step(
         return
     _ensure_threads()
     mt, vt, ms, vs = moment_args(exp_avg, exp_avg_sq)
+    hp = hyper_args(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale)
+    ins = (grad.data_ptr(), DTYPE_CODES[grad.dtype], ptr(exp_avg), ptr(exp_avg_sq))
+    out = (0, 0) if param_out is None else (param_out.data_ptr(), DTYPE_CODES[param_out.dtype])
     _C.adam_step(
-        param.data_ptr(),
-        grad.data_ptr(),
-        DTYPE_CODES[grad.dtype],
-        ptr(exp_avg),
-        ptr(exp_avg_sq),
-        0 if param_out is None else param_out.data_ptr(),
-        0 if param_out is None else DTYPE_CODES[param_out.dtype],
-        n,
-        step,
-        *(float(x) for x in (lr, beta1, beta2, eps, weight_decay)),
-        bool(adamw),
-        bool(bias_correction),
-        float(grad_scale),
-        mt,
-        vt,
-        runs,
-        rounding,
-        ms,
-        vs,
+        param.data_ptr(), *ins, *out, n, step, *hp, mt, vt, runs, rounding, ms, vs, *dst_ptrs(dsts)
     )
 
 
@@ -323,23 +319,25 @@ def adam_step_remainder(
     bias_correction: bool = True,
     grad_scale: float = 1.0,
     decay_runs: Sequence[tuple[int, int]] | None = None,
+    param_hi_dst: torch.Tensor | None = None,
+    param_lo_dst: torch.Tensor | None = None,
+    exp_avg_dst: torch.Tensor | None = None,
+    exp_avg_sq_dst: torch.Tensor | None = None,
 ) -> None:
     """adam_step on a master kept as halves: param_hi (bf16, the param the device
-    gets) and param_lo (int16), updated in place. Bitwise the same step as adam_step
+    gets) and param_lo (int16), updated in place, or out of place into the four
+    ``*_dst`` (all or none, as adam_step's). Bitwise the same step as adam_step
     on join_fp32(param_hi, param_lo) with a bf16 param_out and bf16_rounding="split":
     new master == join_fp32(new hi, new lo), new hi == that param_out, moments equal.
     Other arguments as adam_step's."""
     fn = "adam_step_remainder"
-    check_tensor(fn, "param_hi", param_hi, (torch.bfloat16,), None)
-    n = param_hi.numel()
-    check_tensor(fn, "param_lo", param_lo, (torch.int16,), n, of="param_hi")
-    check_tensor(fn, "grad", grad, GRAD_DTYPES, n, of="param_hi")
-    check_moment(fn, "exp_avg", exp_avg, n, of="param_hi")
-    check_moment(fn, "exp_avg_sq", exp_avg_sq, n, of="param_hi")
-    if n:
-        bufs = {"param_hi": param_hi, "param_lo": param_lo, "grad": grad}
-        moments = {**moment_bufs("exp_avg", exp_avg), **moment_bufs("exp_avg_sq", exp_avg_sq)}
-        check_no_overlap(fn, {**bufs, **moments})
+    dsts = {
+        "param_hi_dst": param_hi_dst,
+        "param_lo_dst": param_lo_dst,
+        "exp_avg_dst": exp_avg_dst,
+        "exp_avg_sq_dst": exp_avg_sq_dst,
+    }
+    n = check_remainder_buffers(fn, param_hi, param_lo, grad, exp_avg, exp_avg_sq, dsts)
     step = as_step(fn, step)
     check_hyper(fn, lr, beta1, beta2, eps, weight_decay, grad_scale)
     runs = None if decay_runs is None else check_runs(fn, decay_runs, n)
@@ -347,25 +345,10 @@ def adam_step_remainder(
         return
     _ensure_threads()
     mt, vt, ms, vs = moment_args(exp_avg, exp_avg_sq)
-    _C.adam_step_remainder(
-        param_hi.data_ptr(),
-        param_lo.data_ptr(),
-        grad.data_ptr(),
-        DTYPE_CODES[grad.dtype],
-        ptr(exp_avg),
-        ptr(exp_avg_sq),
-        n,
-        step,
-        *(float(x) for x in (lr, beta1, beta2, eps, weight_decay)),
-        bool(adamw),
-        bool(bias_correction),
-        float(grad_scale),
-        mt,
-        vt,
-        runs,
-        ms,
-        vs,
-    )
+    hp = hyper_args(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale)
+    ins = (grad.data_ptr(), DTYPE_CODES[grad.dtype], ptr(exp_avg), ptr(exp_avg_sq))
+    halves = (param_hi.data_ptr(), param_lo.data_ptr())
+    _C.adam_step_remainder(*halves, *ins, n, step, *hp, mt, vt, runs, ms, vs, *dst_ptrs(dsts))
 
 
 def stream_probe(
