@@ -13,7 +13,8 @@ a noisy neighbour or a position in the round hurts all rows alike. Each row is w
   A bf16 model's step (bf16 grads, bf16 copy out): 28 B, 20 B with bf16 moments; with
   the master as hi + lo halves (adam_step_remainder, no copy out): 26 B and 18 B.
   Block-wise 8-bit moments (1 B each + a scale per 256): 16 B with an fp32 master and
-  fp32 grads, 14 B with remainders and bf16 grads.
+  fp32 grads, 14 B with remainders and bf16 grads. Out of place (adam_step's *_dst, rows
+  19-20): the in-place bytes (the sources read, the dsts written with streaming stores).
 
 The ceiling does not use our kernel. For each traffic class (28/30/26/20 B, ...) it is the
 best median of several access patterns that move exactly those bytes with trivial
@@ -182,7 +183,16 @@ def bench_size(n, ds_cls, ds_note, lib):
     step = [0]
     runs = _decay_runs(n)
 
-    def ours(grad, param_out=None, decay_runs=None, state=(p, m, v)):
+    # out of place: row (1)'s and row (12)'s state read, the new state written into these
+    dst = {
+        "param_dst": torch.empty(n),
+        "exp_avg_dst": torch.empty(n),
+        "exp_avg_sq_dst": torch.empty(n),
+    }
+    rem_names = ("param_hi_dst", "param_lo_dst", "exp_avg_dst", "exp_avg_sq_dst")
+    rem_dst = dict(zip(rem_names, (torch.empty_like(t) for t in rem)))
+
+    def ours(grad, param_out=None, decay_runs=None, state=(p, m, v), dsts=None):
         def run():
             step[0] += 1
             ca.adam_step(
@@ -199,17 +209,19 @@ def bench_size(n, ds_cls, ds_note, lib):
                 adamw=True,
                 param_out=param_out,
                 decay_runs=decay_runs,
+                **(dsts or {}),
             )
 
         return run
 
-    def ours_rem(state):
+    def ours_rem(state, dsts=None):
         def run():
             step[0] += 1
             beta1, beta2 = HP["betas"]
             hp = {"lr": HP["lr"], "eps": HP["eps"], "weight_decay": HP["weight_decay"]}
             hi, lo, m, v = state
-            ca.adam_step_remainder(hi, lo, gbf, m, v, step=step[0], beta1=beta1, beta2=beta2, **hp)
+            kw = dict(step=step[0], beta1=beta1, beta2=beta2, **hp, **(dsts or {}))
+            ca.adam_step_remainder(hi, lo, gbf, m, v, **kw)
 
         return run
 
@@ -282,6 +294,10 @@ def bench_size(n, ds_cls, ds_note, lib):
             "q8mom",
         ),
         ("ours_rem_q8mom", "(18) ours remainders + 8-bit moments", 14, ours_rem(remq), "rem+q8mom"),
+    ]
+    rows += [  # out of place (*_dst): the same bytes as in place, so the same time
+        ("ours_fp32_oop", "(19) ours fp32 grads, out of place", 28, ours(g32, dsts=dst), "fp32"),
+        ("ours_rem_oop", "(20) ours remainders, out of place", 26, ours_rem(rem, rem_dst), "rem"),
     ]
     # the ceiling: every pattern of every traffic class is a row of the round-robin too
     scratch = {}
@@ -433,6 +449,16 @@ def bench_size(n, ds_cls, ds_note, lib):
             "remainders + bf16 moments at <= 0.95x today's (t_today / t_rem)",
             paired("ours_bf16g_bf16mom_out", "ours_rem_bf16mom"),
             1 / 0.95,
+        ),
+        (
+            "out of place at the in-place speed (0.95 * t_in / t_out, fp32)",
+            paired("ours_fp32", "ours_fp32_oop") / 0.95,
+            1.0,
+        ),
+        (
+            "out of place at the in-place speed (0.95 * t_in / t_out, remainders)",
+            paired("ours_rem", "ours_rem_oop") / 0.95,
+            1.0,
         ),
         (
             "8-bit moments within 10% of ceiling (16 B)",

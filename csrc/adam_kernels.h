@@ -226,8 +226,8 @@ bool stream_out(const Job& j, std::size_t i) {
 
 template <int W, int MT, int VT, int OT>
 bool stream_all(const Job& j, std::size_t i) {
-  const auto at = [i](const void* a, std::size_t es) {  // element i of a, es bytes each, on a vector
-    return !a || reinterpret_cast<std::uintptr_t>(static_cast<const char*>(a) + i * es) % (W * es) == 0;
+  const auto at = [i](const void* a, std::size_t es) {  // element i of a, es bytes each, on W * 4 bytes
+    return !a || reinterpret_cast<std::uintptr_t>(static_cast<const char*>(a) + i * es) % (W * 4) == 0;
   };
   return j.src.m && at(OT == kRem ? nullptr : j.p, 4) && at(j.m, dsize(MT)) && at(j.v, dsize(VT)) &&
          at(OT == kNone ? nullptr : j.out, 2) && at(OT == kRem ? j.lo : nullptr, 2);
@@ -405,13 +405,9 @@ MPO_AVX512 inline void store_p_avx512(const Ptrs& s, std::size_t i, __m512 p) {
   }
 }
 
-template <int GT, int MT, int VT, int OT, bool PROBE, int NT, int U>
-MPO_AVX512 inline void body_avx512(const Ptrs& s, const C512& c, std::size_t i) {
-  __m512 g[U], p[U], m[U], v[U];
-  MPO_UNROLL for (int u = 0; u < U; ++u) g[u] = load_avx512<GT>(s.g, i + 16 * u);
-  MPO_UNROLL for (int u = 0; u < U; ++u) p[u] = load_p_avx512<OT>(s, i + 16 * u);
-  MPO_UNROLL for (int u = 0; u < U; ++u) m[u] = load_avx512<MT>(s.r.m, i + 16 * u);
-  MPO_UNROLL for (int u = 0; u < U; ++u) v[u] = load_avx512<VT>(s.r.v, i + 16 * u);
+// The step on U vectors of loaded state (the lanes in any order: each is its own element).
+template <bool PROBE, int U>
+MPO_AVX512 inline void math_avx512(const C512& c, __m512* g, __m512* p, __m512* m, __m512* v) {
   if (c.scale) MPO_UNROLL for (int u = 0; u < U; ++u) g[u] = _mm512_mul_ps(g[u], c.gs);
   if constexpr (PROBE) {
     MPO_UNROLL for (int u = 0; u < U; ++u) {
@@ -427,6 +423,16 @@ MPO_AVX512 inline void body_avx512(const Ptrs& s, const C512& c, std::size_t i) 
     MPO_UNROLL for (int u = 0; u < U; ++u) d[u] = _mm512_add_ps(div_bc2_avx512(_mm512_sqrt_ps(v[u]), c), c.eps);
     MPO_UNROLL for (int u = 0; u < U; ++u) p[u] = _mm512_add_ps(p[u], _mm512_div_ps(_mm512_mul_ps(c.nstep, m[u]), d[u]));
   }
+}
+
+template <int GT, int MT, int VT, int OT, bool PROBE, int NT, int U>
+MPO_AVX512 inline void body_avx512(const Ptrs& s, const C512& c, std::size_t i) {
+  __m512 g[U], p[U], m[U], v[U];
+  MPO_UNROLL for (int u = 0; u < U; ++u) g[u] = load_avx512<GT>(s.g, i + 16 * u);
+  MPO_UNROLL for (int u = 0; u < U; ++u) p[u] = load_p_avx512<OT>(s, i + 16 * u);
+  MPO_UNROLL for (int u = 0; u < U; ++u) m[u] = load_avx512<MT>(s.r.m, i + 16 * u);
+  MPO_UNROLL for (int u = 0; u < U; ++u) v[u] = load_avx512<VT>(s.r.v, i + 16 * u);
+  math_avx512<PROBE, U>(c, g, p, m, v);
   constexpr bool all = NT == kStreamAll;
   if constexpr (OT != kRem) MPO_UNROLL for (int u = 0; u < U; ++u) put_avx512<all>(s.p + i + 16 * u, p[u]);
   MPO_UNROLL for (int u = 0; u < U; ++u) store_mom_avx512<MT, all>(s.m, i + 16 * u, m[u]);
@@ -442,11 +448,34 @@ MPO_AVX512 void piece_avx512(const Job& j, const C512& c, std::size_t i, std::si
   t.store(j, MT, VT, i, r);
 }
 
+// With remainders: 32 elements in two vectors, even and odd (EVEN/ODD in simd.h), U2 pairs a step.
+template <int GT, int MT, int VT, int NT, int U2>
+MPO_AVX512 inline void body_rem_avx512(const Ptrs& s, const C512& c, std::size_t i) {
+  constexpr int U = 2 * U2;
+  constexpr bool all = NT == kStreamAll;
+  __m512 g[U], p[U], m[U], v[U];
+  MPO_UNROLL for (int u = 0; u < U2; ++u) load_eo_avx512<GT>(s.g, i + 32 * u, g + 2 * u);
+  MPO_UNROLL for (int u = 0; u < U2; ++u) join_eo_avx512(s.r.hi + i + 32 * u, s.r.lo + i + 32 * u, p + 2 * u);
+  MPO_UNROLL for (int u = 0; u < U2; ++u) load_eo_avx512<MT>(s.r.m, i + 32 * u, m + 2 * u);
+  MPO_UNROLL for (int u = 0; u < U2; ++u) load_eo_avx512<VT>(s.r.v, i + 32 * u, v + 2 * u);
+  math_avx512<false, U>(c, g, p, m, v);
+  MPO_UNROLL for (int u = 0; u < U2; ++u) store_eo_avx512<MT, all>(s.m, i + 32 * u, m + 2 * u);
+  MPO_UNROLL for (int u = 0; u < U2; ++u) store_eo_avx512<VT, all>(s.v, i + 32 * u, v + 2 * u);
+  MPO_UNROLL for (int u = 0; u < U2; ++u)
+    split_eo_avx512<all>(p + 2 * u, static_cast<std::uint16_t*>(s.out) + i + 32 * u, s.lo + i + 32 * u);
+}
+
 constexpr int kUnrollAVX512 = 4;  // measured on Zen 4: 4 > 8 (spills) ~ 1 in cache, 4 best from DRAM
+constexpr int kUnrollRemAVX512 = 2;  // pairs: the same 4 vectors of state a step
 
 template <int GT, int MT, int VT, int OT, bool PROBE, int NT>
 MPO_AVX512 std::size_t loop_avx512(const Ptrs& s, const C512& c, std::size_t i, std::size_t e) {
   constexpr int U = kUnrollAVX512;
+  if constexpr (OT == kRem && !PROBE) {
+    constexpr int U2 = kUnrollRemAVX512;
+    for (; i + 32 * U2 <= e; i += 32 * U2) body_rem_avx512<GT, MT, VT, NT, U2>(s, c, i);
+    for (; i + 32 <= e; i += 32) body_rem_avx512<GT, MT, VT, NT, 1>(s, c, i);
+  }
   for (; i + 16 * U <= e; i += 16 * U) body_avx512<GT, MT, VT, OT, PROBE, NT, U>(s, c, i);
   for (; i + 16 <= e; i += 16) body_avx512<GT, MT, VT, OT, PROBE, NT, 1>(s, c, i);
   if constexpr (NT != kStreamNone) _mm_sfence();  // order the streaming stores before anyone reads them
@@ -458,8 +487,9 @@ MPO_AVX512 void tile_avx512(const Job& j, std::size_t b, std::size_t e) {
   const C512 c(j.h);
   const Ptrs s(j);
   std::size_t i = b;
-  const std::size_t head = head_len<16, OT>(j, i, e);
-  if (head) piece_avx512<GT, MT, VT, OT, PROBE>(j, c, i, head);
+  // With remainders hi is peeled to a 64-byte line: its 512-bit loads and stores (EVEN/ODD) split none.
+  const std::size_t head = head_len<OT == kRem ? 32 : 16, OT>(j, i, e);
+  for (std::size_t h = 0; h < head; h += 16) piece_avx512<GT, MT, VT, OT, PROBE>(j, c, i + h, std::min<std::size_t>(16, head - h));
   i += head;
   if (!PROBE && stream_all<16, MT, VT, OT>(j, i))
     i = loop_avx512<GT, MT, VT, OT, PROBE, PROBE ? kStreamNone : kStreamAll>(s, c, i, e);

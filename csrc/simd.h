@@ -247,6 +247,12 @@ MPO_AVX512 inline void put_avx512(std::uint16_t* a, __m256i x) {
   else _mm256_storeu_si256(reinterpret_cast<__m256i*>(a), x);
 }
 
+template <bool NT>
+MPO_AVX512 inline void put_avx512(std::uint16_t* a, __m512i x) {
+  if constexpr (NT) _mm512_stream_si512(reinterpret_cast<__m512i*>(a), x);
+  else _mm512_storeu_si512(a, x);
+}
+
 template <int T, bool NT = false>
 MPO_AVX512 inline void store_mom_avx512(void* a, std::size_t i, __m512 x) {
   if constexpr (T == kF32) put_avx512<NT>(static_cast<float*>(a) + i, x);
@@ -262,6 +268,93 @@ MPO_AVX512 inline void store_out_avx512(void* out, std::size_t i, __m512 x) {
   else if constexpr (OT == kBF16Split) h = _mm512_cvtepi32_epi16(split_hi32_avx512(_mm512_castps_si512(x)));
   else h = to_bf16_avx512(x);
   put_avx512<NT>(dst, h);
+}
+// EVEN/ODD (the remainder kernel's AVX-512 body). A 512-bit load of a 16-bit stream
+// holds 32 elements: element 2k in the low half of dword k, 2k+1 in the high half. So
+// the step keeps 32 elements as two vectors, the even ones and the odd ones: a 16-bit
+// stream then goes in and out with one shift or mask per vector (no vpmovzxwd /
+// vpmovdw, two-uop shuffles on the one shuffle port), fp32 streams through one
+// vpermt2ps per vector. Lanes only move: every element's operations are unchanged.
+// vpternlogd immediates: A = 0xf0, B = 0xcc, C = 0xaa; kSel = C ? A : B.
+constexpr int kSel = 0xe4;
+
+// vpermt2ps indices over (a, b) = elements 0..15, 16..31: into parity order and back.
+MPO_AVX512 inline __m512i even_ix() { return _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30); }
+MPO_AVX512 inline __m512i odd_ix() { return _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31); }
+MPO_AVX512 inline __m512i first_ix() { return _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23); }
+MPO_AVX512 inline __m512i second_ix() {
+  return _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+}
+
+template <int T>
+MPO_AVX512 inline void load_eo_avx512(const void* a, std::size_t i, __m512* eo) {
+  if constexpr (T == kBF16) {
+    const __m512i w = _mm512_loadu_si512(static_cast<const std::uint16_t*>(a) + i);
+    eo[0] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    eo[1] = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  } else {  // fp32 (or fp16 widened): elements i .. i+31 in order, then split by parity
+    const __m512 x = load_avx512<T>(a, i), y = load_avx512<T>(a, i + 16);
+    eo[0] = _mm512_permutex2var_ps(x, even_ix(), y);
+    eo[1] = _mm512_permutex2var_ps(x, odd_ix(), y);
+  }
+}
+
+// bf16 RNE of x in the top half of each lane (to_bf16_avx512 before its shift and pack).
+MPO_AVX512 inline __m512i bf16_top_avx512(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x400000));
+}
+
+// Two 32-bit lanes' top halves (odd) and low halves (even, already shifted down) as one 16-bit pair.
+MPO_AVX512 inline __m512i pack_eo(__m512i odd_top, __m512i even_low) {
+  return _mm512_ternarylogic_epi32(odd_top, even_low, _mm512_set1_epi32(static_cast<int>(0xffff0000u)), kSel);
+}
+
+template <int T, bool NT>
+MPO_AVX512 inline void store_eo_avx512(void* a, std::size_t i, const __m512* eo) {
+  if constexpr (T == kBF16) {
+    const __m512i lo = _mm512_srli_epi32(bf16_top_avx512(eo[0]), 16);
+    put_avx512<NT>(static_cast<std::uint16_t*>(a) + i, pack_eo(bf16_top_avx512(eo[1]), lo));
+  } else {
+    float* const f = static_cast<float*>(a) + i;
+    put_avx512<NT>(f, _mm512_permutex2var_ps(eo[0], first_ix(), eo[1]));
+    put_avx512<NT>(f + 16, _mm512_permutex2var_ps(eo[0], second_ix(), eo[1]));
+  }
+}
+
+// join_hi_lo on 32-bit lanes x = hi << 16 | lo: t = hi - [lo >= 0x8000] on finite
+// magnitudes, modulo 0x7f80 (hi = +-0 wraps to 0x7f7f: borrow, then + 0x7f80 << 16).
+MPO_AVX512 inline __m512 join_fix_avx512(__m512i x) {
+  const __m512i a = _mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 r = _mm512_test_epi32_mask(x, _mm512_set1_epi32(0x8000));
+  const __mmask16 k = _mm512_mask_cmplt_epu32_mask(r, a, _mm512_set1_epi32(0x7f800000));
+  x = _mm512_mask_sub_epi32(x, k, x, _mm512_set1_epi32(0x10000));
+  const __mmask16 wrap = _mm512_mask_cmplt_epu32_mask(k, a, _mm512_set1_epi32(0x10000));
+  return _mm512_castsi512_ps(_mm512_mask_add_epi32(x, wrap, x, _mm512_set1_epi32(0x7f800000)));
+}
+
+MPO_AVX512 inline void join_eo_avx512(const std::uint16_t* hi, const std::uint16_t* lo, __m512* eo) {
+  const __m512i h = _mm512_loadu_si512(hi), l = _mm512_loadu_si512(lo);
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  eo[0] = join_fix_avx512(_mm512_ternarylogic_epi32(_mm512_slli_epi32(h, 16), l, top, kSel));
+  eo[1] = join_fix_avx512(_mm512_ternarylogic_epi32(h, _mm512_srli_epi32(l, 16), top, kSel));
+}
+
+// split_avx512 on the pair: hi = top half of u + 0x8000 (the carry adds [lo >= 0x8000])
+// for |u| < 0x7f7f8000; the rare vector with a larger magnitude, inf or NaN takes the
+// exact split_hi32_avx512 (the wrap to +-0 and the untouched inf/NaN tops).
+template <bool NT>
+MPO_AVX512 inline void split_eo_avx512(const __m512* eo, std::uint16_t* hi, std::uint16_t* lo) {
+  const __m512i ue = _mm512_castps_si512(eo[0]), uo = _mm512_castps_si512(eo[1]);
+  const __m512i half = _mm512_set1_epi32(0x8000);
+  __m512i h = pack_eo(_mm512_add_epi32(uo, half), _mm512_srli_epi32(_mm512_add_epi32(ue, half), 16));
+  const __m512i mag = _mm512_ternarylogic_epi32(ue, uo, _mm512_set1_epi32(0x7fffffff), 0xa8);  // (A | B) & C
+  if (__builtin_expect(_mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(0x7f7f8000)) != 0, 0))
+    h = pack_eo(_mm512_slli_epi32(split_hi32_avx512(uo), 16), split_hi32_avx512(ue));
+  put_avx512<NT>(hi, h);
+  put_avx512<NT>(lo, pack_eo(_mm512_slli_epi32(uo, 16), ue));
 }
 #endif  // MPO_X86
 
