@@ -110,14 +110,16 @@ void run_all(TileFn fn, const Job& dec, const Job& nodec, const Runs* runs, std:
 // A step with one or both moments block-wise 8-bit (q8_codes.h): Job.m / Job.v hold
 // their codes, ms / vs their scales. Each block is decoded into fp32 stack buffers,
 // stepped by the fp32-moment tile `fn` (any SIMD level, grad and out code) and
-// encoded again: one pass over memory, the same bits as the fp32 kernel run on the
-// decoded moments.
+// encoded again (rounded with the step's dither, q8_codes.h THE FREEZE): one pass
+// over memory, the same bits as the fp32 kernel run on the decoded moments followed
+// by quantize_8bit(..., step).
 struct Q8Step {
   TileFn fn;
   Job dec, nodec;
   const Runs* runs;
   int gt, mt, vt;
   float *ms, *vs;
+  const Q8Round *um, *uv;
 };
 
 // j with its element 0 moved to element b (the 8-bit moments are set by the caller).
@@ -146,8 +148,8 @@ void q8_block(const Q8Step& q, std::size_t b, std::size_t e) {
     d.v = nd.v = vb;
   }
   run_range(q.fn, d, nd, q.runs, b, e, b);
-  if (q.mt == kQ8) q8_encode(mb, len, true, mc, q.ms + blk, g_level);
-  if (q.vt == kQ8) q8_encode(vb, len, false, vc, q.vs + blk, g_level);
+  if (q.mt == kQ8) q8_encode(mb, len, true, q.um->u, mc, q.ms + blk, g_level);
+  if (q.vt == kQ8) q8_encode(vb, len, false, q.uv->u, vc, q.vs + blk, g_level);
 }
 
 void run_all_q8(const Q8Step& q, std::size_t n) {
@@ -255,8 +257,9 @@ void run_step(Job job, int grad_dtype, int exp_avg_dtype, int exp_avg_sq_dtype, 
   const int mt = exp_avg_dtype == kQ8 ? kF32 : exp_avg_dtype, vt = exp_avg_sq_dtype == kQ8 ? kF32 : exp_avg_sq_dtype;
   const TileFn fn = pick<false>(g_level, grad_dtype, mt, vt, ot);
   if (mt == exp_avg_dtype && vt == exp_avg_sq_dtype) return run_all(fn, job, nodec, r, n);
+  const Q8Round um(a.step, true), uv(a.step, false);
   run_all_q8(Q8Step{fn, job, nodec, r, grad_dtype, exp_avg_dtype, exp_avg_sq_dtype, reinterpret_cast<float*>(sc.m),
-                    reinterpret_cast<float*>(sc.v)},
+                    reinterpret_cast<float*>(sc.v), &um, &uv},
              n);
 }
 
@@ -330,14 +333,19 @@ void join_fp32(std::uintptr_t hi, std::uintptr_t lo, std::uintptr_t x, std::size
             reinterpret_cast<const std::uint16_t*>(lo), reinterpret_cast<float*>(x));
 }
 
-// fp32 x <-> 8-bit codes + one scale per kQ8Block elements (q8_codes.h), threaded by block.
-void q8_quantize(std::uintptr_t x, std::uintptr_t codes, std::uintptr_t scales, std::size_t n, bool is_exp_avg) {
+// fp32 x <-> 8-bit codes + one scale per kQ8Block elements (q8_codes.h), threaded by block;
+// rounded to nearest (step 0) or with adam_step's dither at that step.
+void q8_quantize(std::uintptr_t x, std::uintptr_t codes, std::uintptr_t scales, std::size_t n, bool is_exp_avg,
+                 long long step) {
   if (n && (!x || !codes || !scales)) throw std::invalid_argument("null x/codes/scales address");
+  if (step < 0) throw std::invalid_argument("step must be >= 0 (0: nearest), got " + std::to_string(step));
+  const Q8Round u(step, is_exp_avg);
   const auto* xs = reinterpret_cast<const float*>(x);
   auto* cs = reinterpret_cast<std::uint8_t*>(codes);
   auto* ss = reinterpret_cast<float*>(scales);
   run_split([&](std::size_t b, std::size_t e) {
-    for (; b < e; b += kQ8Block) q8_encode(xs + b, std::min(e, b + kQ8Block) - b, is_exp_avg, cs + b, ss + b / kQ8Block, g_level);
+    for (; b < e; b += kQ8Block) q8_encode(xs + b, std::min(e, b + kQ8Block) - b, is_exp_avg, u.u, cs + b, ss + b / kQ8Block,
+                                                g_level);
   }, n);
 }
 
@@ -407,8 +415,9 @@ PYBIND11_MODULE(_cpu_adam, m) {
   m.def("join_fp32", &join_fp32, py::call_guard<py::gil_scoped_release>(), py::arg("hi_ptr"), py::arg("lo_ptr"),
         py::arg("x_ptr"), py::arg("n"), "(hi, lo) uint16 halves -> fp32 x, the inverse of split_fp32.");
   m.def("q8_quantize", &q8_quantize, py::call_guard<py::gil_scoped_release>(), py::arg("x_ptr"),
-        py::arg("codes_ptr"), py::arg("scales_ptr"), py::arg("n"), py::arg("is_exp_avg"),
-        "fp32 x -> 8-bit codes + one absmax scale per Q8_BLOCK elements (exp_avg's or exp_avg_sq's code).");
+        py::arg("codes_ptr"), py::arg("scales_ptr"), py::arg("n"), py::arg("is_exp_avg"), py::arg("step") = 0,
+        "fp32 x -> 8-bit codes + one absmax scale per Q8_BLOCK elements (exp_avg's or exp_avg_sq's code),\n"
+        "rounded to nearest (step 0) or with adam_step's dither at that step.");
   m.def("q8_dequantize", &q8_dequantize, py::call_guard<py::gil_scoped_release>(), py::arg("codes_ptr"),
         py::arg("scales_ptr"), py::arg("x_ptr"), py::arg("n"), py::arg("is_exp_avg"),
         "8-bit codes + block scales -> fp32 x (code value times its block's scale).");
