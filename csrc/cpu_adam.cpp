@@ -148,8 +148,8 @@ void q8_block(const Q8Step& q, std::size_t b, std::size_t e) {
     d.v = nd.v = vb;
   }
   run_range(q.fn, d, nd, q.runs, b, e, b);
-  if (q.mt == kQ8) q8_encode(mb, len, true, q.um->u, mc, q.ms + blk, g_level);
-  if (q.vt == kQ8) q8_encode(vb, len, false, q.uv->u, vc, q.vs + blk, g_level);
+  if (q.mt == kQ8) q8_encode(mb, len, true, *q.um, mc, q.ms + blk, g_level);
+  if (q.vt == kQ8) q8_encode(vb, len, false, *q.uv, vc, q.vs + blk, g_level);
 }
 
 void run_all_q8(const Q8Step& q, std::size_t n) {
@@ -344,7 +344,7 @@ void q8_quantize(std::uintptr_t x, std::uintptr_t codes, std::uintptr_t scales, 
   auto* cs = reinterpret_cast<std::uint8_t*>(codes);
   auto* ss = reinterpret_cast<float*>(scales);
   run_split([&](std::size_t b, std::size_t e) {
-    for (; b < e; b += kQ8Block) q8_encode(xs + b, std::min(e, b + kQ8Block) - b, is_exp_avg, u.u, cs + b, ss + b / kQ8Block,
+    for (; b < e; b += kQ8Block) q8_encode(xs + b, std::min(e, b + kQ8Block) - b, is_exp_avg, u, cs + b, ss + b / kQ8Block,
                                                 g_level);
   }, n);
 }

@@ -28,34 +28,40 @@
 // its grad. No 8-bit nearest code escapes this: a fixed point exists whenever
 // the relative change is below (r - 1) / 2, and 256 codes with r = 1.002 span a
 // range of only 1.7. So the kernel rounds with a deterministic dither: between
-// the two codes c < n around x (D_c <= x < D_n), it takes n iff
-//   x - D_c > RN(u * (D_n - D_c)),  u = (((j * 49471 + t * 37345 + salt) mod 2^16) | 1) / 2^16,
+// the two codes around x it takes the upper one iff x lies above a point u of
+// the way between them, with
+//   u = (((j * 49471 + t * 37345 + salt) mod 2^16) | 1) / 2^16  in [2^-16, 1 - 2^-16],
 // j the element's index in its block, t the step (salt 1 for exp_avg, 0 for
 // exp_avg_sq). For one element u runs a Weyl sequence in t (equidistributed in
 // (0, 1)), so over steps the code moves by the true change on average: the
 // stored moments track the fp32 ones without random state, the same bits on any
 // path, thread count or resume. quantize_8bit without a step rounds to nearest
-// (u = 1/2). Both differences above are exact (Sterbenz: D_n <= 2 D_c, or D_c = 0).
+// (u = 1/2).
 //
-// CANONICAL AND IDEMPOTENT. c is the smallest code of the largest decoded value
-// <= x, n the smallest code of a larger one (equal decoded values exist only
-// when D_k underflows: s < 2^-126 / value_1). So every code the encode writes is
-// the smallest with its decoded value, a decoded D_k (x - D_c = 0) encodes back
-// to k for every u, the decoded block's absmax is D_top = s and a sign bit is
-// set only on a non-zero magnitude: quantize(dequantize(q)) == q, codes and
-// scales, for any q the kernel writes. Non-finite moments: a block with an inf
-// or NaN gets scale NaN (codes 0): it decodes to NaN, and back.
+// THE RULE, per block (every SIMD level and the scalar one compute it alike).
+// Fast blocks, tiny <= s < 2^126 (value_1 * s and 1 / s normal): one divide per
+// block, y = RN(|x| * RN(1 / s)). The float bits of y index 1/8 octaves
+// (y_bits >> 20: exponent and top 3 mantissa bits); each 1/8 octave b of [1, 2)
+// holds one code's mantissa M_(b+1) = RN(2^((b+1)/8)), or none (b = 7), so the
+// code below y is c = (y_bits >> 20) + (mantissa > thr[b]) + koff, exactly
+// (value_c <= y < value_(c+1)). With z = y's significand in [1, 2) and j = c's
+// place in its octave: code c + 1 iff z - M_j > RN(G_j * u), G_j = M_(j+1) - M_j
+// (both differences exact); below code 1 (c <= 0): code 1 iff y > RN(value_1 * u),
+// else 0. Other blocks (tiny or huge scales, where decoded values may underflow
+// and coincide): the same choice on the decoded values D_k = RN(value_k * s) by an
+// exact search: c = the smallest code of the largest D <= |x|, n = the smallest
+// code of the next larger D, code n iff |x| - D_c > RN((D_n - D_c) * u).
 //
-// FAST PATH (every SIMD level and the scalar one alike, so all paths give the
-// same bits). One divide per block, inv = RN(1 / s); y = RN(|x| * inv). The float
-// bits of y index 1/8 octaves (exponent and top 3 mantissa bits = y_bits >> 20);
-// each 1/8 octave b of [1, 2) holds one code's mantissa, 2^((b+1)/8), or none
-// (b = 7), so the candidate c = (y_bits >> 20) + (mantissa >= thr[b]) + const,
-// clamped to [0, top - 1], and n = c + 1. y may sit a few ulp (< 2^-22 relative)
-// on the other side of a D_k than x, making c one off; u in [2^-16, 1 - 2^-16]
-// keeps the threshold > 2^-19.6 D away from both codes, so the rule above gives
-// the same code from either neighbour. Blocks with s < kTiny (D_1 not normal) or
-// s >= 2^126 (inv not normal) take the exact scalar search instead.
+// IDEMPOTENT. A decoded D_k of a fast block gives y within 2^-22.4 of value_k
+// (two roundings), while u keeps every threshold more than 2^-19.5 value_k away
+// from both codes: D_k encodes back to k whichever side of value_k y lands. In
+// other blocks D_k - D_c = 0 is never above a threshold and the search returns
+// the smallest code of each value, the one the encode wrote. The decoded block's
+// absmax is D_top = s and a sign bit is set only on a non-zero magnitude, so
+// quantize(dequantize(q)) == q, codes and scales, for any q the kernel writes.
+// Non-finite moments: a block with an inf or NaN gets scale NaN (codes 0): it
+// decodes to NaN, and back.
+//
 // Decode is arithmetic, no gather: w = k + 1, bits = mant[w & 7] + ((w >> 3) << 23)
 // (an 8-entry permute), zero for k = 0, times s.
 #pragma once
@@ -79,14 +85,17 @@ struct Q8Code {
   float value[256] = {};          // what a code byte stands for: dec, signed by bit 7 for exp_avg
   std::int32_t mant[8] = {};      // bits of value[k] = mant[(k+1) & 7] + (((k+1) >> 3) << 23), k >= 1
   std::int32_t thr[8] = {};       // mantissa of the code in 1/8 octave b (0x800000: none), minus 1
-  std::int32_t koff = 0;          // candidate = (y_bits >> 20) + [mantissa > thr] + koff
+  std::int32_t koff = 0;          // code below y = (y_bits >> 20) + [mantissa > thr] + koff
+  float oct[8] = {}, gap[8] = {}; // M_j = RN(2^(j/8)) and M_(j+1) - M_j (M_8 = 2), j = (k + 1) & 7
   float tiny = 0.0f;              // smallest scale of the fast path: value[1] * tiny = 2^-126
 
   explicit Q8Code(int lv) : levels(lv) {
-    const int oct = lv / 8;  // octaves: value[1] = 2^(j/8) * 2^-oct with j = 2
+    const int noct = lv / 8;  // octaves: value[1] = 2^(2/8) * 2^-noct
     for (int j = 0; j < 8; ++j) {
       const float r = static_cast<float>(std::exp2(j / 8.0));  // RN(2^(j/8)), one mantissa per j
-      mant[j] = static_cast<std::int32_t>(f2u(r)) - (oct << 23);
+      mant[j] = static_cast<std::int32_t>(f2u(r)) - (noct << 23);
+      oct[j] = r;
+      gap[j] = (j < 7 ? static_cast<float>(std::exp2((j + 1) / 8.0)) : 2.0f) - r;
       thr[j] = j < 7 ? static_cast<std::int32_t>(f2u(static_cast<float>(std::exp2((j + 1) / 8.0))) & 0x7fffff) - 1
                      : 0x7fffff;
     }
@@ -110,12 +119,16 @@ inline float q8_value(bool is_m, int c) { return (is_m ? kCodeM : kCodeV).value[
 
 // The dither of one call (see THE FREEZE): u per element index in a block, for one
 // moment at step t (t = 0: nearest, u = 1/2 everywhere).
+// u1 = RN(value_1 * u): the threshold between codes 0 and 1 in y.
 struct Q8Round {
   alignas(64) float u[kQ8Block];
+  alignas(64) float u1[kQ8Block];
   Q8Round(long long t, bool is_m) {
+    const float v1 = (is_m ? kCodeM : kCodeV).value[1];
     for (std::size_t j = 0; j < kQ8Block; ++j) {
       const auto h = static_cast<std::uint32_t>(j * 49471u + static_cast<std::uint32_t>(t) * 37345u + (is_m ? 1u : 0u));
       u[j] = t == 0 ? 0.5f : static_cast<float>((h & 0xffffu) | 1u) * 0x1p-16f;
+      u1[j] = v1 * u[j];
     }
   }
 };
@@ -142,22 +155,22 @@ inline std::uint8_t q8_byte(const Q8Code& c, float x, int k) {
   return static_cast<std::uint8_t>(k | ((c.levels == 128) & (x < 0.0f) & (k > 0)) << 7);
 }
 
-// Fast path, elements [b, e) of a block with kTiny <= s < 2^126 (see FAST PATH).
-inline void q8_encode_scalar(const float* x, float s, float inv, const float* u, std::size_t b, std::size_t e,
+// Fast blocks (see THE RULE), elements [b, e): u = the dither, u1 = Q8Round::u1.
+inline void q8_encode_scalar(const float* x, float inv, const float* u, const float* u1, std::size_t b, std::size_t e,
                              const Q8Code& c, std::uint8_t* codes) {
   for (std::size_t i = b; i < e; ++i) {
-    const float a = std::fabs(x[i]);
-    const std::int32_t yb = static_cast<std::int32_t>(f2u(a * inv));
-    int k = (yb >> 20) + ((yb & 0x7fffff) > c.thr[(yb >> 20) & 7]) + c.koff;
-    k = k < 0 ? 0 : (k > c.top() - 1 ? c.top() - 1 : k);
-    const float d0 = c.dec(k) * s, d1 = c.dec(k + 1) * s;
-    k += (a - d0) > (d1 - d0) * u[i];
+    const float y = std::fabs(x[i]) * inv;
+    const std::int32_t yb = static_cast<std::int32_t>(f2u(y)), mant = yb & 0x7fffff;
+    int k = (yb >> 20) + (mant > c.thr[(yb >> 20) & 7]) + c.koff;
+    const int j = (k + 1) & 7;
+    const float z = u2f(static_cast<std::uint32_t>(mant | 0x3f800000));
+    k = k < 1 ? (y > u1[i]) : k + ((z - c.oct[j]) > c.gap[j] * u[i]);
     codes[i] = q8_byte(c, x[i], k);
   }
 }
 
-// Exact path for any finite s > 0 (decoded values may coincide when they underflow):
-// c, n as in CANONICAL by a binary search over the block's decoded table.
+// Other blocks (see THE RULE), any finite s > 0: a binary search over the block's
+// decoded values (which may coincide when they underflow).
 inline void q8_encode_exact(const float* x, float s, const float* u, std::size_t len, const Q8Code& c,
                             std::uint8_t* codes) {
   float d[256];
@@ -217,25 +230,26 @@ MPO_AVX2 inline std::size_t q8_decode_avx2(const std::uint8_t* codes, float scal
   return i;
 }
 
-MPO_AVX2 inline std::size_t q8_encode_avx2(const float* x, float scale, float inv, const float* u, std::size_t len,
+MPO_AVX2 inline std::size_t q8_encode_avx2(const float* x, float inv, const float* u, const float* u1, std::size_t len,
                                            const Q8Code& c, std::uint8_t* codes) {
-  const __m256 s = _mm256_set1_ps(scale), vinv = _mm256_set1_ps(inv), sign = _mm256_set1_ps(-0.0f);
-  const __m256i mant = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.mant));
+  const __m256 vinv = _mm256_set1_ps(inv), sign = _mm256_set1_ps(-0.0f);
   const __m256i thr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.thr));
-  const __m256i koff = _mm256_set1_epi32(c.koff), zero = _mm256_setzero_si256();
-  const __m256i kmax = _mm256_set1_epi32(c.top() - 1), one = _mm256_set1_epi32(1);
+  const __m256 oct = _mm256_loadu_ps(c.oct), gap = _mm256_loadu_ps(c.gap);
+  const __m256i koff = _mm256_set1_epi32(c.koff), zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1);
+  const __m256i mmask = _mm256_set1_epi32(0x7fffff), expo = _mm256_set1_epi32(0x3f800000);
   const bool is_m = c.levels == 128;
   std::size_t i = 0;
   for (; i + 8 <= len; i += 8) {
-    const __m256 xv = _mm256_loadu_ps(x + i), a = _mm256_andnot_ps(sign, xv);
-    const __m256i yb = _mm256_castps_si256(_mm256_mul_ps(a, vinv)), b = _mm256_srli_epi32(yb, 20);
-    const __m256i up = _mm256_cmpgt_epi32(_mm256_and_si256(yb, _mm256_set1_epi32(0x7fffff)), _mm256_permutevar8x32_epi32(thr, b));
-    __m256i k = _mm256_sub_epi32(_mm256_add_epi32(b, koff), up);
-    k = _mm256_min_epi32(_mm256_max_epi32(k, zero), kmax);
-    const __m256 d0 = _mm256_mul_ps(q8_mag_avx2(k, mant), s);
-    const __m256 d1 = _mm256_mul_ps(q8_mag_avx2(_mm256_add_epi32(k, one), mant), s);
-    const __m256 t = _mm256_mul_ps(_mm256_sub_ps(d1, d0), _mm256_loadu_ps(u + i));
-    k = _mm256_sub_epi32(k, _mm256_castps_si256(_mm256_cmp_ps(_mm256_sub_ps(a, d0), t, _CMP_GT_OQ)));
+    const __m256 xv = _mm256_loadu_ps(x + i), y = _mm256_mul_ps(_mm256_andnot_ps(sign, xv), vinv);
+    const __m256i yb = _mm256_castps_si256(y), b = _mm256_srli_epi32(yb, 20), mant = _mm256_and_si256(yb, mmask);
+    __m256i k = _mm256_sub_epi32(_mm256_add_epi32(b, koff), _mm256_cmpgt_epi32(mant, _mm256_permutevar8x32_epi32(thr, b)));
+    const __m256i j = _mm256_add_epi32(k, one);  // the permutes take its low 3 bits
+    const __m256 z = _mm256_castsi256_ps(_mm256_or_si256(mant, expo));
+    const __m256 t = _mm256_mul_ps(_mm256_permutevar8x32_ps(gap, j), _mm256_loadu_ps(u + i));
+    k = _mm256_sub_epi32(k, _mm256_castps_si256(_mm256_cmp_ps(_mm256_sub_ps(z, _mm256_permutevar8x32_ps(oct, j)), t, _CMP_GT_OQ)));
+    const __m256i low = _mm256_cmpgt_epi32(one, k);  // c <= 0: code 1 iff y > u1
+    const __m256i k01 = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(y, _mm256_loadu_ps(u1 + i), _CMP_GT_OQ)), one);
+    k = _mm256_blendv_epi8(k, k01, low);
     if (is_m) {
       const __m256i neg = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(xv, _mm256_setzero_ps(), _CMP_LT_OQ)),
                                            _mm256_cmpgt_epi32(k, zero));
@@ -287,24 +301,27 @@ MPO_AVX512 inline std::size_t q8_decode_avx512(const std::uint8_t* codes, float 
   return i;
 }
 
-MPO_AVX512 inline std::size_t q8_encode_avx512(const float* x, float scale, float inv, const float* u,
+MPO_AVX512 inline std::size_t q8_encode_avx512(const float* x, float inv, const float* u, const float* u1,
                                                std::size_t len, const Q8Code& c, std::uint8_t* codes) {
-  const __m512 s = _mm512_set1_ps(scale), vinv = _mm512_set1_ps(inv);
-  const __m512i mant = q8_table16(c.mant), thr = q8_table16(c.thr);
-  const __m512i koff = _mm512_set1_epi32(c.koff), zero = _mm512_setzero_si512();
-  const __m512i kmax = _mm512_set1_epi32(c.top() - 1), one = _mm512_set1_epi32(1);
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m512i thr = q8_table16(c.thr);
+  const __m512 oct = _mm512_castsi512_ps(q8_table16(reinterpret_cast<const std::int32_t*>(c.oct)));
+  const __m512 gap = _mm512_castsi512_ps(q8_table16(reinterpret_cast<const std::int32_t*>(c.gap)));
+  const __m512i koff = _mm512_set1_epi32(c.koff), one = _mm512_set1_epi32(1);
+  const __m512i mmask = _mm512_set1_epi32(0x7fffff), expo = _mm512_set1_epi32(0x3f800000);
   const bool is_m = c.levels == 128;
   std::size_t i = 0;
   for (; i + 16 <= len; i += 16) {
-    const __m512 xv = _mm512_loadu_ps(x + i), a = _mm512_abs_ps(xv);
-    const __m512i yb = _mm512_castps_si512(_mm512_mul_ps(a, vinv)), b = _mm512_srli_epi32(yb, 20);
-    const __mmask16 up = _mm512_cmpgt_epi32_mask(_mm512_and_si512(yb, _mm512_set1_epi32(0x7fffff)), _mm512_permutexvar_epi32(b, thr));
-    __m512i k = _mm512_mask_add_epi32(_mm512_add_epi32(b, koff), up, _mm512_add_epi32(b, koff), one);
-    k = _mm512_min_epi32(_mm512_max_epi32(k, zero), kmax);
-    const __m512 d0 = _mm512_mul_ps(q8_mag_avx512(k, mant), s);
-    const __m512 d1 = _mm512_mul_ps(q8_mag_avx512(_mm512_add_epi32(k, one), mant), s);
-    const __m512 t = _mm512_mul_ps(_mm512_sub_ps(d1, d0), _mm512_loadu_ps(u + i));
-    k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(_mm512_sub_ps(a, d0), t, _CMP_GT_OQ), k, one);
+    const __m512 xv = _mm512_loadu_ps(x + i), y = _mm512_mul_ps(_mm512_abs_ps(xv), vinv);
+    const __m512i yb = _mm512_castps_si512(y), b = _mm512_srli_epi32(yb, 20), mant = _mm512_and_si512(yb, mmask);
+    const __m512i kb = _mm512_add_epi32(b, koff);
+    __m512i k = _mm512_mask_add_epi32(kb, _mm512_cmpgt_epi32_mask(mant, _mm512_permutexvar_epi32(b, thr)), kb, one);
+    const __m512i j = _mm512_add_epi32(k, one);  // the permutes take its low 4 bits: tables twice over
+    const __m512 z = _mm512_castsi512_ps(_mm512_or_si512(mant, expo));
+    const __m512 t = _mm512_mul_ps(_mm512_permutexvar_ps(j, gap), _mm512_loadu_ps(u + i));
+    k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(_mm512_sub_ps(z, _mm512_permutexvar_ps(j, oct)), t, _CMP_GT_OQ), k, one);
+    const __mmask16 low = _mm512_cmplt_epi32_mask(k, one);  // c <= 0: code 1 iff y > u1
+    k = _mm512_mask_mov_epi32(k, low, _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(y, _mm512_loadu_ps(u1 + i), _CMP_GT_OQ), one));
     if (is_m) {
       const __mmask16 neg = _mm512_cmp_ps_mask(xv, _mm512_setzero_ps(), _CMP_LT_OQ) & _mm512_test_epi32_mask(k, k);
       k = _mm512_mask_or_epi32(k, neg, k, _mm512_set1_epi32(0x80));
@@ -328,9 +345,9 @@ inline void q8_decode(const std::uint8_t* codes, float scale, std::size_t len, b
   q8_decode_scalar(codes, scale, i, len, c, x);
 }
 
-// x[0, len) (one block) -> codes and its scale (see CODES), the dither u (Q8Round::u),
-// on SIMD path `level`.
-inline void q8_encode(const float* x, std::size_t len, bool is_m, const float* u, std::uint8_t* codes, float* scale,
+// x[0, len) (one block) -> codes and its scale (see CODES) with the dither r, on SIMD
+// path `level`.
+inline void q8_encode(const float* x, std::size_t len, bool is_m, const Q8Round& r, std::uint8_t* codes, float* scale,
                       int level = kScalar) {
   float amax;
 #if defined(MPO_X86)
@@ -345,15 +362,15 @@ inline void q8_encode(const float* x, std::size_t len, bool is_m, const float* u
     return;
   }
   const Q8Code& c = is_m ? kCodeM : kCodeV;
-  if (!(amax >= c.tiny && amax < 0x1p126f)) return q8_encode_exact(x, amax, u, len, c, codes);
+  if (!(amax >= c.tiny && amax < 0x1p126f)) return q8_encode_exact(x, amax, r.u, len, c, codes);
   const float inv = 1.0f / amax;
   std::size_t i = 0;
 #if defined(MPO_X86)
-  if (level == kAVX512) i = q8_encode_avx512(x, amax, inv, u, len, c, codes);
-  else if (level == kAVX2) i = q8_encode_avx2(x, amax, inv, u, len, c, codes);
+  if (level == kAVX512) i = q8_encode_avx512(x, inv, r.u, r.u1, len, c, codes);
+  else if (level == kAVX2) i = q8_encode_avx2(x, inv, r.u, r.u1, len, c, codes);
 #endif
   (void)level;
-  q8_encode_scalar(x, amax, inv, u, i, len, c, codes);
+  q8_encode_scalar(x, inv, r.u, r.u1, i, len, c, codes);
 }
 
 }  // namespace

@@ -59,24 +59,64 @@ def ref_dither(nblocks, moment, step):
     return ((h | 1).float() * 2.0**-16).expand(nblocks, B)
 
 
-def ref_encode(x, moment, step=None):
-    """Scale = absmax per block (NaN if it holds an inf or NaN; codes 0 then and for an
-    all-zero block). With D = RN(table * scale): c = the smallest code of the largest
-    D <= |x|, n = c's next larger one; code n iff |x| - D[c] > RN((D[n] - D[c]) * u),
-    else c; bit 7 = sign for exp_avg on a non-zero magnitude."""
-    n, xb = x.numel(), _blocks(x)
-    amax = xb.abs().amax(1) if xb.numel() else xb.new_zeros(0)
-    bad = ~xb.isfinite().all(1)
+def _f32(x):
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def _tiny(moment):
+    """The smallest scale with value_1 * scale normal."""
+    v1, least = _mags(moment)[1], _f32(2.0**-126)
+    tiny = least / v1
+    return tiny if tiny * v1 >= least else torch.nextafter(tiny, _f32(1.0))
+
+
+def _fast_blocks(amax, moment):
+    """Blocks of the fast rule: value_1 * scale and 1 / scale normal (q8_codes.h)."""
+    return (amax >= _tiny(moment)) & (amax < 2.0**126)
+
+
+def _fast_codes(a, amax, u, moment):
+    """The fast rule in y = RN(|x| * RN(1 / scale)): c = the code below y from its float
+    bits, code c + 1 iff z - M_j > RN(G_j * u) (z: y's significand, M_j: c's), and below
+    code 1: code 1 iff y > RN(value_1 * u)."""
     mags = _mags(moment)
-    d = mags[None, :] * torch.where(bad, 0.0, amax)[:, None]  # fp32 products: RN
-    a = xb.abs().contiguous()
+    y = a * (1 / torch.where(amax == 0, 1.0, amax))[:, None]
+    yb = y.view(torch.int32).long()
+    m_j = torch.exp2(torch.arange(9, dtype=torch.float64) / 8).float()
+    m_j[8] = 2.0
+    thr = torch.cat([(m_j[1:8].view(torch.int32).long() & 0x7FFFFF) - 1, torch.tensor([0x7FFFFF])])
+    k = (yb >> 20) + ((yb & 0x7FFFFF) > thr[(yb >> 20) & 7]).long() + mags.numel() - 1 - 127 * 8
+    j = (k + 1) & 7
+    z = ((yb & 0x7FFFFF) | 0x3F800000).int().view(torch.float32)
+    up = (z - m_j[j]) > (m_j[j + 1] - m_j[j]) * u
+    return torch.where(k < 1, (y > mags[1] * u).long(), k + up.long())
+
+
+def _exact_codes(a, amax, u, moment):
+    """The rule on decoded values D = RN(value * scale) by search: c = the smallest code
+    of the largest D <= |x|, n = the smallest code of the next larger D; code n iff
+    |x| - D[c] > RN((D[n] - D[c]) * u)."""
+    mags = _mags(moment)
+    d = mags[None, :] * amax[:, None]  # fp32 products: RN
     top = mags.numel() - 1
     c = torch.searchsorted(d, a, right=True) - 1  # the largest code with D <= a
     nxt = (c + 1).clamp(max=top)
     c = torch.searchsorted(d, d.gather(1, c).contiguous(), right=False)  # smallest code of it
     d0, d1 = d.gather(1, c), d.gather(1, nxt)
-    up = (a - d0) > (d1 - d0) * ref_dither(xb.shape[0], moment, step)
-    k = torch.where(up & (nxt > c), nxt, c)
+    return torch.where(((a - d0) > (d1 - d0) * u) & (nxt > c), nxt, c)
+
+
+def ref_encode(x, moment, step=None):
+    """Scale = absmax per block (NaN if it holds an inf or NaN; codes 0 then and for an
+    all-zero block); the fast or the exact rule per block (q8_codes.h, THE RULE); bit 7 =
+    sign for exp_avg on a non-zero magnitude."""
+    n, xb = x.numel(), _blocks(x)
+    amax = xb.abs().amax(1) if xb.numel() else xb.new_zeros(0)
+    bad = ~xb.isfinite().all(1)
+    amax_ok = torch.where(bad, 0.0, amax)
+    a, u = xb.abs().nan_to_num(0.0, 0.0).contiguous(), ref_dither(xb.shape[0], moment, step)
+    fast = _fast_blocks(amax_ok, moment)[:, None]
+    k = torch.where(fast, _fast_codes(a, amax_ok, u, moment), _exact_codes(a, amax_ok, u, moment))
     if moment == "exp_avg":
         k = k | (((xb < 0) & (k > 0)).long() << 7)
     k[bad | (amax == 0)] = 0
@@ -183,20 +223,22 @@ def test_quantize_dequantize_against_reference(level, moment, n):
 def _awkward_moments(moment):
     """Blocks of every kind the kernel meets: ordinary, all zero, with an inf / a NaN,
     scales so small that decoded values underflow (subnormal, equal ones), huge scales,
-    lone non-zeros among zeros, and a partial last block."""
+    the fast rule's smallest scale and the float below it, lone non-zeros among zeros,
+    and a partial last block."""
     gen = torch.Generator().manual_seed(17)
-    x = torch.randn(12 * B + 77, generator=gen) * torch.exp2(
-        torch.randn(12 * B + 77, generator=gen) * 5
-    )
-    blk = x[: 12 * B].view(12, B)
+    n = 14 * B + 77
+    x = torch.randn(n, generator=gen) * torch.exp2(torch.randn(n, generator=gen) * 5)
+    blk = x[: 14 * B].view(14, B)
     blk[1] = 0.0
     blk[2, 5] = torch.inf
     blk[3, 9] = torch.nan
-    for row, scale in ((4, 1e-30), (5, 1e-38), (6, 2.0**-140), (7, 3e38), (8, 2.0**126)):
+    tiny = _tiny(moment)
+    scales = [1e-30, 1e-38, 2.0**-140, 3e38, 2.0**126, tiny, torch.nextafter(tiny, _f32(0.0))]
+    for row, scale in enumerate(scales, start=4):
         blk[row] = blk[row] / blk[row].abs().max() * scale
-    blk[9] = 0.0
-    blk[9, 7] = -1e-3
-    blk[10] = torch.randn(B, generator=gen) * 1e-20  # underflows a little below the floor
+    blk[11] = 0.0
+    blk[11, 7] = -1e-3
+    blk[12] = torch.randn(B, generator=gen) * 1e-20  # underflows a little below the floor
     if moment == "exp_avg_sq":
         x = x.abs()
     return x
