@@ -15,9 +15,9 @@
 // Decoded value D_k = RN(value_k * s) (fp32). ERROR: a value inside the range is
 // stored within one code step of itself (|D/x - 1| < r - 1 = 9.05%, 4.4% in
 // sqrt(v)); with nearest rounding within half a step ((r - 1) / (r + 1) = 4.3%).
-// A v below D_1 / 2 (nearest) can become 0 while its m is not: that element's
-// step is then m / eps, the per-block range's one hazard (a v 3.6e9 below its
-// block's largest).
+// Below the range an m may become 0 (its step becomes 0: harmless), but a v > 0
+// never does: it gets code 1 at least (an overestimate: a smaller step), since a
+// v of 0 under a non-zero m would make that element's step m / eps.
 //
 // THE FREEZE, and why the kernel does not round to nearest. Adam changes v by
 // (1 - beta2)(g^2 - v) per step: 0.1% of v for beta2 = 0.999 unless g^2 > 44 v.
@@ -47,10 +47,11 @@
 // (value_c <= y < value_(c+1)). With z = y's significand in [1, 2) and j = c's
 // place in its octave: code c + 1 iff z - M_j > RN(G_j * u), G_j = M_(j+1) - M_j
 // (both differences exact); below code 1 (c <= 0): code 1 iff y > RN(value_1 * u),
-// else 0. Other blocks (tiny or huge scales, where decoded values may underflow
+// else 0 (for exp_avg_sq: code 1 iff y > 0, see ERROR). Other blocks (tiny or huge scales, where decoded values may underflow
 // and coincide): the same choice on the decoded values D_k = RN(value_k * s) by an
 // exact search: c = the smallest code of the largest D <= |x|, n = the smallest
-// code of the next larger D, code n iff |x| - D_c > RN((D_n - D_c) * u).
+// code of the next larger D, code n iff |x| - D_c > RN((D_n - D_c) * u) (or, for
+// exp_avg_sq, iff D_c = 0 < |x|).
 //
 // IDEMPOTENT. A decoded D_k of a fast block gives y within 2^-22.4 of value_k
 // (two roundings), while u keeps every threshold more than 2^-19.5 value_k away
@@ -119,7 +120,8 @@ inline float q8_value(bool is_m, int c) { return (is_m ? kCodeM : kCodeV).value[
 
 // The dither of one call (see THE FREEZE): u per element index in a block, for one
 // moment at step t (t = 0: nearest, u = 1/2 everywhere).
-// u1 = RN(value_1 * u): the threshold between codes 0 and 1 in y.
+// u1 = RN(value_1 * u): the threshold between codes 0 and 1 in y (0 for exp_avg_sq:
+// a v > 0 never gets code 0).
 struct Q8Round {
   alignas(64) float u[kQ8Block];
   alignas(64) float u1[kQ8Block];
@@ -128,7 +130,7 @@ struct Q8Round {
     for (std::size_t j = 0; j < kQ8Block; ++j) {
       const auto h = static_cast<std::uint32_t>(j * 49471u + static_cast<std::uint32_t>(t) * 37345u + (is_m ? 1u : 0u));
       u[j] = t == 0 ? 0.5f : static_cast<float>((h & 0xffffu) | 1u) * 0x1p-16f;
-      u1[j] = v1 * u[j];
+      u1[j] = is_m ? v1 * u[j] : 0.0f;
     }
   }
 };
@@ -186,7 +188,7 @@ inline void q8_encode_exact(const float* x, float s, const float* u, std::size_t
     int k = lo;
     if (hi < c.levels) {  // hi: the smallest code of the next larger value
       const float d0 = d[lo], d1 = d[hi];
-      if ((a - d0) > (d1 - d0) * u[i]) k = hi;
+      if ((a - d0) > (d1 - d0) * u[i] || (c.levels == 256 && d0 == 0.0f && a > 0.0f)) k = hi;
     }
     codes[i] = q8_byte(c, x[i], k);
   }

@@ -78,7 +78,7 @@ def _fast_blocks(amax, moment):
 def _fast_codes(a, amax, u, moment):
     """The fast rule in y = RN(|x| * RN(1 / scale)): c = the code below y from its float
     bits, code c + 1 iff z - M_j > RN(G_j * u) (z: y's significand, M_j: c's), and below
-    code 1: code 1 iff y > RN(value_1 * u)."""
+    code 1: code 1 iff y > RN(value_1 * u) (exp_avg_sq: iff y > 0)."""
     mags = _mags(moment)
     y = a * (1 / torch.where(amax == 0, 1.0, amax))[:, None]
     yb = y.view(torch.int32).long()
@@ -89,13 +89,14 @@ def _fast_codes(a, amax, u, moment):
     j = (k + 1) & 7
     z = ((yb & 0x7FFFFF) | 0x3F800000).int().view(torch.float32)
     up = (z - m_j[j]) > (m_j[j + 1] - m_j[j]) * u
-    return torch.where(k < 1, (y > mags[1] * u).long(), k + up.long())
+    low = y > (mags[1] * u if moment == "exp_avg" else 0.0)  # a v > 0 is never 0
+    return torch.where(k < 1, low.long(), k + up.long())
 
 
 def _exact_codes(a, amax, u, moment):
     """The rule on decoded values D = RN(value * scale) by search: c = the smallest code
     of the largest D <= |x|, n = the smallest code of the next larger D; code n iff
-    |x| - D[c] > RN((D[n] - D[c]) * u)."""
+    |x| - D[c] > RN((D[n] - D[c]) * u) (exp_avg_sq: or D[c] = 0 < |x|)."""
     mags = _mags(moment)
     d = mags[None, :] * amax[:, None]  # fp32 products: RN
     top = mags.numel() - 1
@@ -103,7 +104,10 @@ def _exact_codes(a, amax, u, moment):
     nxt = (c + 1).clamp(max=top)
     c = torch.searchsorted(d, d.gather(1, c).contiguous(), right=False)  # smallest code of it
     d0, d1 = d.gather(1, c), d.gather(1, nxt)
-    return torch.where(((a - d0) > (d1 - d0) * u) & (nxt > c), nxt, c)
+    up = (a - d0) > (d1 - d0) * u
+    if moment == "exp_avg_sq":  # a v > 0 is never 0
+        up |= (d0 == 0) & (a > 0)
+    return torch.where(up & (nxt > c), nxt, c)
 
 
 def ref_encode(x, moment, step=None):
@@ -196,7 +200,10 @@ def test_encode_at_codes_midpoints_and_their_neighbours(level, moment):
     x = torch.cat([torch.cat([torch.ones(1), c]) for c in vals.split(B - 1)])
     mag = ca.quantize_8bit(x, moment).codes.long() & (0x7F if moment == "exp_avg" else 0xFF)
     dist = (x.abs().double()[:, None] - mags.double()[None, :]).abs()
-    assert torch.equal(mag, dist.argmin(1))  # nearest: the exact distances, a tie goes down
+    want = dist.argmin(1)  # nearest: the exact distances, a tie goes down
+    if moment == "exp_avg_sq":  # ... but a v > 0 keeps code 1
+        want = torch.where(x > 0, want.clamp(min=1), want)
+    assert torch.equal(mag, want)
 
 
 @pytest.mark.parametrize("moment", KINDS)
@@ -268,6 +275,18 @@ def test_quantize_of_dequantize_is_identity(level, moment):
             back = ca.dequantize_8bit(q, moment)
             for again in (None, 5):
                 assert _same_q(ca.quantize_8bit(back, moment, step=again), q.codes, q.scales)
+
+
+def test_a_positive_v_is_never_coded_zero(level):
+    """v far below its block's range (1e-12 .. 1e-30 of the absmax, where nearest rounding
+    gives 0) keeps code 1 on every dither: a v of 0 under a non-zero m would make that
+    element's step m / eps. m that small may become 0 (a zero step)."""
+    v = torch.cat([torch.ones(1), torch.logspace(-12, -30, B - 1)])
+    for step in STEPS:
+        q = ca.quantize_8bit(v, "exp_avg_sq", step=step)
+        assert (q.codes[1:] >= 1).all() and (ca.dequantize_8bit(q, "exp_avg_sq") > 0).all()
+    tiny = torch.cat([torch.full((1,), 1e-36), torch.full((B - 1,), 1e-44)])  # exact rule
+    assert (ca.quantize_8bit(tiny, "exp_avg_sq", step=3).codes >= 1).all()
 
 
 def test_special_blocks_quantize(level):
