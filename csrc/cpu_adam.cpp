@@ -55,7 +55,7 @@ int g_last_team = 0;  // threads that ran the last adam_step / stream_probe (obs
 // uses; they never change how the slice is split between threads.
 using Runs = std::vector<std::pair<std::size_t, std::size_t>>;
 
-// fn's jobs address element 0 at `base` (an 8-bit block's start, see q8_block); b, e
+// fn's jobs address element 0 at `base` (an 8-bit group's start, see q8_group); b, e
 // and the runs are counted from the slice start.
 void run_range(TileFn fn, const Job& dec, const Job& nodec, const Runs* runs, std::size_t b, std::size_t e,
                std::size_t base = 0) {
@@ -133,29 +133,40 @@ Job rebase(Job j, std::size_t b, int gt, int mt, int vt) {
   return j;
 }
 
-void q8_block(const Q8Step& q, std::size_t b, std::size_t e) {
-  alignas(64) float mb[kQ8Block], vb[kQ8Block];
-  const std::size_t len = e - b, blk = b / kQ8Block;
+// Blocks are decoded, stepped and encoded kQ8Group at a time (8 KiB of each moment on
+// the stack, in L1): the tile then runs on 2048 elements per call, not 256 (its fixed
+// cost per call, and the sfence after a streamed param_out, measured 0.5 ns/element
+// with one block per call).
+constexpr std::size_t kQ8Group = 8;
+
+// Elements [b, e), at most kQ8Group blocks, b on a block.
+void q8_group(const Q8Step& q, std::size_t b, std::size_t e) {
+  alignas(64) float mb[kQ8Group * kQ8Block], vb[kQ8Group * kQ8Block];
   Job d = rebase(q.dec, b, q.gt, q.mt, q.vt), nd = rebase(q.nodec, b, q.gt, q.mt, q.vt);
   std::uint8_t* const mc = static_cast<std::uint8_t*>(q.dec.m) + b;
   std::uint8_t* const vc = static_cast<std::uint8_t*>(q.dec.v) + b;
+  const auto blocks = [&](auto&& fn) {
+    for (std::size_t i = 0; i < e - b; i += kQ8Block) fn(i, std::min(e - b - i, kQ8Block), (b + i) / kQ8Block);
+  };
   if (q.mt == kQ8) {
-    q8_decode(mc, q.ms[blk], len, true, mb, g_level);
+    blocks([&](std::size_t i, std::size_t len, std::size_t blk) { q8_decode(mc + i, q.ms[blk], len, true, mb + i, g_level); });
     d.m = nd.m = mb;
   }
   if (q.vt == kQ8) {
-    q8_decode(vc, q.vs[blk], len, false, vb, g_level);
+    blocks([&](std::size_t i, std::size_t len, std::size_t blk) { q8_decode(vc + i, q.vs[blk], len, false, vb + i, g_level); });
     d.v = nd.v = vb;
   }
   run_range(q.fn, d, nd, q.runs, b, e, b);
-  if (q.mt == kQ8) q8_encode(mb, len, true, *q.um, mc, q.ms + blk, g_level);
-  if (q.vt == kQ8) q8_encode(vb, len, false, *q.uv, vc, q.vs + blk, g_level);
+  if (q.mt == kQ8)
+    blocks([&](std::size_t i, std::size_t len, std::size_t blk) { q8_encode(mb + i, len, true, *q.um, mc + i, q.ms + blk, g_level); });
+  if (q.vt == kQ8)
+    blocks([&](std::size_t i, std::size_t len, std::size_t blk) { q8_encode(vb + i, len, false, *q.uv, vc + i, q.vs + blk, g_level); });
 }
 
 void run_all_q8(const Q8Step& q, std::size_t n) {
   run_all(
       [&](std::size_t b, std::size_t e) {
-        for (; b < e; b += kQ8Block) q8_block(q, b, std::min(e, b + kQ8Block));
+        for (; b < e; b += kQ8Group * kQ8Block) q8_group(q, b, std::min(e, b + kQ8Group * kQ8Block));
       },
       n, kQ8Block);
 }
