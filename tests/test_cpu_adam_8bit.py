@@ -389,12 +389,13 @@ def test_8bit_with_param_out_and_remainders(level, out_dtype):
 
 
 def test_decay_runs_cut_inside_blocks(level):
-    """Runs starting and ending inside blocks (run_range's base offset)."""
-    n = 5 * B + 77
+    """Runs starting and ending inside blocks and across the kernel's groups of 8 blocks
+    (run_range's base offset)."""
+    n = 19 * B + 77
     gen = torch.Generator().manual_seed(9)
     p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     m, v = _moments(n, gen)
-    runs = [(3, 100), (100, 200), (B + 1, 3 * B - 1), (4 * B + 10, n)]
+    runs = [(3, 100), (100, 200), (B + 1, 3 * B - 1), (4 * B + 10, 8 * B + 5), (15 * B, n)]
     kw = dict(step=2, weight_decay=0.1, **HYPER)
     _step_both(p, g, _q8(m, "exp_avg"), _q8(v, "exp_avg_sq"), runs=runs, **kw)
 
