@@ -12,9 +12,10 @@ a noisy neighbour or a position in the round hurts all rows alike. Each row is w
   bf16/fp16 grads: 26 B; bf16 exp_avg and exp_avg_sq (fp32 grads): 20 B.
   A bf16 model's step (bf16 grads, bf16 copy out): 28 B, 20 B with bf16 moments; with
   the master as hi + lo halves (adam_step_remainder, no copy out): 26 B and 18 B.
-  Block-wise 8-bit moments (1 B each + a scale per 256): 16 B with an fp32 master and
-  fp32 grads, 14 B with remainders and bf16 grads. Out of place (adam_step's *_dst, rows
-  19-20): the in-place bytes (the sources read, the dsts written with streaming stores).
+  Block-wise 8-bit moments (1 B each + a scale per 256): 16 B for a bf16 model's step
+  with an fp32 master (bf16 grads, bf16 copy out), 14 B with remainders. Out of place
+  (adam_step's *_dst, rows 19-20): the in-place bytes (the sources read, the dsts written
+  with streaming stores).
 
 The ceiling does not use our kernel. For each traffic class (28/30/26/20 B, ...) it is the
 best median of several access patterns that move exactly those bytes with trivial
@@ -109,10 +110,7 @@ for _name, (_nbytes, _arrays, _mom) in BF16_MODEL_TRAFFIC.items():
 # the two code arrays as one 2-byte array: the same bytes, one stream fewer (if
 # anything a higher ceiling).
 Q8_TRAFFIC = {  # name -> (bytes/element, arrays)
-    "q8mom": (
-        16,
-        [("param", "float32", _RW), ("grad", "float32", _R), ("exp_avg", "bfloat16", _RW)],
-    ),
+    "q8mom": (16, [*_MASTER, ("exp_avg", "bfloat16", _RW), ("param_out", "bfloat16", _W)]),
     "rem+q8mom": (14, [*_HALVES, ("exp_avg", "bfloat16", _RW)]),
 }
 for _name, (_nbytes, _spec) in Q8_TRAFFIC.items():
@@ -168,10 +166,10 @@ def bench_size(n, ds_cls, ds_note, lib):
     # ours with remainders: the halves of p's copy (fp32 moments) and of pb's (bf16 moments)
     rem = (*ca.split_fp32(p), m.clone(), v.clone())
     remb = (*ca.split_fp32(pb), mb.clone(), vb.clone())
-    # ours with 8-bit moments: fp32 master (fp32 grads), and remainders (bf16 grads)
-    pq = torch.randn(n, generator=gen)
-    q8 = (ca.quantize_8bit(mb.float(), "exp_avg"), ca.quantize_8bit(vb.float(), "exp_avg_sq"))
-    remq = (*ca.split_fp32(pq), ca.Blockwise8.zeros(n), ca.Blockwise8.zeros(n))
+    # ours with 8-bit moments (plausible ones): fp32 master, and remainders; bf16 grads
+    pq, mq = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3
+    q8 = (ca.quantize_8bit(mq, "exp_avg"), ca.quantize_8bit(mq * mq, "exp_avg_sq"))
+    remq = (*ca.split_fp32(pq), *(ca.Blockwise8(q.codes.clone(), q.scales.clone()) for q in q8))
     # torch / DeepSpeed: one big param with an fp32 grad, each optimizer with its own state
     tp = torch.nn.Parameter(torch.randn(n, generator=gen))
     tp.grad = torch.randn(n, generator=gen)
@@ -288,9 +286,9 @@ def bench_size(n, ds_cls, ds_note, lib):
     rows += [  # block-wise 8-bit moments
         (
             "ours_q8mom",
-            "(17) ours 8-bit exp_avg + exp_avg_sq",
+            "(17) ours 8-bit moments, bf16 grads + param_out",
             16,
-            ours(g32, state=(pq, *q8)),
+            ours(gbf, out, state=(pq, *q8)),
             "q8mom",
         ),
         ("ours_rem_q8mom", "(18) ours remainders + 8-bit moments", 14, ours_rem(remq), "rem+q8mom"),

@@ -200,12 +200,18 @@ def q8_table(moment: str) -> torch.Tensor:
     return torch.tensor(_C.q8_table(_q8_kind("q8_table", moment)), dtype=torch.float32)
 
 
-def quantize_8bit(x: torch.Tensor, moment: str, out: Blockwise8 | None = None) -> Blockwise8:
-    """fp32 ``x`` -> its Blockwise8 (scale = absmax per block, each element the code
-    nearest to RN(x / scale); NaN scale for a block with an inf or NaN), the code of
-    ``moment`` ('exp_avg' or 'exp_avg_sq'); into ``out`` if given."""
+def quantize_8bit(
+    x: torch.Tensor, moment: str, out: Blockwise8 | None = None, step: int | None = None
+) -> Blockwise8:
+    """fp32 ``x`` -> its Blockwise8 in the code of ``moment`` ('exp_avg' or
+    'exp_avg_sq'), into ``out`` if given. Scale = absmax per block (NaN for a block with
+    an inf or NaN); each element the code whose decoded value is nearest (ties to the
+    lower), or with ``step`` the dithered choice adam_step makes at that step between
+    the two codes around it (csrc/q8_codes.h, THE FREEZE). Either way a decoded value
+    comes back as its own code: quantize_8bit(dequantize_8bit(q)) == q."""
     fn = "quantize_8bit"
     is_m = _q8_kind(fn, moment)
+    step = 0 if step is None else as_step(fn, step)
     check_tensor(fn, "x", x, (torch.float32,), None)
     n = x.numel()
     out = Blockwise8.zeros(n) if out is None else out
@@ -213,7 +219,7 @@ def quantize_8bit(x: torch.Tensor, moment: str, out: Blockwise8 | None = None) -
     if n:
         check_no_overlap(fn, {"x": x, **moment_bufs("out", out)})
         _ensure_threads()
-        _C.q8_quantize(x.data_ptr(), out.codes.data_ptr(), out.scales.data_ptr(), n, is_m)
+        _C.q8_quantize(x.data_ptr(), out.codes.data_ptr(), out.scales.data_ptr(), n, is_m, step)
     return out
 
 
@@ -264,7 +270,7 @@ def adam_step(
     exp_avg, exp_avg_sq: fp32 or bf16 (each on its own), contiguous CPU, same numel;
     updated in place (bf16 ones are widened, the step runs in fp32 and they are
     stored rounded to nearest even, exactly like ``.to(torch.bfloat16)``); or a
-    Blockwise8 each (decoded, stepped in fp32, re-encoded as quantize_8bit does).
+    Blockwise8 each (decoded, stepped in fp32, re-encoded as quantize_8bit(..., step=step) does).
     grad: fp32/fp16/bf16 contiguous CPU, same numel; multiplied by grad_scale first
     (loss-scale unscaling and clipping folded into the same pass).
     param_out: optional fp16/bf16 contiguous CPU (pinned is fine), same numel;
