@@ -9,7 +9,10 @@ the same number of elements and dtypes, interleaved round by round, and prints m
 the ratio (of the medians, and "paired": the median of each round's ratio, which a load
 change between rounds moves less). Targets: <= 1.15 at k = 1, <= 1.30 at k = 4. A row
 "4d" is k = 4 with ``--accumulate-grads-on-device``: the micro-batches are summed on the
-device and Adam reads the one copy that comes down, as at k = 1.
+device and Adam reads the one copy that comes down, as at k = 1. The row "1r" is k = 1
+with ``--store-param-remainders`` (the master as the bf16 staging + an int16 remainder),
+timed round by round against k = 1 without it; it prints the paired ratio to today's
+(target <= 0.95 at 70M elements, the default model).
 
 What a GPU would do (the reduced chunk's sum of squares, its copy into the staging, the
 device-side accumulation) runs inside backward's hooks on the CPU here; it is not timed as
@@ -18,7 +21,7 @@ flat buffer, so the publish copies nothing; on CUDA it is an asynchronous DMA fr
 memory, which costs the host no time either.
 
   python bench/bench_host_phase.py [--layers 3] [--hidden 1024] [--repeats 7] [--threads N]
-                                   [--micro-batches 1,4,4d] [--ceiling]
+                                   [--micro-batches 1,4,4d,1r] [--ceiling]
 
 --ceiling adds the bound: GB/s of our accumulate and of the Adam against the best access
 pattern of bench/bench_host_ceiling.py for the same traffic (the accumulate's two streams
@@ -38,8 +41,9 @@ def _args():
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument(
         "--micro-batches",
-        default="1,4,4d",
-        help="comma-separated k values; a 'd' suffix accumulates on the device",
+        default="1,4,4d,1r",
+        help="comma-separated k values; a 'd' suffix accumulates on the device; '1r': k = 1 "
+        "with --store-param-remainders, paired with k = 1 without",
     )
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -50,6 +54,8 @@ def _args():
     )
     args = ap.parse_args()
     for row in args.micro_batches.split(","):
+        if row == "1r":
+            continue
         if not row.rstrip("d").isdigit() or int(row.rstrip("d")) < 1:
             ap.error(f"--micro-batches: {row!r} is not k >= 1 with an optional 'd' suffix")
     return args
@@ -84,7 +90,7 @@ class Timer:
         return timed
 
 
-def build(k: int, on_device: bool):
+def build(k: int, on_device: bool, remainders: bool = False):
     single = ps.ParallelGroup.single()
     cfg = GPTConfig(
         num_layers=ARGS.layers,
@@ -107,6 +113,7 @@ def build(k: int, on_device: bool):
         cpu_offload=True,
         micro_batches=k,
         accumulate_on_device=on_device,
+        store_param_remainders=remainders,
     )
     params = list(model.parameters())
     consts = [torch.randn(p.shape).mul_(1e-3).to(torch.bfloat16) for p in params]
@@ -172,6 +179,27 @@ def bench_row(row: str) -> int:
         f"{med(step_ms):8.1f}"
     )
     return n
+
+
+def bench_remainders() -> None:
+    """k = 1 with and without --store-param-remainders, one step of each per round."""
+    runs = {name: (*build(1, False, rem), Timer()) for name, rem in (("1", False), ("1r", True))}
+    ms = {name: [] for name in runs}
+    for opt, params, consts, timer in runs.values():
+        opt.step = timer.wrap(opt.step)
+        one_step(opt, params, consts, 1)  # warm-up: buffers, pages
+    for _ in range(ARGS.repeats):
+        for name, (opt, params, consts, timer) in runs.items():
+            timer.total = 0.0
+            one_step(opt, params, consts, 1)
+            ms[name].append(timer.total * 1e3)
+    med = statistics.median
+    paired = med([r / t for r, t in zip(ms["1r"], ms["1"])])
+    n = runs["1"][0].layout.slice_numel
+    print(
+        f"1r {n:11,d} host phase with remainders {med(ms['1r']):.1f} ms, without "
+        f"{med(ms['1']):.1f} ms: ratio {med(ms['1r']) / med(ms['1']):.2f}, paired {paired:.2f}"
+    )
 
 
 def ceiling(n: int) -> None:
@@ -247,7 +275,10 @@ def main() -> None:
     )
     n = 0
     for row in ARGS.micro_batches.split(","):
-        n = bench_row(row)
+        if row == "1r":
+            bench_remainders()
+        else:
+            n = bench_row(row)
     if ARGS.ceiling:
         ceiling(n)
     print(f"load avg at the end {os.getloadavg()[0]:.2f}")

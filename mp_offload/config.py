@@ -30,6 +30,7 @@ from .config_schema import (
 from .fields import field_problems, flag_fields, unwrap_optional
 from .help_format import DefaultsHelpFormatter
 from .model.config import GPTConfig
+from .optimizer.options import MOMENT_DTYPES, compute_dtype, host_state_problems
 from .parallel_state import ParallelConfigError, validate_parallel_sizes
 
 __all__ = [  # the schema's names too: callers import the run's flags from here
@@ -352,6 +353,21 @@ def _training_problems(args: Args, world_size: int, given: frozenset):
     yield from _schedule_problems(args, gbs, given)
 
 
+def _host_state_problems(args: Args) -> list[str]:
+    """--store-param-remainders and the 8-bit moments: the optimizer's own rule."""
+    o = args.optim
+    fraction = 1.0 if o.optimizer_offload_fraction is None else o.optimizer_offload_fraction
+    offloaded = o.optimizer == "adam" and o.cpu_offload and fraction != 0
+    moments = dict(exp_avg=o.exp_avg_dtype, exp_avg_sq=o.exp_avg_sq_dtype)
+    return host_state_problems(
+        compute_dtype(args),
+        offloaded,
+        offloaded and fraction == 1.0,
+        o.store_param_remainders,
+        {k: MOMENT_DTYPES[v] for k, v in moments.items()},
+    )
+
+
 def _schedule_problems(args: Args, gbs: int, given: frozenset):
     t, o = args.train, args.optim
     if o.min_lr > o.lr:
@@ -416,6 +432,7 @@ def config_problems(args: Args, world_size: int, given: frozenset = frozenset())
     if not found:
         found = [
             *_training_problems(args, world_size, given),
+            *_host_state_problems(args),
             *_data_problems(args.data, args.train, given),
         ]
     return found

@@ -132,10 +132,21 @@ class OptimizerConfig:
         range="0..1]",
     )
     exp_avg_dtype: str = _f(
-        "fp32", "dtype of Adam's first moment (bf16 halves it)", choices=("fp32", "bf16")
+        "fp32",
+        "dtype of Adam's first moment (bf16 halves it; 8bit, with --cpu-offload and all of "
+        "the state on the host: block-wise 8-bit codes with a scale per 256, ~1 B)",
+        choices=("fp32", "bf16", "8bit"),
     )
     exp_avg_sq_dtype: str = _f(
-        "fp32", "dtype of Adam's second moment (bf16 halves it)", choices=("fp32", "bf16")
+        "fp32",
+        "dtype of Adam's second moment (bf16 halves it; 8bit as for --exp-avg-dtype)",
+        choices=("fp32", "bf16", "8bit"),
+    )
+    store_param_remainders: bool = _f(
+        False,
+        "with --bf16 and --cpu-offload: keep the host's fp32 master as the bf16 parameter "
+        "(the one that goes up) plus a 16-bit remainder, exactly: saves 2 B/param of host "
+        "memory and of the Adam step's traffic",
     )
 
 

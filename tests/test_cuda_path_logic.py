@@ -12,6 +12,7 @@ from dist_helpers import run_distributed
 from mp_offload import parallel_state as ps
 from mp_offload.data.loader import BatchIterator, MockGPTDataset, SizedPlaceholder
 from mp_offload.model.gpt import GPTConfig, GPTModel
+from mp_offload.ops.cpu_adam import split_fp32
 from mp_offload.optimizer import host_memory, zero
 from mp_offload.optimizer.host_accumulator import HostAccumulator
 from mp_offload.optimizer.layout import FlatLayout
@@ -138,14 +139,18 @@ def test_without_offload_nothing_crosses_to_the_host():
     assert opt.stats()["host_device_bytes_per_param"] == 0.0
     assert opt.param_staging is None and not opt.grad_staging
     assert opt.memory_bytes()["host"] == {"staging": 0}
-    # and the published params are the fp32 master rounded to bf16, as with offload
+    # and the same fp32 master as with offload, published rounded to bf16: on the device to
+    # nearest even, by the host's split rule with offload (docs/DESIGN.md §7; the two
+    # differ at exact ties only)
     with_offload = ZeroOptimizer(
         _model(), **HP, dp=SINGLE, tp=SINGLE, device="cpu", dtype=torch.bfloat16, cpu_offload=True
     )
     m2 = with_offload.model
     for step in range(2):
         _step(m2, with_offload, step)
-    assert torch.equal(opt.flat, with_offload.flat)
+    assert torch.equal(opt.master, with_offload.master)
+    assert torch.equal(opt.flat, opt.master.to(torch.bfloat16))
+    assert torch.equal(with_offload.flat, split_fp32(opt.master)[0])
     assert with_offload.stats()["host_device_bytes_per_param"] == 4.0
 
 

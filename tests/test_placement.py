@@ -12,6 +12,7 @@ from mp_offload import parallel_state as ps
 from mp_offload.config import parse_args, resolve
 from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer import build_optimizer
+from mp_offload.optimizer.host_state import Q8Moment
 from mp_offload.optimizer.layout import FlatLayout
 from mp_offload.optimizer.options import OptimizerOptions
 from mp_offload.optimizer.placement import placement
@@ -30,13 +31,23 @@ OPTIONS = [
     dict(dtype=BF16, micro_batches=4, accumulate_on_device=True, exp_avg_dtype=BF16),
     dict(dtype=BF16, offload_fraction=0.5, dpu_warmup_steps=0),
     dict(dtype=BF16, offload_fraction=0.0),
+    dict(dtype=BF16, store_param_remainders=True),
+    dict(dtype=BF16, store_param_remainders=True, offload_fraction=0.5, micro_batches=4),
+    dict(dtype=BF16, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
+    dict(dtype=BF16, store_param_remainders=True, exp_avg_sq_dtype=torch.uint8),
 ]
 
 
 def _tensors(opt: ZeroOptimizer, name: str) -> list[torch.Tensor]:
-    """The optimizer's tensors for one placed buffer."""
+    """The optimizer's tensors for one placed buffer (an 8-bit moment's codes, its pieces
+    end to end, and its scales)."""
     if name.startswith("share."):
         return [getattr(opt.share, name.split(".")[1])]
+    if name.endswith(".scales"):
+        return [getattr(opt, name.split(".")[0]).scales]
+    q = getattr(opt, name, None)
+    if isinstance(q, Q8Moment):
+        return [torch.cat([p.codes for _, p in sorted(q.pieces.items())])]
     one = dict(
         params=opt.flat,
         grad_accumulation=opt.reducer.acc_buffer,

@@ -85,11 +85,18 @@ def test_plan_equals_real_buffers_tp1_dp1(bucket):
         )
         _one_step(opt, model)
         _check_against_optimizer(opt, cfg, 1, 1, 0, bucket, offload, dpu, dtype)
-    # bf16 moments, and gradient accumulation on the host or on the device
-    for k, on_device, m in ((1, False, (2, 2)), (4, False, (4, 2)), (4, True, (2, 4))):
+    # bf16 and 8-bit moments, remainders, gradient accumulation on the host or the device
+    for k, on_device, m, rem in (
+        (1, False, (2, 2), False),
+        (4, False, (4, 2), False),
+        (4, True, (2, 4), False),
+        (1, False, (1, 1), True),
+        (4, False, (4, 1), True),
+        (4, True, (1, 2), False),
+    ):
         torch.manual_seed(0)
         model = GPTModel(cfg, tp_group=ps.ParallelGroup.single())
-        mdt = {2: torch.bfloat16, 4: torch.float32}
+        mdt = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}
         opt = ZeroOptimizer(
             model,
             **HP,
@@ -103,6 +110,7 @@ def test_plan_equals_real_buffers_tp1_dp1(bucket):
             accumulate_on_device=on_device,
             exp_avg_dtype=mdt[m[0]],
             exp_avg_sq_dtype=mdt[m[1]],
+            store_param_remainders=rem,
         )
         real = opt.memory_bytes()
         run = Run(
@@ -114,6 +122,7 @@ def test_plan_equals_real_buffers_tp1_dp1(bucket):
             micro_batches=k,
             accumulate_on_device=on_device,
             moment_bytes=m,
+            remainders=rem,
         )
         shapes = rank_shapes(spec_named_params(cfg, 1), 1, bucket)
         device, host, _ = plan_rank(run, shapes, Hardware())

@@ -12,7 +12,35 @@ import torch
 
 from .base import DEFAULT_BUCKET_SIZE
 
-MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# torch.uint8: block-wise 8-bit (ops.adam_args.Blockwise8: uint8 codes + an fp32 scale a block)
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
+MOMENT_FLAGS = {"exp_avg": "--exp-avg-dtype", "exp_avg_sq": "--exp-avg-sq-dtype"}
+
+
+def host_state_problems(
+    dtype: torch.dtype, offloaded: bool, host_only: bool, remainders: bool, moments: dict
+) -> list[str]:
+    """What is wrong with the host-state flags, one line each (the config and the optimizer
+    both ask here). ``offloaded``: some state on the host; ``host_only``: all of it (F = 1);
+    ``moments``: {"exp_avg": dtype, "exp_avg_sq": dtype}."""
+    out = []
+    if remainders and dtype != torch.bfloat16:
+        out.append(
+            "--store-param-remainders needs --bf16: it keeps the fp32 master as the bf16 "
+            "parameter plus a 16-bit remainder"
+        )
+    elif remainders and not offloaded:
+        out.append(
+            "--store-param-remainders needs --cpu-offload with a host share (F > 0): it is "
+            "the host's form of the master"
+        )
+    for key, dt in moments.items():
+        if dt == torch.uint8 and not host_only:
+            out.append(
+                f"{MOMENT_FLAGS[key]} 8bit needs --cpu-offload with the whole state on the "
+                "host (--optimizer-offload-fraction 1): the device-side Adam has no 8-bit moments"
+            )
+    return out
 
 
 def compute_dtype(args) -> torch.dtype:
@@ -43,6 +71,18 @@ class OptimizerOptions:
     exp_avg_sq_dtype: torch.dtype = torch.float32
     offload_fraction: float = 1.0
     accumulate_dtype: torch.dtype = torch.float32
+    store_param_remainders: bool = False
+
+    def __post_init__(self):
+        problems = host_state_problems(
+            self.dtype,
+            self.offloaded,
+            self.offloaded and self.offload_fraction == 1.0,
+            self.store_param_remainders,
+            dict(exp_avg=self.exp_avg_dtype, exp_avg_sq=self.exp_avg_sq_dtype),
+        )
+        if problems:
+            raise ValueError("\n".join(problems))
 
     @property
     def offloaded(self) -> bool:
@@ -76,4 +116,5 @@ class OptimizerOptions:
             exp_avg_dtype=MOMENT_DTYPES[o.exp_avg_dtype],
             exp_avg_sq_dtype=MOMENT_DTYPES[o.exp_avg_sq_dtype],
             offload_fraction=1.0 if fraction is None else fraction,
+            store_param_remainders=o.store_param_remainders,
         )

@@ -22,6 +22,7 @@ from .host_memory import host_empty
 from .options import OptimizerOptions
 
 BUCKET_BUFFERS = 2  # gradient bucket buffers on the device (double buffering)
+Q8_BLOCK = 256  # elements per scale of an 8-bit moment (the kernel's, ops.adam_args.Q8_BLOCK)
 STATE = ("master", "exp_avg", "exp_avg_sq", "grads")  # the slice's per-element state
 
 
@@ -53,6 +54,15 @@ class Placement:
     chunk_dtype: torch.dtype  # of the reduced chunks (the sum, with device accumulation)
     adam_writes_flat: bool  # Adam writes the new params into the model's own storage
     pinned: bool  # the host staging is pinned (CUDA with offload)
+    host_pieces: tuple[
+        int, ...
+    ]  # lengths of the host buckets' chunks (Adam pieces), in slice order
+
+    @property
+    def split_bf16(self) -> bool:
+        """bf16 params made on the host from the fp32 master use split_fp32's rule (the bits
+        adam_step_remainder keeps), so the run is the same with or without remainders."""
+        return self.offloaded and self.options.dtype == torch.bfloat16
 
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)
@@ -78,17 +88,25 @@ def _split(chunks, o: OptimizerOptions) -> tuple[int, float]:
     return kept, actual_fraction(chunks, kept)
 
 
-def _state(o: OptimizerOptions, n: int, share: int, grad_copies: int) -> list[Buffer]:
-    """The slice's fp32 master, moments and fp32 gradient: ``n`` elements on the host with
-    offload (on the device without), and the device share's ``share`` on the device."""
+def _state(o: OptimizerOptions, n: int, share: int, grad_copies: int, pieces) -> list[Buffer]:
+    """The slice's master, moments and fp32 gradient: ``n`` elements on the host with
+    offload (on the device without), and the device share's ``share`` on the device.
+    ``pieces``: the host chunk lengths (an 8-bit moment's blocks restart at each)."""
     moments = (o.exp_avg_dtype, o.exp_avg_sq_dtype)
     dtypes = dict(zip(STATE, (torch.float32, *moments, torch.float32)))
     # The fp32 gradient sums k > 1 micro-batches on the host, or is any gradient without
     # offload; Adam reads the grad staging itself when that is already the whole gradient.
     copies = dict(master=1, exp_avg=1, exp_avg_sq=1, grads=grad_copies)
     side = "host" if o.offloaded else "device"
-    out = [Buffer(k, k, side, dtypes[k], n, copies[k]) for k in STATE]
-    if share:  # the device share's own master, moments and fp32 gradient
+    host = dict(dtypes, master=torch.int16 if o.store_param_remainders else torch.float32)
+    out = [Buffer(k, k, side, host[k], n, copies[k]) for k in STATE]
+    scales = sum(-(-c // Q8_BLOCK) for c in pieces)
+    out += [
+        Buffer(k + ".scales", k, side, torch.float32, scales)
+        for k in STATE
+        if host[k] == torch.uint8
+    ]
+    if share:  # the device share's own fp32 master, moments and fp32 gradient
         out += [Buffer("share." + k, k, "device", dtypes[k], share) for k in STATE]
     return out
 
@@ -142,7 +160,8 @@ def placement(layout, o: OptimizerOptions, device_type: str) -> Placement:
         Buffer("param_staging", "staging", "host", o.dtype, n, int(up), pinned, zeroed=False),
         Buffer("grad_staging", "staging", "host", chunk_dtype, n, down, pinned, zeroed=False),
     ]
-    buffers += _state(o, n, share, 0 if reads_staging else copies)
+    pieces = tuple(c for c in chunks[device_buckets:] if c) if o.offloaded else ()
+    buffers += _state(o, n, share, 0 if reads_staging else copies, pieces)
     return Placement(
         o,
         tuple(buffers),
@@ -154,6 +173,7 @@ def placement(layout, o: OptimizerOptions, device_type: str) -> Placement:
         chunk_dtype,
         writes_flat,
         pinned,
+        pieces,
     )
 
 

@@ -27,6 +27,14 @@ from .base import StepResult
 from .device_share import DeviceShare, clip_runs
 from .grads import clip_coefficient, reduce_norm_squared
 from .host_memory import resolve_device, set_thread_device
+from .host_state import (
+    HostState,
+    allocate_moment,
+    nbytes,
+    remainder_kernel,
+    split_rounding,
+    to_low,
+)
 from .layout import FlatLayout
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
 from .options import OptimizerOptions
@@ -104,17 +112,17 @@ class ZeroOptimizer:
         copier = CopyStream(self.device) if place.pinned else None
         self.reducer = GradientReducer(self.layout, dp, self.device, place, copier=copier)
         self.share = self._make_share()
+        self._split = split_rounding(place)  # the bf16 rounding rule of host-made params
+        self._pieces, self._adam_calls = self._adam_pieces()
         # The master is filled and the fp32 CPU model freed (params move to the device
         # buffer) before the rest is allocated: start-up peaks at model + master.
-        (self.master,) = self._allocate("master")
-        self._place_model(model)
-        (self.exp_avg,) = self._allocate("exp_avg")
-        (self.exp_avg_sq,) = self._allocate("exp_avg_sq")
+        master = self._fp32_master()
+        self._place_model(model, master)
+        self.exp_avg, self.exp_avg_sq = self._moment("exp_avg"), self._moment("exp_avg_sq")
         self.grads, self.grad_staging = self._allocate("grads"), self._allocate("grad_staging")
         staging = self._allocate("param_staging")  # none: the master (fp32) goes up
-        self.param_staging = self.flat if place.adam_writes_flat else (staging or [None])[0]
-        self._adam = self._pick_adam()
-        self._pieces, self._adam_calls = self._adam_pieces()
+        staging = self.flat if place.adam_writes_flat else (staging or [None])[0]
+        self.host_state = self._host_state(master, staging)
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         self._uploaded = None  # CUDA event: the last host->device copy of the staging
@@ -138,6 +146,46 @@ class ZeroOptimizer:
     def _allocate(self, name: str) -> list[torch.Tensor]:
         return allocate(self.placement.buffer(name), self.device)
 
+    def _fp32_master(self) -> torch.Tensor:
+        """The host's fp32 master; with remainders a temporary that ``_host_state`` splits."""
+        if self.options.store_param_remainders:
+            return torch.zeros(self.placement.buffer("master").numel)  # padding stays 0
+        return self._allocate("master")[0]
+
+    def _moment(self, key: str):
+        pieces = [(h, n) for _, h, n, _ in self._pieces]
+        return allocate_moment(self.placement, key, pieces, self._allocate)
+
+    def _host_state(self, master: torch.Tensor, staging) -> HostState:
+        """The host state's stepping and conversions; with remainders the fp32 ``master``
+        becomes hi (the param staging) + lo (the int16 "master" buffer) and is dropped."""
+        remainders = self.options.store_param_remainders
+        self.master = self._allocate("master")[0] if remainders else master
+        adam = remainder_kernel() if remainders else self._pick_adam()
+        state = (self.master, staging, self.exp_avg, self.exp_avg_sq)
+        host = HostState(*state, adam, remainders, self._split)
+        host.commit("master", master)  # remainders: split into hi + lo (else nothing to do)
+        return host
+
+    @property
+    def param_staging(self) -> torch.Tensor | None:
+        """The host's new low-precision params (the flat buffer itself where Adam writes the
+        params in place; with remainders the master's top half)."""
+        return self.host_state.hi
+
+    @param_staging.setter
+    def param_staging(self, t: torch.Tensor | None) -> None:
+        self.host_state.hi = t
+
+    @property
+    def _adam(self):
+        """The host's Adam kernel (tests wrap it)."""
+        return self.host_state.adam
+
+    @_adam.setter
+    def _adam(self, fn) -> None:
+        self.host_state.adam = fn
+
     def _make_share(self) -> DeviceShare | None:
         """Partial offload: the device share's state (its buckets' decay runs)."""
         if not self.share_numel:
@@ -145,21 +193,22 @@ class ZeroOptimizer:
         state = {k: self._allocate("share." + k)[0] for k in STATE}
         return DeviceShare(state, clip_runs(self.layout.decay_runs(), 0, self.share_numel))
 
-    def _place_model(self, model: torch.nn.Module) -> None:
-        """fp32 CPU weights -> master slice, then params become views of one flat buffer."""
+    def _place_model(self, model: torch.nn.Module, master: torch.Tensor) -> None:
+        """fp32 CPU weights -> master slice, then params become views of one flat buffer
+        (rounded by the host's rule, ``host_state.to_low``)."""
         for slot, p_off, offset, length in self.layout.owned_pieces():
             src = slot.param.detach().reshape(-1)[p_off : p_off + length]
             # A piece lies inside one bucket's chunk, so wholly on one side of the split.
             dst = (
                 self.share.master[offset:]
                 if offset < self.share_numel
-                else self.master[offset - self.share_numel :]
+                else master[offset - self.share_numel :]
             )
             dst[:length].copy_(src)
         (self.flat,) = self._allocate("params")
         for slot in self.layout.slots:
             view = self.flat[slot.start : slot.start + slot.numel].view_as(slot.param)
-            view.copy_(slot.param.detach())
+            to_low(view, slot.param.detach(), self._split)
             slot.param.data = view
         model.to(self.device)  # any buffers; the parameters already live there
 
@@ -289,13 +338,11 @@ class ZeroOptimizer:
         if self._uploaded is not None:  # the last copy up may still be reading the staging
             self._uploaded.synchronize()
         b1, b2 = self.betas
-        out = self.param_staging
         for b, h, n, decay in self._adam_calls:
-            self._adam(
-                self.master[h : h + n],
+            self.host_state.step(
+                h,
+                n,
                 grad[h : h + n],
-                self.exp_avg[h : h + n],
-                self.exp_avg_sq[h : h + n],
                 step=step,
                 lr=lr,
                 beta1=b1,
@@ -305,7 +352,6 @@ class ZeroOptimizer:
                 adamw=True,
                 bias_correction=True,
                 grad_scale=grad_scale,
-                param_out=None if out is None else out[h : h + n],
                 decay_runs=decay,
             )
             if upload and b is not None:
@@ -361,7 +407,9 @@ class ZeroOptimizer:
         """This rank's optimizer slice and what it needs. Each state key is the slice's
         parts in order (device share, then host part), or one tensor when unsplit: the
         live buffers, never a copy, so a save allocates no second slice (torch.save copies
-        a device tensor to the host one storage at a time while writing)."""
+        a device tensor to the host one storage at a time while writing). Except: the host
+        master kept as remainders and 8-bit moments are saved as fp32 temporaries
+        (``HostState.saved``), so a checkpoint loads with or without those flags."""
         self.flush()
         return dict(
             master=self._parts("master"),
@@ -372,14 +420,16 @@ class ZeroOptimizer:
             layout=self.layout.describe(),
         )
 
-    def _parts(self, key: str) -> torch.Tensor | list[torch.Tensor]:
-        host = getattr(self, key)
+    def _parts(self, key: str, host: torch.Tensor | None = None):
+        host = self.host_state.saved(key) if host is None else host
         return host if self.share is None else [getattr(self.share, key), host]
 
     def _install(self, key: str, saved) -> None:
         """Copy a saved slice (one tensor or its parts, at any split) into this run's parts:
-        checkpoints do not depend on the offload fraction."""
-        copy_parts(_as_parts(self._parts(key)), _as_parts(saved))
+        checkpoints do not depend on the offload fraction (nor on the host's stored form)."""
+        host = self.host_state.target(key)
+        copy_parts(_as_parts(self._parts(key, host)), _as_parts(saved))
+        self.host_state.commit(key, host)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -389,6 +439,8 @@ class ZeroOptimizer:
         ``scaler`` (a weights-only load gives the master alone). Collective (all-gather).
         """
         self.flush()
+        if self._uploaded is not None:  # the last copy up may still read the staging
+            self._uploaded.synchronize()  # (which the install of remainders writes)
         self._install("master", state["master"])
         if state.get("exp_avg") is not None:
             self._install("exp_avg", state["exp_avg"])
@@ -396,10 +448,7 @@ class ZeroOptimizer:
         self.step_count = state.get("step", 0)
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        if self.param_staging is not None:
-            if self._uploaded is not None:  # the last copy up may still read the staging
-                self._uploaded.synchronize()
-            self.param_staging.copy_(self.master)
+        self.host_state.refresh_staging()
         self._publish()
 
     # ---------------------------------------------------------------- reports
@@ -413,10 +462,6 @@ class ZeroOptimizer:
 
     def memory_bytes(self) -> dict:
         """Bytes this rank holds, by place and category (from the real buffers)."""
-
-        def nbytes(t):
-            return 0 if t is None else t.numel() * t.element_size()
-
         state = dict(
             master=nbytes(self.master),
             exp_avg=nbytes(self.exp_avg),

@@ -29,11 +29,11 @@ def pick_offload_fraction(run: Run, hw: Hardware) -> tuple[float, JobPlan]:
     """(F, plan at F): the smallest F whose plan fits device memory; F = 1 (and its plan,
     which then does not fit) when even full offload does not. ``run.mode`` is offload."""
     full = plan_job(replace(run, offload_fraction=1.0), hw)
-    if not full.fits_device:
+    if not full.fits_device or 1 in run.moment_bytes:  # 8-bit moments: all on the host
         return 1.0, full
     chunks = full.ranks[0].shapes.chunks
-    # DPU needs a host share: keep at least one bucket there.
-    top = len(chunks) - 1 if run.dpu else len(chunks)
+    # DPU and remainders need a host share: keep at least one bucket there.
+    top = len(chunks) - 1 if run.dpu or run.remainders else len(chunks)
 
     def plan(j: int) -> JobPlan:
         return plan_job(replace(run, offload_fraction=fraction_for(chunks, j)), hw)

@@ -127,19 +127,23 @@ class Run:
     micro_batches: int = 1  # backward passes per step (gradient accumulation)
     accumulate_on_device: bool = False
     reduce_bytes: int | None = None  # default: elem_bytes
-    moment_bytes: tuple[int, int] = (4, 4)  # exp_avg, exp_avg_sq (2: bf16 moments)
+    moment_bytes: tuple[int, int] = (4, 4)  # exp_avg, exp_avg_sq (2: bf16, 1: 8-bit moments)
     flash: bool = True  # fused SDPA kernels keep no s x s scores
     bucket_buffers: int | None = None  # default: ZeroOptimizer's, min(2, number of buckets)
     offload_fraction: float = 1.0  # offload: the share of the slice on the host (F)
+    remainders: bool = False  # --store-param-remainders (offload, bf16)
 
     @property
     def world(self) -> int:
         return self.tp * self.dp
 
     def options(self) -> OptimizerOptions:
-        """The optimizer options this run stands for (a dtype per byte count: 2 is bf16)."""
-        dt = {2: torch.bfloat16, 4: torch.float32}
-        m1, m2 = self.moment_bytes
+        """The optimizer options this run stands for (a dtype per byte count: 2 is bf16, 1
+        8-bit). Remainders and 8-bit moments are offload's forms: the other modes, planned
+        beside it for comparison, keep an fp32 master and fp32 moments."""
+        dt = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}
+        host_forms = self.mode == "offload"
+        m1, m2 = (b if host_forms or b > 1 else 4 for b in self.moment_bytes)
         return OptimizerOptions(
             dtype=dt[self.elem_bytes],
             cpu_offload=self.mode == "offload",
@@ -151,6 +155,7 @@ class Run:
             exp_avg_dtype=dt[m1],
             exp_avg_sq_dtype=dt[m2],
             offload_fraction=self.offload_fraction,
+            store_param_remainders=self.remainders and host_forms,
         )
 
     @classmethod
@@ -166,6 +171,7 @@ class Run:
             reduce_bytes=None if o.reduce_dtype is None else o.reduce_dtype.itemsize,
             moment_bytes=(o.exp_avg_dtype.itemsize, o.exp_avg_sq_dtype.itemsize),
             offload_fraction=o.offload_fraction,
+            remainders=o.store_param_remainders,
             **fields,
         )
 

@@ -25,6 +25,7 @@ from .answer import (
 )
 from .flags import _machine, parse, run_from_args
 from .fraction import pick_offload_fraction
+from .host_forms import format_host_form_gains, host_form_gains
 from .memory import EXACT, GiB, Hardware, JobPlan, Run, format_job, plan_job
 from .named_models import MACHINE_GPUS, RECIPES, recipe_label
 from .throughput import Machine, format_scaling, measure_adam_rate, plot_scaling, scaling, ten_b
@@ -252,6 +253,10 @@ def _answer_max_model(args: Args, opt, run: Run, hw: Hardware) -> int:
     note = larger_elsewhere(answers, run.mode)
     if note:
         print(note)
+    if run.mode == "offload":  # the host-state forms, with the table's micro-batches
+        k = max(1, opt.batch_per_gpu // run.micro_batch)
+        gains = host_form_gains(replace(run, micro_batches=k), hw, opt.family, pick)
+        print(format_host_form_gains(*gains))
     if mine.cfg is None:
         print(f"max model ({opt.family}): nothing fits with {run.mode}")
         return 1

@@ -131,7 +131,8 @@ class Row:
     # 2: an fp32 gradient slice on the host, as the paper's ZeRO-Offload keeps (gradient
     # accumulation here); 1: Adam reads the gradients as they came down (no fp32 copy)
     micro_batches: int = 1
-    moment_bytes: tuple[int, int] = (4, 4)  # (2, 2): bf16 Adam moments
+    moment_bytes: tuple[int, int] = (4, 4)  # (2, 2): bf16 Adam moments, (1, 1): 8-bit
+    remainders: bool = False  # --store-param-remainders: the host master at 2 B
     pick_fraction: bool = False  # keep on the device the optimizer share that fits there
 
 
@@ -169,6 +170,9 @@ _MP_ALONE = dict(claim="<15B", claim_b=15.0)  # model parallelism alone on a DGX
 _MP_OFFLOAD = dict(claim="~70B", claim_b=70.0, micro_batches=2)  # + ZeRO-Offload
 _BF16_MOMENTS = dict(moment_bytes=(2, 2))
 _FRACTION = dict(pick_fraction=True)
+_REM = dict(remainders=True)
+_REM_BF16 = dict(remainders=True, moment_bytes=(2, 2))
+_REM_8BIT = dict(remainders=True, moment_bytes=(1, 1))
 # (label, machine key, mode, the Row's other fields): the paper's rows, then this project's
 # targets
 _PAPER_ROWS = (
@@ -184,14 +188,23 @@ _PAPER_ROWS = (
     ("TP=16 + ZeRO-Offload (fp32 grads)", "dgx2", "offload", dict(tp=16, **_MP_OFFLOAD)),
     ("TP=8 x DP=2 + Offload, no fp32 grad copy", "dgx2", "offload", dict(tp=8, dp=2)),
     ("TP=16 + Offload, no fp32 grads, bf16 m/v", "dgx2", "offload", dict(tp=16, **_BF16_MOMENTS)),
+    ("TP=16 + Offload + remainders", "dgx2", "offload", dict(tp=16, **_REM)),
+    ("TP=16 + Offload + remainders, bf16 m/v", "dgx2", "offload", dict(tp=16, **_REM_BF16)),
+    ("TP=16 + Offload + remainders, 8-bit m/v", "dgx2", "offload", dict(tp=16, **_REM_8BIT)),
     ("PyTorch (mixed-precision Adam)", "h100", "pytorch", {}),
     ("ZeRO-2, no offload (this code)", "h100", "zero2", {}),
     ("ZeRO-Offload (this code)", "h100", "offload", {}),
     ("+ offload fraction (device share)", "h100", "offload", _FRACTION),
+    ("+ remainders (host master 2 B)", "h100", "offload", _REM),
+    ("+ remainders, bf16 m/v", "h100", "offload", _REM_BF16),
+    ("+ remainders, 8-bit m/v", "h100", "offload", _REM_8BIT),
     ("TP=8 + ZeRO-Offload", "hgx", "offload", dict(tp=8)),
     ("PyTorch (mixed-precision Adam)", "h200", "pytorch", {}),
     ("ZeRO-Offload (this code)", "h200", "offload", {}),
     ("+ offload fraction (device share)", "h200", "offload", _FRACTION),
+    ("+ remainders (host master 2 B)", "h200", "offload", _REM),
+    ("+ remainders, bf16 m/v", "h200", "offload", _REM_BF16),
+    ("+ remainders, 8-bit m/v", "h200", "offload", _REM_8BIT),
     ("ZeRO-Offload (this code)", "h200-lent", "offload", {}),
     ("TP=8 + ZeRO-Offload", "h200x8", "offload", dict(tp=8)),
 )
@@ -230,6 +243,7 @@ def paper_table(
                     micro_batch=micro_batch,
                     micro_batches=row.micro_batches,
                     moment_bytes=row.moment_bytes,
+                    remainders=row.remainders,
                 ),
                 row.hw,
                 family,
@@ -266,5 +280,7 @@ def bytes_per_param_note() -> str:
         f"host bytes per parameter with offload: 12 (fp32 master, m, v) + 2 (param "
         f"staging) + 2 (grad staging) = 16, and 4 more for an fp32 gradient sum with "
         f"gradient accumulation (20); a 1.5 TB host holds {1536 * GiB / 16 / 1e9:.0f}B "
-        f"({1536 * GiB / 20 / 1e9:.0f}B) parameters before any process overhead"
+        f"({1536 * GiB / 20 / 1e9:.0f}B) parameters before any process overhead; with "
+        f"--store-param-remainders the master takes 2 (14), with bf16 m/v 2 + 2, with 8-bit "
+        f"m/v about 1 + 1 (remainders + 8-bit: 8, {1536 * GiB / 8 / 1e9:.0f}B on 1.5 TB)"
     )

@@ -1,0 +1,167 @@
+"""The host's optimizer state in its stored forms (docs/DESIGN.md §3, §5).
+
+``placement.py`` decides the dtypes; ``HostState`` steps the state, and converts it to
+and from the fp32 that checkpoints hold:
+  * master: fp32; with ``--store-param-remainders`` the int16 remainder ``lo`` beside the
+    bf16 param staging ``hi`` (the param that goes up): join_fp32(hi, lo) is the fp32
+    master exactly, so the host keeps no fp32 copy and Adam writes no separate bf16 one;
+  * each moment: an fp32/bf16 tensor, or 8-bit (``Q8Moment``: one Blockwise8 per Adam
+    piece, its blocks restarting at each piece, so no block spans two kernel calls).
+bf16 params made from an fp32 master all use split_fp32's rounding when
+``Placement.split_bf16`` (bf16 with offload): with or without remainders, the device
+gets the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .placement import Q8_BLOCK, Placement
+
+
+def _kernels():
+    """The C++ Adam module, or None where the extension is not built."""
+    try:
+        from ..ops import cpu_adam
+
+        return cpu_adam
+    except ImportError:
+        return None
+
+
+def split_rounding(place: Placement) -> bool:
+    """Whether bf16 params come from the master by the split rule (it needs the C++
+    split; without the extension the torch fallback rounds to nearest even)."""
+    return place.split_bf16 and _kernels() is not None
+
+
+def to_low(dst: torch.Tensor, src: torch.Tensor, split: bool) -> None:
+    """``dst`` (bf16/fp16, any device) = the fp32 CPU ``src`` rounded, by the split rule
+    when ``split``."""
+    if not split:
+        dst.copy_(src)
+        return
+    hi, _ = _kernels().split_fp32(src.reshape(-1).contiguous())
+    dst.copy_(hi.view(dst.shape))
+
+
+def remainder_kernel():
+    """adam_step_remainder: the master as hi + lo needs the C++ kernel."""
+    if _kernels() is None:
+        raise RuntimeError("--store-param-remainders needs the C++ CPU Adam (mp_offload._cpu_adam)")
+    return _kernels().adam_step_remainder
+
+
+def nbytes(t) -> int:
+    if t is None:
+        return 0
+    if isinstance(t, Q8Moment):
+        return t.nbytes
+    return t.numel() * t.element_size()
+
+
+class Q8Moment:
+    """A block-wise 8-bit moment of ``numel`` host elements, one Blockwise8 per Adam piece
+    (``pieces``: (offset, length)): each piece's codes are their own tensor (a Blockwise8
+    view must end on a block or at its storage's end), the scales one tensor."""
+
+    dtype = torch.uint8
+
+    def __init__(self, kind: str, numel: int, scales: int, pieces):
+        from ..ops.adam_args import Blockwise8
+
+        self.kind, self._numel = kind, numel  # kind: "exp_avg" or "exp_avg_sq"
+        self.scales = torch.zeros(scales)
+        self.pieces: dict[int, Blockwise8] = {}
+        at = 0
+        for h, n in sorted(pieces):
+            blocks = -(-n // Q8_BLOCK)
+            codes = torch.zeros(n, dtype=torch.uint8)
+            self.pieces[h] = Blockwise8(codes, self.scales[at : at + blocks])
+            at += blocks
+        if at != scales or sum(n for _, n in pieces) != numel:
+            raise ValueError("Q8Moment: the pieces do not tile the placement's buffers")
+
+    def numel(self) -> int:
+        return self._numel
+
+    @property
+    def nbytes(self) -> int:
+        return self._numel + 4 * self.scales.numel()
+
+    def __getitem__(self, piece: slice):
+        q = self.pieces[piece.start]
+        if piece.stop - piece.start != q.codes.numel():
+            raise ValueError(f"Q8Moment: [{piece.start}:{piece.stop}] is not an Adam piece")
+        return q
+
+    def to_fp32(self) -> torch.Tensor:
+        out = torch.empty(self._numel)
+        for h, q in self.pieces.items():
+            _kernels().dequantize_8bit(q, self.kind, out=out[h : h + q.codes.numel()])
+        return out
+
+    def load_(self, x: torch.Tensor) -> None:
+        for h, q in self.pieces.items():
+            _kernels().quantize_8bit(x[h : h + q.codes.numel()].contiguous(), self.kind, out=q)
+
+
+def allocate_moment(place: Placement, key: str, pieces, allocate):
+    """Moment ``key``'s host buffer as placed: a tensor (``allocate(name)``), or a
+    Q8Moment over the Adam ``pieces`` when its dtype is 8-bit."""
+    buf = place.buffer(key)
+    if buf.dtype != torch.uint8:
+        return allocate(key)[0]
+    return Q8Moment(key, buf.numel, place.buffer(key + ".scales").numel, pieces)
+
+
+class HostState:
+    """The host slice's master, moments and param staging (``hi``; None in fp32, where
+    the master goes up), stepped one Adam piece at a time by ``adam`` (adam_step, or the
+    device/torch Adam for state on the device)."""
+
+    def __init__(self, master, hi, exp_avg, exp_avg_sq, adam, remainders: bool, split: bool):
+        self.master, self.hi, self.exp_avg, self.exp_avg_sq = master, hi, exp_avg, exp_avg_sq
+        self.adam, self.remainders, self.split = adam, remainders, split
+
+    def step(self, h: int, n: int, grad: torch.Tensor, **hyper) -> None:
+        """Adam on elements [h, h + n) (one piece), writing their new low-precision params
+        into the staging."""
+        m, v = self.exp_avg[h : h + n], self.exp_avg_sq[h : h + n]
+        if self.remainders:  # hi and lo in place: the staging is the master's top half
+            self.adam(self.hi[h : h + n], self.master[h : h + n], grad, m, v, **hyper)
+            return
+        out = None if self.hi is None else self.hi[h : h + n]
+        rounding = dict(bf16_rounding="split") if self.split and out is not None else {}
+        self.adam(self.master[h : h + n], grad, m, v, param_out=out, **rounding, **hyper)
+
+    def saved(self, key: str) -> torch.Tensor:
+        """State ``key`` as a checkpoint holds it: the live tensor, or an fp32 temporary
+        (the master joined from hi + lo; an 8-bit moment dequantized)."""
+        t = getattr(self, key)
+        if key == "master" and self.remainders:
+            return _kernels().join_fp32(self.hi, self.master)
+        return t.to_fp32() if isinstance(t, Q8Moment) else t
+
+    def target(self, key: str) -> torch.Tensor:
+        """Where a load writes ``key``: the live tensor, or an fp32 temporary for ``commit``."""
+        t = getattr(self, key)
+        converted = isinstance(t, Q8Moment) or (key == "master" and self.remainders)
+        return torch.empty(t.numel()) if converted else t
+
+    def commit(self, key: str, t: torch.Tensor) -> None:
+        """Store a loaded fp32 ``t`` (from ``target``) into its stored form."""
+        live = getattr(self, key)
+        if t is live:
+            return
+        if isinstance(live, Q8Moment):
+            live.load_(t)
+        else:  # the master as hi + lo: the staging gets its split top half
+            _kernels().split_fp32(t, hi=self.hi, lo=self.master)
+
+    def refresh_staging(self) -> None:
+        """After a load: the staging's low-precision params from the master (remainders:
+        ``commit`` already wrote hi)."""
+        if self.hi is None or self.remainders:
+            return
+        to_low(self.hi, self.master, self.split)
