@@ -15,7 +15,9 @@ At the step the global norm is known (reduced over TP x DP):
   with the real ``grad_scale`` (one extra Adam pass), each bucket going up after its piece;
 - skip: fp16 overflow: the second copy is dropped (the next speculation overwrites it).
 The device share (F < 1) is stepped at step time as without the overlap.
-docs/DESIGN.md §3 ("The overlapped CPU Adam").
+docs/DESIGN.md §3 ("The overlapped CPU Adam"). Not yet composed with
+``--store-param-remainders`` (its remainder and bf16 hi would be the swapped "master" and
+"param_staging", stepped by ``adam_step_remainder``'s ``*_dst`` form in ``adam_into``).
 """
 
 from __future__ import annotations
