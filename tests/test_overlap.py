@@ -164,6 +164,46 @@ def test_the_speculative_adam_runs_on_the_worker_while_backward_goes_on():
     assert rec["host_exposed_ms"] > 0 and rec["host_hidden_ms"] >= 0
 
 
+class _FakeEvent:
+    """A CUDA event's stand-in (CPU): logs who waits on it."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def synchronize(self):
+        self.log.append(("sync", self.name, threading.current_thread().name))
+
+
+def test_each_staging_copy_waits_for_its_own_last_copy_up():
+    """The event of a staging's uploads travels with it: the speculation that next writes
+    that staging (two steps later) sleeps on it first, on the worker; the other not."""
+    model, opt = _build(True, dtype=torch.bfloat16, micro_batches=1, clip_grad=0.0)
+    log, real = [], opt._adam
+
+    def logged(*a, param_out, **k):
+        log.append(("adam", param_out.data_ptr()))
+        real(*a, param_out=param_out, **k)
+
+    opt._adam = logged
+    single = ps.ParallelGroup.single()
+
+    def step(i):
+        log.clear()
+        train_step(model, opt, iter([_tokens(i)]), 1, HP["lr"], single, CPU)
+        return list(log)
+
+    step(0)
+    first = opt.param_staging  # live after step 1: the uploads of step 1 read it
+    opt._uploaded = _FakeEvent("first", log)  # as _publish records it on CUDA
+    assert [e[0] for e in step(1)] == ["adam"] * len(opt._pieces)  # writes the other
+    opt._uploaded = _FakeEvent("second", log)
+    third = step(2)
+    assert third[0] == ("sync", "first", "host-grad-accumulate"), third[:2]
+    lo, hi = first.data_ptr(), first.data_ptr() + first.numel() * first.element_size()
+    assert all(lo <= ptr < hi for kind, ptr in third[1:]) and len(third) == 1 + len(opt._pieces)
+    assert opt.param_staging is first
+
+
 def test_the_step_needs_the_lr_before_backward_and_the_same_lr():
     model, opt = _build(True)
     t = _tokens(0)
