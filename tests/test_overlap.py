@@ -264,9 +264,15 @@ def test_the_flag_is_refused_where_it_cannot_apply(flags, line):
 
 def test_the_flag_reaches_the_options():
     from mp_offload.optimizer.options import OptimizerOptions
+    from mp_offload.planner.cli import run_from_args
 
     argv = ["--overlap-cpu-optimizer", "--cpu-offload", "--train-iters", "1"]
-    assert OptimizerOptions.from_args(resolve(parse_args(argv), 1)).overlap_cpu_optimizer
+    args = resolve(parse_args(argv), 1)
+    assert OptimizerOptions.from_args(args).overlap_cpu_optimizer
+    args.model = GPTConfig(**tiny_gpt_config())
+    run = run_from_args(args, 1, cuda=False)  # the planner plans the second copy
+    assert run.overlap and run.options().overlap_cpu_optimizer
+    assert not run_from_args(args, 1, mode="zero2").overlap
 
 
 # -------------------------------------------------------------- checkpoints

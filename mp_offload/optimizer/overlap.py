@@ -32,8 +32,9 @@ SWAPPED = ("master", "exp_avg", "exp_avg_sq", "param_staging")
 
 def adam_into(adam, src: tuple, dst: tuple, grad: torch.Tensor, **hyper) -> None:
     """One Adam step from the state ``src`` (master, exp_avg, exp_avg_sq) into ``dst``,
-    leaving ``src`` untouched: the out-of-place kernel API (docs/api item 1), emulated
-    until the kernel takes ``*_dst``: copy, then step in place (bitwise the same)."""
+    leaving ``src`` untouched: the kernel's out-of-place form (``*_dst`` buffers), emulated
+    until the kernel has it: copy, then step in place (bitwise the same). The one place
+    to switch to ``adam(src..., exp_avg_dst=..., ...)``."""
     for s, d in zip(src, dst):
         d.copy_(s)
     adam(dst[0], grad, dst[1], dst[2], **hyper)
