@@ -262,6 +262,12 @@ def test_the_flag_is_refused_where_it_cannot_apply(flags, line):
         resolve(parse_args(argv), 1)
 
 
+def test_the_optimizer_refuses_it_without_offload_or_with_dpu():
+    for kw in (dict(cpu_offload=False), dict(dpu_warmup_steps=1)):
+        with pytest.raises(ValueError, match="--overlap-cpu-optimizer needs --cpu-offload"):
+            _build(True, **kw)
+
+
 def test_the_flag_reaches_the_options():
     from mp_offload.optimizer.options import OptimizerOptions
     from mp_offload.planner.cli import run_from_args
