@@ -324,3 +324,18 @@ def test_checkpoints_hold_the_committed_copy_and_resume_bitwise(tmp_path, capfd)
         logs[name] = str(tmp_path / f"reshard_{name}.jsonl")
         _run(2, 1, *flags, "--load", str(tmp_path / "over"), "--log-json", logs[name])
     assert _numbers(logs["over"]) == _numbers(logs["sync"]) != []
+
+
+def test_the_run_summary_gives_the_replay_rate():
+    import time
+    from types import SimpleNamespace as NS
+
+    from mp_offload.logger import run_summary
+
+    args = NS(model=NS(seq_length=16), train=NS(train_iters=8), ckpt=NS(save=None))
+    logger = NS(start=time.time(), last_eval={})
+    last = dict(iteration=8, consumed_samples=64, loss=4.0, overlap_steps=8, overlap_replays=2)
+    out = run_summary(args, logger, last, 0, 0, False)
+    assert "overlap     2 of 8 steps replayed (replay rate 25.0%" in out
+    del last["overlap_steps"], last["overlap_replays"]
+    assert "overlap" not in run_summary(args, logger, last, 0, 0, False)  # without the flag
