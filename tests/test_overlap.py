@@ -204,6 +204,22 @@ def test_each_staging_copy_waits_for_its_own_last_copy_up():
     assert opt.param_staging is first
 
 
+def test_a_failing_speculative_step_is_raised_by_the_step_named():
+    model, opt = _build(True)
+
+    def broken(*a, **k):
+        raise MemoryError("no room")
+
+    opt._adam = broken
+    t = _tokens(0)
+    opt.zero_grad(lr=HP["lr"])
+    opt.backward(model(t[:, :-1], t[:, 1:]).mean())
+    with pytest.raises(RuntimeError) as e:
+        opt.step(HP["lr"])
+    assert "speculative CPU Adam of bucket" in str(e.value.__cause__)
+    assert isinstance(e.value.__cause__.__cause__, MemoryError)
+
+
 def test_the_step_needs_the_lr_before_backward_and_the_same_lr():
     model, opt = _build(True)
     t = _tokens(0)

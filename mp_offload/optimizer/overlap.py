@@ -81,7 +81,10 @@ class OverlappedStep:
                     self.spare_uploaded.synchronize()
                 self._synced = True
             live, spare = self._copies()
-            self._piece(piece, live, spare, 1.0 / self.scale, self.step, self.lr)
+            try:
+                self._piece(piece, live, spare, 1.0 / self.scale, self.step, self.lr)
+            except Exception as e:  # raised by the step's wait, named
+                raise RuntimeError(f"the speculative CPU Adam of bucket {b.index} failed") from e
             self._spans.append((t0, time.perf_counter()))
             self._done.add(b.index)
 
