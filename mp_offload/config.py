@@ -339,6 +339,7 @@ def _training_problems(args: Args, world_size: int, given: frozenset):
         yield (
             "--dpu-warmup-steps needs a host share: --optimizer-offload-fraction 0 offloads nothing"
         )
+    yield from _overlap_problems(o)
     if o.min_loss_scale > o.initial_loss_scale:
         yield (
             f"--min-loss-scale {o.min_loss_scale:g} exceeds --initial-loss-scale "
@@ -366,6 +367,27 @@ def _host_state_problems(args: Args) -> list[str]:
         o.store_param_remainders,
         {k: MOMENT_DTYPES[v] for k, v in moments.items()},
     )
+
+
+def _overlap_problems(o):
+    if not o.overlap_cpu_optimizer:
+        return
+    if o.optimizer == "torch-adamw":
+        yield "--overlap-cpu-optimizer needs --optimizer adam (the ZeRO optimizer)"
+    elif not o.cpu_offload:
+        yield "--overlap-cpu-optimizer needs --cpu-offload (it overlaps the CPU Adam)"
+    elif o.optimizer_offload_fraction == 0:
+        yield "--overlap-cpu-optimizer needs a host share: --optimizer-offload-fraction 0"
+    if o.dpu_warmup_steps is not None:
+        yield (
+            "--overlap-cpu-optimizer and --dpu-warmup-steps are exclusive (DPU already "
+            "overlaps the CPU Adam, one step late)"
+        )
+    if "8bit" in (o.exp_avg_dtype, o.exp_avg_sq_dtype):
+        yield (
+            "--overlap-cpu-optimizer with 8bit --exp-avg-dtype/--exp-avg-sq-dtype is not "
+            "supported (the 8-bit kernel steps in place): use fp32 or bf16 moments"
+        )
 
 
 def _schedule_problems(args: Args, gbs: int, given: frozenset):

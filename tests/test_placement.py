@@ -35,6 +35,8 @@ OPTIONS = [
     dict(dtype=BF16, store_param_remainders=True, offload_fraction=0.5, micro_batches=4),
     dict(dtype=BF16, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
     dict(dtype=BF16, store_param_remainders=True, exp_avg_sq_dtype=torch.uint8),
+    dict(dtype=BF16, overlap_cpu_optimizer=True),
+    dict(dtype=BF16, micro_batches=4, offload_fraction=0.5, overlap_cpu_optimizer=True),
 ]
 
 
@@ -56,8 +58,11 @@ def _tensors(opt: ZeroOptimizer, name: str) -> list[torch.Tensor]:
         exp_avg_sq=opt.exp_avg_sq,
         param_staging=None if opt.param_staging is opt.flat else opt.param_staging,
     )
-    if name in one:
-        return [] if one[name] is None else [one[name]]
+    if name in one:  # the overlap's second copy (its spare HostState) beside the live one
+        spare = opt.spare_state
+        key = dict(param_staging="hi").get(name, name)
+        extra = [] if spare is None or not hasattr(spare, key) else [getattr(spare, key)]
+        return ([] if one[name] is None else [one[name]]) + [t for t in extra if t is not None]
     return dict(grads=opt.grads, grad_staging=opt.grad_staging)[name]
 
 

@@ -124,16 +124,37 @@ class HostState:
         self.master, self.hi, self.exp_avg, self.exp_avg_sq = master, hi, exp_avg, exp_avg_sq
         self.adam, self.remainders, self.split = adam, remainders, split
 
-    def step(self, h: int, n: int, grad: torch.Tensor, **hyper) -> None:
+    def step(self, h: int, n: int, grad: torch.Tensor, dst: HostState | None = None, **hyper):
         """Adam on elements [h, h + n) (one piece), writing their new low-precision params
-        into the staging."""
-        m, v = self.exp_avg[h : h + n], self.exp_avg_sq[h : h + n]
-        if self.remainders:  # hi and lo in place: the staging is the master's top half
-            self.adam(self.hi[h : h + n], self.master[h : h + n], grad, m, v, **hyper)
-            return
-        out = None if self.hi is None else self.hi[h : h + n]
+        into the staging; with ``dst`` (the overlap's other copy) the new state and params
+        go there and this copy stays untouched (the kernel's ``*_dst``: in-place bytes)."""
+        to, s = dst or self, slice(h, h + n)
+        m, v = self.exp_avg[s], self.exp_avg_sq[s]
+        if dst is not None and not self.out_of_place:  # torch fallback: copy, then in place
+            for k in ("master", "exp_avg", "exp_avg_sq") + ("hi",) * self.remainders:
+                getattr(to, k)[s].copy_(getattr(self, k)[s])
+            return to.step(h, n, grad, **hyper)
+        moved = {}
+        if dst is not None:
+            moved = dict(exp_avg_dst=to.exp_avg[s], exp_avg_sq_dst=to.exp_avg_sq[s])
+        if self.remainders:  # hi and lo: the staging is the master's top half
+            if dst is not None:
+                moved.update(param_hi_dst=to.hi[s], param_lo_dst=to.master[s])
+            self.adam(self.hi[s], self.master[s], grad, m, v, **moved, **hyper)
+            return None
+        if dst is not None:
+            moved["param_dst"] = to.master[s]
+        out = None if to.hi is None else to.hi[s]
         rounding = dict(bf16_rounding="split") if self.split and out is not None else {}
-        self.adam(self.master[h : h + n], grad, m, v, param_out=out, **rounding, **hyper)
+        self.adam(self.master[s], grad, m, v, param_out=out, **rounding, **moved, **hyper)
+        return None
+
+    @property
+    def out_of_place(self) -> bool:
+        """The kernel takes ``*_dst`` (the C++ Adam; torch's fallback does not)."""
+        k = _kernels()
+        fn = getattr(self.adam, "__wrapped__", self.adam)
+        return k is not None and fn in (k.adam_step, k.adam_step_remainder)
 
     def saved(self, key: str) -> torch.Tensor:
         """State ``key`` as a checkpoint holds it: the live tensor, or an fp32 temporary

@@ -56,7 +56,9 @@ class OptimizerOptions:
     ``loss_scale`` (fp16) holds the dynamic loss scaler's settings; ``offload_fraction``
     (with ``cpu_offload``): the share of the slice offloaded, F = 0 being no offload;
     ``accumulate_dtype``: of the device buffer that sums the micro-batches with
-    ``accumulate_on_device``; ``reduce_dtype``: of the gradient buckets (None: ``dtype``).
+    ``accumulate_on_device``; ``reduce_dtype``: of the gradient buckets (None: ``dtype``);
+    ``overlap_cpu_optimizer``: the CPU Adam runs on each host chunk during backward
+    (``overlap.py``), the state in two copies.
     """
 
     dtype: torch.dtype = torch.float32  # of the device parameters (the compute dtype)
@@ -72,6 +74,7 @@ class OptimizerOptions:
     offload_fraction: float = 1.0
     accumulate_dtype: torch.dtype = torch.float32
     store_param_remainders: bool = False
+    overlap_cpu_optimizer: bool = False
 
     def __post_init__(self):
         problems = host_state_problems(
@@ -81,6 +84,11 @@ class OptimizerOptions:
             self.store_param_remainders,
             dict(exp_avg=self.exp_avg_dtype, exp_avg_sq=self.exp_avg_sq_dtype),
         )
+        q8 = torch.uint8 in (self.exp_avg_dtype, self.exp_avg_sq_dtype)
+        if self.overlap_cpu_optimizer and (
+            not self.offloaded or self.dpu_warmup_steps is not None or q8
+        ):
+            problems.append("--overlap-cpu-optimizer needs --cpu-offload, no DPU, no 8-bit moments")
         if problems:
             raise ValueError("\n".join(problems))
 
@@ -117,4 +125,5 @@ class OptimizerOptions:
             exp_avg_sq_dtype=MOMENT_DTYPES[o.exp_avg_sq_dtype],
             offload_fraction=1.0 if fraction is None else fraction,
             store_param_remainders=o.store_param_remainders,
+            overlap_cpu_optimizer=o.overlap_cpu_optimizer,
         )

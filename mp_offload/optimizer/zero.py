@@ -9,7 +9,8 @@ Backward (``reducer.py``): gradients are bucketed, reduce-scattered over the DP
 group and this rank's chunks added into the fp32 gradient slice. Step: global norm
 (overflow check for fp16) -> the Adam pass over the slice, bucket by bucket, that also
 writes the new low-precision parameters, each bucket's copy up queued after its piece ->
-all-gather of the slices across the DP group.
+all-gather of the slices across the DP group. With ``--overlap-cpu-optimizer`` the host
+Adam runs during backward, speculatively, into a second state copy (``overlap.py``).
 Without offload nothing leaves the device.
 """
 
@@ -38,6 +39,7 @@ from .host_state import (
 from .layout import FlatLayout
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
 from .options import OptimizerOptions
+from .overlap import OverlappedStep
 from .placement import STATE, allocate, placement
 from .reducer import CopyStream, GradientReducer, GradTargets
 
@@ -116,13 +118,17 @@ class ZeroOptimizer:
         self._pieces, self._adam_calls = self._adam_pieces()
         # The master is filled and the fp32 CPU model freed (params move to the device
         # buffer) before the rest is allocated: start-up peaks at model + master.
-        master = self._fp32_master()
+        master, masters = self._fp32_master()
         self._place_model(model, master)
-        self.exp_avg, self.exp_avg_sq = self._moment("exp_avg"), self._moment("exp_avg_sq")
+        moments = self._moments("exp_avg"), self._moments("exp_avg_sq")
         self.grads, self.grad_staging = self._allocate("grads"), self._allocate("grad_staging")
         staging = self._allocate("param_staging")  # none: the master (fp32) goes up
-        staging = self.flat if place.adam_writes_flat else (staging or [None])[0]
-        self.host_state = self._host_state(master, staging)
+        staging = [self.flat] if place.adam_writes_flat else staging
+        # The overlap's speculation writes the next state into the spare (ping-pong).
+        self.host_state, self.spare_state = self._host_states(master, masters, staging, moments)
+        self.overlap = OverlappedStep(self) if o.overlap_cpu_optimizer else None
+        if self.overlap is not None:
+            self.reducer.on_final = self.overlap.work
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         self._uploaded = None  # CUDA event: the last host->device copy of the staging
@@ -146,26 +152,47 @@ class ZeroOptimizer:
     def _allocate(self, name: str) -> list[torch.Tensor]:
         return allocate(self.placement.buffer(name), self.device)
 
-    def _fp32_master(self) -> torch.Tensor:
-        """The host's fp32 master; with remainders a temporary that ``_host_state`` splits."""
+    def _fp32_master(self) -> tuple[torch.Tensor, list | None]:
+        """The host's fp32 master and every copy of the "master" buffer; with remainders
+        the master is a temporary that ``_host_states`` splits (the copies come later)."""
         if self.options.store_param_remainders:
-            return torch.zeros(self.placement.buffer("master").numel)  # padding stays 0
-        return self._allocate("master")[0]
+            return torch.zeros(self.placement.buffer("master").numel), None  # padding 0
+        copies = self._allocate("master")
+        return copies[0], copies
 
-    def _moment(self, key: str):
+    def _moments(self, key: str) -> list:
+        """Every copy of moment ``key`` (an 8-bit one has one: the overlap refuses it)."""
         pieces = [(h, n) for _, h, n, _ in self._pieces]
-        return allocate_moment(self.placement, key, pieces, self._allocate)
+        if self.placement.buffer(key).dtype == torch.uint8:
+            return [allocate_moment(self.placement, key, pieces, self._allocate)]
+        return self._allocate(key)
 
-    def _host_state(self, master: torch.Tensor, staging) -> HostState:
-        """The host state's stepping and conversions; with remainders the fp32 ``master``
-        becomes hi (the param staging) + lo (the int16 "master" buffer) and is dropped."""
+    def _host_states(self, master, masters, staging, moments):
+        """(live, spare or None): the host state's stepping and conversions, one per copy;
+        with remainders the fp32 ``master`` becomes hi (the param staging) + lo (the int16
+        "master" buffer) and is dropped."""
         remainders = self.options.store_param_remainders
-        self.master = self._allocate("master")[0] if remainders else master
-        adam = remainder_kernel() if remainders else self._pick_adam()
-        state = (self.master, staging, self.exp_avg, self.exp_avg_sq)
-        host = HostState(*state, adam, remainders, self._split)
-        host.commit("master", master)  # remainders: split into hi + lo (else nothing to do)
-        return host
+        masters = self._allocate("master") if remainders else masters
+        adam = remainder_kernel() if remainders else self._pick_adam(moments[0][0], moments[1][0])
+        states = [
+            HostState(lo, staging[i] if staging else None, m, v, adam, remainders, self._split)
+            for i, (lo, m, v) in enumerate(zip(masters, *moments))
+        ]
+        states[0].commit("master", master)  # remainders: split into hi + lo (else nothing)
+        return states[0], (states[1] if len(states) > 1 else None)
+
+    @property
+    def master(self):
+        """The live host master (with remainders its int16 low half)."""
+        return self.host_state.master
+
+    @property
+    def exp_avg(self):
+        return self.host_state.exp_avg
+
+    @property
+    def exp_avg_sq(self):
+        return self.host_state.exp_avg_sq
 
     @property
     def param_staging(self) -> torch.Tensor | None:
@@ -184,7 +211,9 @@ class ZeroOptimizer:
 
     @_adam.setter
     def _adam(self, fn) -> None:
-        self.host_state.adam = fn
+        for state in (self.host_state, self.spare_state):
+            if state is not None:
+                state.adam = fn
 
     def _make_share(self) -> DeviceShare | None:
         """Partial offload: the device share's state (its buckets' decay runs)."""
@@ -232,7 +261,7 @@ class ZeroOptimizer:
         n = self.layout.slice_numel - self.share_numel
         return pieces, [(None, 0, n, [(lo, hi) for lo, hi, decay in runs if decay])]
 
-    def _pick_adam(self):
+    def _pick_adam(self, exp_avg, exp_avg_sq):
         """The C++ Adam for state on the host; for state on the device (no offload) torch's
         fused AdamW on CUDA (``device_adam``), so offload is compared with a fair ZeRO-2."""
         if self.host.type == "cpu":
@@ -242,7 +271,7 @@ class ZeroOptimizer:
                 return adam_step
             except ImportError:  # extension not built: still correct, just slower
                 return torch_adam_step
-        return device_adam(self.host, self.exp_avg.dtype, self.exp_avg_sq.dtype)
+        return device_adam(self.host, exp_avg.dtype, exp_avg_sq.dtype)
 
     # --------------------------------------------------------------- backward
     def _adam_grads(self) -> list[torch.Tensor]:
@@ -258,11 +287,16 @@ class ZeroOptimizer:
             )
         )
 
-    def zero_grad(self) -> None:
-        """Start a step. Nothing is zeroed: the first micro-batch's chunks overwrite."""
+    def zero_grad(self, lr: float | None = None) -> None:
+        """Start a step. Nothing is zeroed: the first micro-batch's chunks overwrite.
+        ``lr``: the step's learning rate (the overlap's speculative step needs it)."""
         self._begin_step()
+        if self.overlap is not None:
+            self.overlap.begin(lr)
 
     def backward(self, loss: torch.Tensor) -> None:
+        if self.overlap is not None:
+            self.overlap.check_lr()
         (loss * self.scaler.scale).backward() if self.scaler.scale != 1.0 else loss.backward()
         self.reducer.finish()
 
@@ -271,6 +305,8 @@ class ZeroOptimizer:
     def step(self, lr: float) -> StepResult:
         """Global norm (fp16: overflow -> skip) -> clip -> Adam on the slice -> publish."""
         self.step_calls += 1  # skipped steps moved their gradients too
+        if self.overlap is not None:
+            self.overlap.wait(lr)  # the end of backward: the speculative pieces are done
         grad = self._adam_grads()[0]
         # One scalar per rank: the reducer summed the squares where the gradient was.
         norm_sq = reduce_norm_squared(self.reducer.norm_squared(), self.dp_group, self.tp_group)
@@ -278,6 +314,8 @@ class ZeroOptimizer:
         overflow = not math.isfinite(norm_sq)
         self.scaler.update(overflow)
         if overflow:  # fp16: skip; every rank sees the same global norm, so all skip
+            if self.overlap is not None:
+                self.overlap.skip()
             self._begin_step()
             return StepResult(grad_norm=float("nan"), skipped=True, loss_scale=scale)
         norm = math.sqrt(norm_sq) / scale
@@ -297,6 +335,9 @@ class ZeroOptimizer:
             )
             self._thread.start()
             self._adam_grads().reverse()  # backward t+1 writes into the other buffer
+        elif self.overlap is not None:
+            self._device_step(lr, grad_scale, self.step_count)
+            self.overlap.commit(grad_scale, self.step_count)  # or replay, then publish
         else:
             self._device_step(lr, grad_scale, self.step_count)  # queued first: beside the host
             self._adam_pass(grad, lr, grad_scale, self.step_count, upload=True)
@@ -456,20 +497,19 @@ class ZeroOptimizer:
         steps = max(self.step_calls, 1)
         owned = max(self.layout.slice_numel, 1)
         moved = self.reducer.bytes_down + self.bytes_up
-        return dict(
+        out = dict(
             host_device_bytes_per_param=moved / steps / owned, pinned_host_bytes=self.pinned_bytes()
         )
+        return out if self.overlap is None else dict(out, **self.overlap.stats())
 
     def memory_bytes(self) -> dict:
         """Bytes this rank holds, by place and category (from the real buffers)."""
-        state = dict(
-            master=nbytes(self.master),
-            exp_avg=nbytes(self.exp_avg),
-            exp_avg_sq=nbytes(self.exp_avg_sq),
-            grads=sum(nbytes(g) for g in self.grads),
-        )
+        copies = [s for s in (self.host_state, self.spare_state) if s is not None]  # overlap: 2
+        state = {k: sum(nbytes(getattr(s, k)) for s in copies) for k in STATE[:3]}
+        state["grads"] = sum(nbytes(g) for g in self.grads)
         own = self.param_staging is not self.flat  # else the params' own storage
-        staging = nbytes(self.param_staging) * own + sum(nbytes(g) for g in self.grad_staging)
+        staging = sum(nbytes(s.hi) for s in copies) * own
+        staging += sum(nbytes(g) for g in self.grad_staging)
         device = dict(params=nbytes(self.flat), grad_buckets=self.reducer.buffer_bytes())
         if self.reducer.acc_buffer is not None:
             device["grad_accumulation"] = nbytes(self.reducer.acc_buffer)

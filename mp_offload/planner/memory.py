@@ -132,6 +132,7 @@ class Run:
     bucket_buffers: int | None = None  # default: ZeroOptimizer's, min(2, number of buckets)
     offload_fraction: float = 1.0  # offload: the share of the slice on the host (F)
     remainders: bool = False  # --store-param-remainders (offload, bf16)
+    overlap: bool = False  # --overlap-cpu-optimizer: a second copy of the host state
 
     @property
     def world(self) -> int:
@@ -156,6 +157,7 @@ class Run:
             exp_avg_sq_dtype=dt[m2],
             offload_fraction=self.offload_fraction,
             store_param_remainders=self.remainders and host_forms,
+            overlap_cpu_optimizer=self.overlap,
         )
 
     @classmethod
@@ -172,6 +174,7 @@ class Run:
             moment_bytes=(o.exp_avg_dtype.itemsize, o.exp_avg_sq_dtype.itemsize),
             offload_fraction=o.offload_fraction,
             remainders=o.store_param_remainders,
+            overlap=o.overlap_cpu_optimizer,
             **fields,
         )
 
