@@ -102,7 +102,7 @@ def _compare(what, **kw):
 def _main_cases():
     """fp32 clipping at the median norm (some steps replay, some commit), fp16 with a
     loss scale that overflows first (skips), F = 0.5, k = 4 on both accumulation paths,
-    bf16 moments."""
+    bf16 moments, remainders (with clipping, and with bf16 moments)."""
     ref = _train(False, clip_grad=0.0)
     clip = statistics.median(ref[1])
     rec = _compare("fp32 clip at the median", clip_grad=clip)
@@ -118,6 +118,18 @@ def _main_cases():
     _compare("k=4 on the host", micro=1)
     _compare("k=4 on the device", micro=1, accumulate_on_device=True)
     _compare("bf16 moments", dtype=torch.bfloat16, exp_avg_dtype=torch.bfloat16)
+    # remainders: hi and lo swap together (the out-of-place remainder kernel)
+    rec = _compare(
+        "remainders, clip", dtype=torch.bfloat16, store_param_remainders=True, clip_grad=clip
+    )
+    assert 1 in [r["replayed"] for r in rec]
+    _compare(
+        "remainders + bf16 moments",
+        dtype=torch.bfloat16,
+        store_param_remainders=True,
+        exp_avg_dtype=torch.bfloat16,
+        exp_avg_sq_dtype=torch.bfloat16,
+    )
 
 
 def _tp2_dp2_worker(rank, world):
