@@ -272,7 +272,8 @@ class GradientReducer:
         while len(self._pending) >= BUCKET_BUFFERS:
             self._drain_one()
         data, buf = self._bucket_data(b)
-        data.div_(self.dp.size)  # average before summing: keeps fp16 sums in range
+        if self.dp.size > 1:  # x / 1 is x exactly: one DP rank skips the pass over the bucket
+            data.div_(self.dp.size)  # average before summing: keeps fp16 sums in range
         if self.dp.size > 1:
             out = torch.empty(b.chunk, dtype=data.dtype, device=self.device)
             work = _reduce_scatter(out, data, group=self.dp.torch_group(), async_op=True)
