@@ -170,6 +170,25 @@ def format_speed(st: StepTime, cfg: GPTConfig, machine: Machine, rate_source: st
     )
 
 
+def format_overlap(st: StepTime, micro_batch: int) -> str:
+    """The step with --overlap-cpu-optimizer and the tokens per step (the micro-batch grown,
+    the micro-batch count kept) from which its host worker keeps up with backward."""
+    per_sequence = st.tokens_per_step / micro_batch  # tokens per step per sequence of it
+    need = math.ceil(st.hide_tokens_per_step / per_sequence)
+    where = (
+        f"already at these {st.tokens_per_step:,} tokens per step"
+        if st.hide_tokens_per_step <= st.tokens_per_step
+        else f"from {st.hide_tokens_per_step:,.0f} tokens per step (--micro-batch-size "
+        f">= {need} at this micro-batch count and DP)"
+    )
+    return (
+        f"  with --overlap-cpu-optimizer: {st.step_overlap:.2f} s per step "
+        f"({st.step_sync / st.step_overlap:.2f}x); host work {st.host_hidden:.3f} s under "
+        f"the last backward, {st.host_exposed:.3f} s after it (the CPU Adam left and the "
+        f"copies up); the CPU Adam keeps up with the arriving gradients {where}"
+    )
+
+
 def duration(seconds: float) -> str:
     """A wall time as a person reads it: minutes, hours, or days and hours."""
     if seconds < 3600:

@@ -16,6 +16,7 @@ from .answer import (
     TRAIN_TOKENS,
     compare_max_models,
     format_max_models,
+    format_overlap,
     format_speed,
     format_split_gain,
     format_wall_time,
@@ -178,6 +179,8 @@ def _print_speed_and_launch(
     if run.mode == "offload" and run.offload_fraction < 1:
         full = speed(cfg, replace(run, offload_fraction=1.0), machine, opt.batch_per_gpu)
         print(format_split_gain(st, full))
+    if run.mode == "offload":
+        print(format_overlap(st, run.micro_batch))
     tokens = _tokens_wanted(args, opt, st)
     print(format_wall_time(tokens or TRAIN_TOKENS, st, _priced_for(opt)))
     where = (
