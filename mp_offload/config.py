@@ -338,6 +338,7 @@ def _training_problems(args: Args, world_size: int, given: frozenset):
         yield (
             "--dpu-warmup-steps needs a host share: --optimizer-offload-fraction 0 offloads nothing"
         )
+    yield from _overlap_problems(o)
     if o.min_loss_scale > o.initial_loss_scale:
         yield (
             f"--min-loss-scale {o.min_loss_scale:g} exceeds --initial-loss-scale "
@@ -350,6 +351,22 @@ def _training_problems(args: Args, world_size: int, given: frozenset):
     if t.train_samples is not None and t.train_samples // gbs < 1:
         yield (f"--train-samples {t.train_samples} is less than one global batch ({gbs} samples)")
     yield from _schedule_problems(args, gbs, given)
+
+
+def _overlap_problems(o):
+    if not o.overlap_cpu_optimizer:
+        return
+    if o.optimizer == "torch-adamw":
+        yield "--overlap-cpu-optimizer needs --optimizer adam (the ZeRO optimizer)"
+    elif not o.cpu_offload:
+        yield "--overlap-cpu-optimizer needs --cpu-offload (it overlaps the CPU Adam)"
+    elif o.optimizer_offload_fraction == 0:
+        yield "--overlap-cpu-optimizer needs a host share: --optimizer-offload-fraction 0"
+    if o.dpu_warmup_steps is not None:
+        yield (
+            "--overlap-cpu-optimizer and --dpu-warmup-steps are exclusive (DPU already "
+            "overlaps the CPU Adam, one step late)"
+        )
 
 
 def _schedule_problems(args: Args, gbs: int, given: frozenset):

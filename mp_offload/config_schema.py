@@ -113,6 +113,13 @@ class OptimizerConfig:
         "enable the one-step delayed parameter update after this many synchronous steps",
         range="0..",
     )
+    overlap_cpu_optimizer: bool = _f(
+        False,
+        "with --cpu-offload: run the CPU Adam on each gradient chunk during backward, as "
+        "it becomes final, assuming no clipping and no overflow, into a second copy of the "
+        "state (+12 B/param); the step commits it, or recomputes it when clipping applies "
+        "(bitwise the synchronous step)",
+    )
     accumulate_grads_on_device: bool = _f(
         False,
         "sum the micro-batches' gradients in one fp32 "

@@ -253,6 +253,12 @@ def run_summary(
         f"session {session:,} ({session / max(seconds, 1e-9):,.0f} tokens/s overall)",
         f"   final loss  {' | '.join(losses) or '-'}",
     ]
+    if "overlap_steps" in summary:  # --overlap-cpu-optimizer (this session's steps)
+        n, r = summary["overlap_steps"], summary["overlap_replays"]
+        lines.append(
+            f"   overlap     {r} of {n} steps replayed (replay rate {r / max(n, 1):.1%}; "
+            "a replay is one extra CPU Adam pass)"
+        )
     if args.ckpt.save and checkpoint_written:
         lines.append(f"   checkpoint  {args.ckpt.save} (iteration {it})")
     elif args.ckpt.save:

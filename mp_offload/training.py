@@ -116,7 +116,7 @@ def train_step(
     """
     timer = PhaseTimer(device)
     timer.mark("zero_grad")
-    optimizer.zero_grad()
+    optimizer.zero_grad(lr=lr)  # before backward: the overlapped CPU Adam needs it
     loss_sum = torch.zeros((), device=device)
     timer.mark("forward_backward")
     for _ in range(num_micro):

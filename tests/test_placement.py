@@ -30,6 +30,8 @@ OPTIONS = [
     dict(dtype=BF16, micro_batches=4, accumulate_on_device=True, exp_avg_dtype=BF16),
     dict(dtype=BF16, offload_fraction=0.5, dpu_warmup_steps=0),
     dict(dtype=BF16, offload_fraction=0.0),
+    dict(dtype=BF16, overlap_cpu_optimizer=True),
+    dict(dtype=BF16, micro_batches=4, offload_fraction=0.5, overlap_cpu_optimizer=True),
 ]
 
 
@@ -45,8 +47,8 @@ def _tensors(opt: ZeroOptimizer, name: str) -> list[torch.Tensor]:
         exp_avg_sq=opt.exp_avg_sq,
         param_staging=None if opt.param_staging is opt.flat else opt.param_staging,
     )
-    if name in one:
-        return [] if one[name] is None else [one[name]]
+    if name in one:  # the overlap's second copies beside the live one
+        return ([] if one[name] is None else [one[name]]) + opt.spares.get(name, [])
     return dict(grads=opt.grads, grad_staging=opt.grad_staging)[name]
 
 

@@ -37,8 +37,9 @@ class Optimizer(Protocol):
     #: "zero" checkpoint saved at other sizes; None for the other kinds.
     layout: FlatLayout | None
 
-    def zero_grad(self) -> None:
-        """Start accumulating the gradients of a new step."""
+    def zero_grad(self, lr: float | None = None) -> None:
+        """Start accumulating the gradients of a new step; ``lr``: its learning rate, which
+        ``step`` must then get too (the overlapped CPU Adam steps during backward)."""
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch (with loss scaling, gradient reduction)."""

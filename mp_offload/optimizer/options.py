@@ -28,7 +28,9 @@ class OptimizerOptions:
     ``loss_scale`` (fp16) holds the dynamic loss scaler's settings; ``offload_fraction``
     (with ``cpu_offload``): the share of the slice offloaded, F = 0 being no offload;
     ``accumulate_dtype``: of the device buffer that sums the micro-batches with
-    ``accumulate_on_device``; ``reduce_dtype``: of the gradient buckets (None: ``dtype``).
+    ``accumulate_on_device``; ``reduce_dtype``: of the gradient buckets (None: ``dtype``);
+    ``overlap_cpu_optimizer``: the CPU Adam runs on each host chunk during backward
+    (``overlap.py``), the state in two copies.
     """
 
     dtype: torch.dtype = torch.float32  # of the device parameters (the compute dtype)
@@ -43,6 +45,7 @@ class OptimizerOptions:
     exp_avg_sq_dtype: torch.dtype = torch.float32
     offload_fraction: float = 1.0
     accumulate_dtype: torch.dtype = torch.float32
+    overlap_cpu_optimizer: bool = False
 
     @property
     def offloaded(self) -> bool:
@@ -76,4 +79,5 @@ class OptimizerOptions:
             exp_avg_dtype=MOMENT_DTYPES[o.exp_avg_dtype],
             exp_avg_sq_dtype=MOMENT_DTYPES[o.exp_avg_sq_dtype],
             offload_fraction=1.0 if fraction is None else fraction,
+            overlap_cpu_optimizer=o.overlap_cpu_optimizer,
         )

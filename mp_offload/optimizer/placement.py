@@ -32,7 +32,7 @@ class Buffer:
     side: str  # "device" or "host"
     dtype: torch.dtype
     numel: int
-    copies: int = 1  # DPU: two gradient buffers; 0: not allocated
+    copies: int = 1  # DPU: two gradient buffers; the overlap: two states; 0: not allocated
     pinned: bool = False  # page-locked (exact size) for asynchronous copies
     zeroed: bool = True  # False: uninitialised (every element is written before use)
 
@@ -85,7 +85,9 @@ def _state(o: OptimizerOptions, n: int, share: int, grad_copies: int) -> list[Bu
     dtypes = dict(zip(STATE, (torch.float32, *moments, torch.float32)))
     # The fp32 gradient sums k > 1 micro-batches on the host, or is any gradient without
     # offload; Adam reads the grad staging itself when that is already the whole gradient.
-    copies = dict(master=1, exp_avg=1, exp_avg_sq=1, grads=grad_copies)
+    # The overlap's speculative step writes the next state into a second copy (ping-pong).
+    state = 2 if o.overlap_cpu_optimizer else 1
+    copies = dict(master=state, exp_avg=state, exp_avg_sq=state, grads=grad_copies)
     side = "host" if o.offloaded else "device"
     out = [Buffer(k, k, side, dtypes[k], n, copies[k]) for k in STATE]
     if share:  # the device share's own master, moments and fp32 gradient
@@ -114,6 +116,7 @@ def placement(layout, o: OptimizerOptions, device_type: str) -> Placement:
         and o.offloaded
         and device_type == "cpu"
         and o.dpu_warmup_steps is None
+        and not o.overlap_cpu_optimizer  # it writes during backward, into a second copy
         and n == layout.numel
     )
     pinned = device_type == "cuda" and o.offloaded
@@ -138,8 +141,9 @@ def placement(layout, o: OptimizerOptions, device_type: str) -> Placement:
     # master goes up), gradients come down into the grad staging, both pinned on CUDA.
     up = o.offloaded and below_fp32 and not writes_flat
     down = (copies if reads_staging else 1) if o.offloaded else 0
+    ping = int(o.overlap_cpu_optimizer)  # the speculation's params go to a second staging
     buffers += [
-        Buffer("param_staging", "staging", "host", o.dtype, n, int(up), pinned, zeroed=False),
+        Buffer("param_staging", "staging", "host", o.dtype, n, up * (1 + ping), pinned, False),
         Buffer("grad_staging", "staging", "host", chunk_dtype, n, down, pinned, zeroed=False),
     ]
     buffers += _state(o, n, share, 0 if reads_staging else copies)

@@ -141,8 +141,12 @@ class GradientReducer:
         self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> its buffer
         self._pool: list[tuple] = []  # (buffer, event of the copy still reading it, or None)
         self._pending: list[tuple] = []  # (bucket, work, chunk_out, buffer)
+        # The overlap (``overlap.py``) queues each final chunk's speculative Adam on the
+        # same worker, after that chunk's host sum: a real thread on the CPU too.
+        self.overlap = o.overlap_cpu_optimizer and self.offload
+        self.on_final = None  # overlap: bucket -> the host work once its gradient is final
         worker = self.offload and copier is not None and not self.adam_reads_staging
-        self._accumulator = HostAccumulator(device) if worker else None
+        self._accumulator = HostAccumulator(device) if worker or self.overlap else None
         self.max_bucket = buckets.numel
         self.num_buffers = 0  # the bucket buffers are made as backward first needs them
         # The dtype of the chunks that come down: the sum itself with device accumulation.
@@ -179,6 +183,7 @@ class GradientReducer:
 
     # ------------------------------------------------------------- one step
     def start_step(self, targets: GradTargets) -> None:
+        self.wait_host()  # nothing of the last step may still write into the targets
         self.targets, self.micro = targets, 0
         self._norm_parts = []
 
@@ -189,6 +194,7 @@ class GradientReducer:
                 f"optimizer step after {self.micro} of {self.micro_batches} "
                 f"backward calls (micro-batches) in this step"
             )
+        self.wait_host()  # the host parts are summed on the worker
         parts = self._norm_parts
         if not parts:
             return torch.zeros((), dtype=torch.float64)
@@ -328,6 +334,8 @@ class GradientReducer:
                 self._accumulator.submit(work, landed)  # overlaps the rest of backward
             else:
                 work()
+        if self.on_final is not None and self._last_micro_batch:
+            self._accumulator.submit(self.on_final(b), landed)  # FIFO: after its host sum
         return landed
 
     def _host_accumulate(self, grad, stage, overwrite: bool, final: bool, ranges):
@@ -342,6 +350,11 @@ class GradientReducer:
 
         return work
 
+    def wait_host(self) -> None:
+        """Until the worker has done all the host work queued (sums, speculative Adam)."""
+        if self._accumulator is not None:
+            self._accumulator.wait()
+
     def finish(self) -> None:
         """End of one backward: launch what is left, wait for every chunk to land."""
         if self.acc_buffer is None or self._last_micro_batch:
@@ -352,8 +365,8 @@ class GradientReducer:
                     self._launch(b)
             while self._pending:
                 self._drain_one()
-            if self._accumulator is not None:
-                self._accumulator.wait()
+            if not (self.overlap and self._last_micro_batch):  # overlap: the step waits
+                self.wait_host()
             if self.adam_reads_staging and self.copier is not None:
                 self.copier.drain()  # Adam reads the staging next
         if self.acc_buffer is not None and self._last_micro_batch:

@@ -48,7 +48,7 @@ class TorchAdamWOptimizer:
         self.clip_grad = clip_grad
         self.dp_group, self.tp_group = dp, tp
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, lr: float | None = None) -> None:
         self.inner.zero_grad(set_to_none=True)
 
     def backward(self, loss: torch.Tensor) -> None:

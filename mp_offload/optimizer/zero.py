@@ -30,6 +30,7 @@ from .host_memory import resolve_device, set_thread_device
 from .layout import FlatLayout
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
 from .options import OptimizerOptions
+from .overlap import OverlappedStep
 from .placement import STATE, allocate, placement
 from .reducer import CopyStream, GradientReducer, GradTargets
 
@@ -93,6 +94,8 @@ class ZeroOptimizer:
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.clip_grad, self.dtype, self.dpu_warmup_steps = clip_grad, o.dtype, o.dpu_warmup_steps
         self.dp_group, self.tp_group, self.dp, self.dp_rank = dp, tp, dp.size, dp.rank
+        if o.overlap_cpu_optimizer and (not o.offloaded or o.dpu_warmup_steps is not None):
+            raise ValueError("--overlap-cpu-optimizer needs --cpu-offload and no DPU")
         self.scaler = DynamicLossScaler(**o.loss_scale) if o.loss_scale else ConstantLossScaler()
         named = list(model.named_parameters())
         self.layout = FlatLayout(named, self.dp, self.dp_rank, tp.rank, o.bucket_size)
@@ -106,15 +109,19 @@ class ZeroOptimizer:
         self.share = self._make_share()
         # The master is filled and the fp32 CPU model freed (params move to the device
         # buffer) before the rest is allocated: start-up peaks at model + master.
-        (self.master,) = self._allocate("master")
+        self.spares: dict[str, list[torch.Tensor]] = {}  # the overlap's second copies
+        self.master = self._allocate_live("master")
         self._place_model(model)
-        (self.exp_avg,) = self._allocate("exp_avg")
-        (self.exp_avg_sq,) = self._allocate("exp_avg_sq")
+        self.exp_avg = self._allocate_live("exp_avg")
+        self.exp_avg_sq = self._allocate_live("exp_avg_sq")
         self.grads, self.grad_staging = self._allocate("grads"), self._allocate("grad_staging")
-        staging = self._allocate("param_staging")  # none: the master (fp32) goes up
-        self.param_staging = self.flat if place.adam_writes_flat else (staging or [None])[0]
+        staging = self._allocate_live("param_staging")  # none: the master (fp32) goes up
+        self.param_staging = self.flat if place.adam_writes_flat else staging
         self._adam = self._pick_adam()
         self._pieces, self._adam_calls = self._adam_pieces()
+        self.overlap = OverlappedStep(self) if o.overlap_cpu_optimizer else None
+        if self.overlap is not None:
+            self.reducer.on_final = self.overlap.work
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         self._uploaded = None  # CUDA event: the last host->device copy of the staging
@@ -137,6 +144,11 @@ class ZeroOptimizer:
 
     def _allocate(self, name: str) -> list[torch.Tensor]:
         return allocate(self.placement.buffer(name), self.device)
+
+    def _allocate_live(self, name: str) -> torch.Tensor | None:
+        """The live copy of a buffer (None: 0 copies); a second one is the overlap's."""
+        first, *self.spares[name] = self._allocate(name) or [None]
+        return first
 
     def _make_share(self) -> DeviceShare | None:
         """Partial offload: the device share's state (its buckets' decay runs)."""
@@ -209,11 +221,16 @@ class ZeroOptimizer:
             )
         )
 
-    def zero_grad(self) -> None:
-        """Start a step. Nothing is zeroed: the first micro-batch's chunks overwrite."""
+    def zero_grad(self, lr: float | None = None) -> None:
+        """Start a step. Nothing is zeroed: the first micro-batch's chunks overwrite.
+        ``lr``: the step's learning rate (the overlap's speculative step needs it)."""
         self._begin_step()
+        if self.overlap is not None:
+            self.overlap.begin(lr)
 
     def backward(self, loss: torch.Tensor) -> None:
+        if self.overlap is not None:
+            self.overlap.check_lr()
         (loss * self.scaler.scale).backward() if self.scaler.scale != 1.0 else loss.backward()
         self.reducer.finish()
 
@@ -222,6 +239,8 @@ class ZeroOptimizer:
     def step(self, lr: float) -> StepResult:
         """Global norm (fp16: overflow -> skip) -> clip -> Adam on the slice -> publish."""
         self.step_calls += 1  # skipped steps moved their gradients too
+        if self.overlap is not None:
+            self.overlap.wait(lr)  # the end of backward: the speculative pieces are done
         grad = self._adam_grads()[0]
         # One scalar per rank: the reducer summed the squares where the gradient was.
         norm_sq = reduce_norm_squared(self.reducer.norm_squared(), self.dp_group, self.tp_group)
@@ -229,6 +248,8 @@ class ZeroOptimizer:
         overflow = not math.isfinite(norm_sq)
         self.scaler.update(overflow)
         if overflow:  # fp16: skip; every rank sees the same global norm, so all skip
+            if self.overlap is not None:
+                self.overlap.skip()
             self._begin_step()
             return StepResult(grad_norm=float("nan"), skipped=True, loss_scale=scale)
         norm = math.sqrt(norm_sq) / scale
@@ -248,6 +269,9 @@ class ZeroOptimizer:
             )
             self._thread.start()
             self._adam_grads().reverse()  # backward t+1 writes into the other buffer
+        elif self.overlap is not None:
+            self._device_step(lr, grad_scale, self.step_count)
+            self.overlap.commit(grad_scale, self.step_count)  # or replay, then publish
         else:
             self._device_step(lr, grad_scale, self.step_count)  # queued first: beside the host
             self._adam_pass(grad, lr, grad_scale, self.step_count, upload=True)
@@ -407,9 +431,10 @@ class ZeroOptimizer:
         steps = max(self.step_calls, 1)
         owned = max(self.layout.slice_numel, 1)
         moved = self.reducer.bytes_down + self.bytes_up
-        return dict(
+        out = dict(
             host_device_bytes_per_param=moved / steps / owned, pinned_host_bytes=self.pinned_bytes()
         )
+        return out if self.overlap is None else dict(out, **self.overlap.stats())
 
     def memory_bytes(self) -> dict:
         """Bytes this rank holds, by place and category (from the real buffers)."""
@@ -432,6 +457,9 @@ class ZeroOptimizer:
         (host if self.cpu_offload else device).update(state)
         if self.share is not None:  # partial offload: the device share's own state
             device.update(self.share.memory_bytes())
+        for name, spare in self.spares.items():  # the overlap's second copies (host)
+            cat = self.placement.buffer(name).category
+            host[cat] = host.get(cat, 0) + sum(nbytes(t) for t in spare)
         return dict(device=device, host=host)
 
     def pinned_bytes(self) -> int:

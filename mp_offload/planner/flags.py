@@ -323,7 +323,8 @@ def run_from_args(args: Args, world: int, mode: str | None = None, cuda: bool = 
     run = Run.from_options(
         args.model, o, tp=tp, dp=world // tp, mode=mode, micro_batch=t.micro_batch_size, cuda=cuda
     )
-    return replace(run, dpu=run.dpu and mode == "offload")
+    offload = mode == "offload"
+    return replace(run, dpu=run.dpu and offload, overlap=run.overlap and offload)
 
 
 def _machine(opt, hw: Hardware) -> tuple[Machine, str]:

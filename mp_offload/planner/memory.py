@@ -131,6 +131,7 @@ class Run:
     flash: bool = True  # fused SDPA kernels keep no s x s scores
     bucket_buffers: int | None = None  # default: ZeroOptimizer's, min(2, number of buckets)
     offload_fraction: float = 1.0  # offload: the share of the slice on the host (F)
+    overlap: bool = False  # --overlap-cpu-optimizer: a second copy of the host state
 
     @property
     def world(self) -> int:
@@ -151,6 +152,7 @@ class Run:
             exp_avg_dtype=dt[m1],
             exp_avg_sq_dtype=dt[m2],
             offload_fraction=self.offload_fraction,
+            overlap_cpu_optimizer=self.overlap,
         )
 
     @classmethod
@@ -166,6 +168,7 @@ class Run:
             reduce_bytes=None if o.reduce_dtype is None else o.reduce_dtype.itemsize,
             moment_bytes=(o.exp_avg_dtype.itemsize, o.exp_avg_sq_dtype.itemsize),
             offload_fraction=o.offload_fraction,
+            overlap=o.overlap_cpu_optimizer,
             **fields,
         )
 
