@@ -14,10 +14,10 @@ def _three(work_1: float) -> Buckets:
 
 def test_schedule_by_hand():
     # backward 10 s: computed at 2, 5, 10; landed at 3, 6, 11; the worker steps bucket 0
-    # over [3, 7], bucket 1 over [7, 11.5] (it waited), bucket 2 over [11.5, 12.5]. Commit
-    # at 11 (the last chunk landed); the copies up end at 12, 13, 14.
+    # over [3, 7], bucket 1 over [7, 11.5] (it waited), bucket 2 over [11.5, 12.5]. The end
+    # of backward at 11 (the last chunk landed); the worker done at 12.5, then 3 copies up.
     got = schedule(_three(4.5), 10.0)
-    assert got.exposed == pytest.approx(3.0)
+    assert got.exposed == pytest.approx(1.5 + 3.0)
     assert got.hidden == pytest.approx(8.0)
     assert got.keeps_up is False  # bucket 2 landed at 11 with the worker busy until 11.5
     # bucket 1 done at 11: the worker is free as bucket 2 lands
@@ -29,8 +29,8 @@ def test_device_share_buckets_skip_the_worker_and_the_copies():
     b = _three(4.5)
     on_device = Buckets(b.share, (False, True, True), b.reduce, b.down, b.work, b.up)
     got = schedule(on_device, 10.0)
-    # bucket 1 lands at 6 and is stepped over [6, 10.5], bucket 2 over [11, 12]; ups 12, 13
-    assert got.hidden == pytest.approx(4.5) and got.exposed == pytest.approx(2.0)
+    # bucket 1 lands at 6 and is stepped over [6, 10.5], bucket 2 over [11, 12]; 2 copies up
+    assert got.hidden == pytest.approx(4.5) and got.exposed == pytest.approx(1.0 + 2.0)
     assert got.keeps_up and not host_only.keeps_up
 
 

@@ -1,11 +1,11 @@
 """The overlapped host step (``--overlap-cpu-optimizer``) in the throughput model.
 
 With the overlap a host worker runs the CPU Adam on each host bucket as soon as its
-gradient is final, during the last micro-batch's backward; the step commits at the end of
-backward (the global norm is known then) and each committed bucket's new params go up.
-So what the step waits for after backward is what is left of the worker's queue and the
-copies up. Per bucket, in gradient (backward) order, over the last backward of ``bwd``
-seconds:
+gradient is final, during the last micro-batch's backward; at the end of backward the step
+waits for the worker, commits (the global norm is known then) and queues every host
+bucket's new params up (optimizer/overlap.py). So what the step waits for after backward
+is what is left of the worker's queue, then the copies up. Per bucket, in gradient
+(backward) order, over the last backward of ``bwd`` seconds:
 
   computed   bwd * (the slice's elements up to and including bucket j) / the slice's:
              backward's work is taken as even over the parameters (the layout is in
@@ -15,13 +15,14 @@ seconds:
              buckets; the device share's chunks stay on the device)
   stepped    a FIFO on the host worker after it landed: its last accumulation (the host
              sum of k > 1 micro-batches) and its CPU Adam
-  up         a FIFO on the copy stream after the commit (the end of backward, once every
-             chunk landed) and its own step: its chunk's new params
+  up         the copy stream, after the worker's last step and the end of backward (once
+             every chunk landed): every host chunk's new params, one after another
 
-Exposed: the last copy up's end minus the commit. Hidden: the worker's seconds before the
-commit. The worker *keeps up* when it is idle as the last host gradient lands: all that is
-then exposed is the last bucket's own step and the copies up, the floor of this layout
-(the last bucket to arrive is a host bucket; DESIGN.md §8). Not modelled: replays (a step
+Exposed: the last copy up's end minus the end of backward. Hidden: the worker's seconds
+before the end of backward. The worker *keeps up* when it is idle as the last host
+gradient lands: all that is then exposed is the last bucket's own step and the copies up,
+the floor of this layout (the last bucket to arrive is a host bucket; DESIGN.md §8).
+Not modelled: replays (a step
 that clips or overflows runs one more Adam pass over the host part, as the synchronous
 step does), host contention between the worker and the compute thread.
 """
@@ -45,8 +46,8 @@ class Buckets:
 
 @dataclass(frozen=True)
 class Overlap:
-    exposed: float  # seconds after the commit until the last copy up ends
-    hidden: float  # seconds of host work done before the commit
+    exposed: float  # seconds after the end of backward until the last copy up ends
+    hidden: float  # seconds of host work done before the end of backward
     keeps_up: bool  # the worker is idle when the last host gradient lands
 
 
@@ -80,13 +81,10 @@ def schedule(b: Buckets, bwd: float) -> Overlap:
             start = max(landed, worker)
             worker = start + work
             steps.append((start, worker))
-    commit = max(bwd, reduced, landed)
-    hidden = sum(max(0.0, min(z, commit) - a) for a, z in steps)
-    up_end = commit
-    host_ups = [u for u, host in zip(b.up, b.host) if host]
-    for (_, z), u in zip(steps, host_ups):
-        up_end = max(up_end, z) + u
-    return Overlap(up_end - commit, hidden, last_land is None or idle_at_last)
+    end = max(bwd, reduced, landed)  # the end of backward: every chunk landed
+    hidden = sum(max(0.0, min(z, end) - a) for a, z in steps)
+    exposed = max(0.0, worker - end) + sum(u for u, host in zip(b.up, b.host) if host)
+    return Overlap(exposed, hidden, last_land is None or idle_at_last)
 
 
 def keeping_up_backward(b: Buckets, bwd: float) -> float:
