@@ -164,8 +164,9 @@ def report(sync: Run, ovl: Run, cores: int) -> dict:
     ms = lambda run, key: f"{run.median(key) * 1e3:9.1f}"  # noqa: E731
     print(
         f"bench_overlap: {params / 1e6:.2f}M parameters ({ARGS.layers} x {ARGS.hidden}, seq "
-        f"{ARGS.seq}, micro-batch {ARGS.micro_batch}, {ARGS.dtype}), {len(sync.opt.layout.buckets)} "
-        f"buckets, one rank; {cores} cores in the affinity mask, load average "
+        f"{ARGS.seq}, micro-batch {ARGS.micro_batch}, {ARGS.dtype}), "
+        f"{len(sync.opt.layout.buckets)} buckets, one rank; {cores} cores in the affinity "
+        f"mask, load average "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {platform.processor() or '?'}"
     )
     print(f"medians over {len(ratios)} paired iterations (ms):")
