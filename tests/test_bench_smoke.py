@@ -167,7 +167,7 @@ def test_bench_overlap_tiny(tmp_path):
     assert "losses bitwise equal: True (4 iterations each)" in stdout
     assert "throughput model on these phases: overlapped step" in stdout
     rep = json.loads(out.read_text())
-    assert len(rep["ratios"]) == 3 and rep["ratio"] == pytest.approx(r, abs=5e-4)
+    assert len(rep["ratios"]) == 3 and rep["ratio"] == pytest.approx(r, abs=6e-4)
     assert rep["equal"] is True and 0 < rep["predicted"] and 0 < rep["bound"] < 1
     assert all(row["replayed"] == 0 for row in rep["overlap"])  # no clipping: all commit
     assert all(row["worker"] > 0 and "adam" not in row for row in rep["overlap"])
