@@ -10,6 +10,7 @@ per billion tokens. ``launch_command`` is the torchrun command line that trains 
 
 from __future__ import annotations
 
+import functools
 import math
 import shlex
 from dataclasses import dataclass, replace
@@ -53,6 +54,19 @@ def speed(cfg: GPTConfig, run: Run, machine: Machine, batch_per_gpu: int) -> Ste
         moment_bytes=run.moment_bytes,
         reduce_bytes=run.reduce_bytes,
     )
+
+
+def overlap_exposed(cfg: GPTConfig, run: Run, machine: Machine, batch_per_gpu: int):
+    """``parts(F)``: the overlapped step's exposed optimizer seconds at offload fraction F,
+    (the device share's Adam, the host's after backward): what ``pick_offload_fraction``
+    weighs with --overlap-cpu-optimizer."""
+
+    @functools.cache
+    def parts(f: float) -> tuple[float, float]:
+        st = speed(cfg, replace(run, offload_fraction=f), machine, batch_per_gpu)
+        return st.adam_device, st.host_exposed
+
+    return parts
 
 
 def compare_max_models(

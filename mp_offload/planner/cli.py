@@ -16,6 +16,7 @@ import sys
 from dataclasses import replace
 
 from ..config import Args, ConfigError, resolve
+from .answer import overlap_exposed
 from .flags import HEADROOM_FRACTION, _machine, parse, run_from_args
 from .layout import format_layouts, search_layouts
 from .memory import GiB, Hardware, Run, compare_modes, format_comparison, format_job, plan_job
@@ -139,7 +140,13 @@ def main(argv=None) -> int:
     if not (opt.paper_table or opt.throughput):
         note = None
         if run.mode == "offload" and args.optim.optimizer_offload_fraction is None:
-            run, note = _fraction_line(run, hw)  # keep on the device what fits there
+            # keep on the device what fits there; with the overlap, what hides best
+            cost = (
+                overlap_exposed(run.cfg, run, _machine(opt, hw)[0], opt.batch_per_gpu)
+                if run.overlap
+                else None
+            )
+            run, note = _fraction_line(run, hw, cost)
         plan = plan_job(run, hw, source="meta")
         if opt.json:
             _print_json(args, run, plan)
