@@ -144,22 +144,41 @@ class Run:
         return statistics.median(r[key] for r in self.rows)
 
 
-def predicted_ratio(sync: Run, ovl: Run) -> tuple[float, float]:
-    """(predicted overlapped step s, predicted R): the synchronous step's measured time
-    less its Adam and copies up, plus what the model's schedule leaves exposed when the
-    worker's measured seconds per element and the copies up meet the measured backward."""
+def predicted_step(sync: Run, ovl: Run, compute: Run) -> float:
+    """The overlapped step the model predicts: the synchronous step's measured time less
+    its forward, backward, Adam and copies up, plus ``compute``'s forward and backward
+    (``sync``: the compute alone; ``ovl``: as it ran beside the worker on this machine)
+    and what the schedule leaves exposed when the worker's measured seconds per element
+    and the copies up meet that backward."""
     chunks = [b.chunk for b in sync.opt.layout.buckets]
     n = sum(chunks)
     per = buckets(chunks, 0, 0.0, 0.0, ovl.median("worker") / n, sync.median("upload") / n)
-    exposed = schedule(per, sync.median("backward")).exposed
-    step = sync.median("step") - sync.median("adam") - sync.median("upload") + exposed
-    return step, step / sync.median("step")
+    exposed = schedule(per, compute.median("backward")).exposed
+    rest = sum(sync.median(k) for k in ("forward", "backward", "adam", "upload"))
+    return (
+        sync.median("step")
+        - rest
+        + compute.median("forward")
+        + compute.median("backward")
+        + exposed
+    )
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def report(sync: Run, ovl: Run, cores: int) -> dict:
     ratios = [o["step"] / s["step"] for s, o in zip(sync.rows, ovl.rows)]
     r = statistics.median(ratios)
-    pred_step, pred_r = predicted_ratio(sync, ovl)
+    pred_step = predicted_step(sync, ovl, sync)
+    pred_r = pred_step / sync.median("step")
+    contended_r = predicted_step(sync, ovl, ovl) / sync.median("step")
     params = sum(p.numel() for p in sync.model.parameters())
     ms = lambda run, key: f"{run.median(key) * 1e3:9.1f}"  # noqa: E731
     print(
@@ -167,7 +186,7 @@ def report(sync: Run, ovl: Run, cores: int) -> dict:
         f"{ARGS.seq}, micro-batch {ARGS.micro_batch}, {ARGS.dtype}), "
         f"{len(sync.opt.layout.buckets)} buckets, one rank; {cores} cores in the affinity "
         f"mask, load average "
-        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {platform.processor() or '?'}"
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {cpu_model()}"
     )
     print(f"medians over {len(ratios)} paired iterations (ms):")
     print(f"{'':<10}{'step':>9}{'forward':>9}{'backward':>9}{'optim':>9}  host")
@@ -193,12 +212,13 @@ def report(sync: Run, ovl: Run, cores: int) -> dict:
     print(f"losses bitwise equal: {equal} ({len(sync.losses)} iterations each)")
     print(
         f"throughput model on these phases: overlapped step {pred_step * 1e3:.1f} ms, "
-        f"predicted R {pred_r:.3f} (measured / predicted {r / pred_r:.3f})"
+        f"predicted R {pred_r:.3f} (measured / predicted {r / pred_r:.3f}); with the "
+        f"backward as it ran beside the worker: R {contended_r:.3f} ({r / contended_r:.3f})"
     )
     print(f"paired step-time ratio (overlap / sync): {r:.3f}")
     return dict(
-        ratio=r, predicted=pred_r, ratios=ratios, equal=equal, adam_over_backward=adam_over_bwd,
-        bound=bound,
+        ratio=r, predicted=pred_r, predicted_contended=contended_r, ratios=ratios,
+        equal=equal, adam_over_backward=adam_over_bwd, bound=bound,
         sync=sync.rows, overlap=ovl.rows, load=os.getloadavg(), params=params,
     )  # fmt: skip
 
