@@ -16,7 +16,6 @@ import sys
 from dataclasses import replace
 
 from ..config import Args, ConfigError, resolve
-from .answer import overlap_exposed
 from .flags import HEADROOM_FRACTION, _machine, parse, run_from_args
 from .layout import format_layouts, search_layouts
 from .memory import GiB, Hardware, Run, compare_modes, format_comparison, format_job, plan_job
@@ -141,12 +140,8 @@ def main(argv=None) -> int:
         note = None
         if run.mode == "offload" and args.optim.optimizer_offload_fraction is None:
             # keep on the device what fits there; with the overlap, what hides best
-            cost = (
-                overlap_exposed(run.cfg, run, _machine(opt, hw)[0], opt.batch_per_gpu)
-                if run.overlap
-                else None
-            )
-            run, note = _fraction_line(run, hw, cost)
+            machine = _machine(opt, hw)[0] if run.overlap else None
+            run, note = _fraction_line(run, hw, machine, opt.batch_per_gpu)
         plan = plan_job(run, hw, source="meta")
         if opt.json:
             _print_json(args, run, plan)

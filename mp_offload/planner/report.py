@@ -22,6 +22,7 @@ from .answer import (
     format_wall_time,
     larger_elsewhere,
     launch_command,
+    overlap_exposed,
     speed,
 )
 from .flags import _machine, parse, run_from_args
@@ -61,9 +62,10 @@ def describe_model(args: Args, world: int) -> str:
     )
 
 
-def _fraction_line(run: Run, hw: Hardware, cost=None) -> tuple[Run, str]:
-    """The run at the largest device share that fits (with the overlap, ``cost``: the one
-    of the least exposed optimizer time), and a line saying so."""
+def _fraction_line(run: Run, hw: Hardware, machine=None, batch_per_gpu=16) -> tuple[Run, str]:
+    """The run at the largest device share that fits (with the overlap, on ``machine``: the
+    one of the least exposed optimizer time), and a line saying so."""
+    cost = overlap_exposed(run.cfg, run, machine, batch_per_gpu) if machine else None
     f, plan = pick_offload_fraction(run, hw, cost)
     s = plan.ranks[0].shapes
     kept = s.device_share(f)
