@@ -173,3 +173,6 @@ def test_overlap_is_the_sync_step_without_offload():
     for mode in ("zero2", "pytorch"):
         st = step_time(ten_b(), 8, Machine(), mode=mode)
         assert st.step_overlap == st.step_sync and st.hide_tokens_per_step == 0.0
+    st = step_time(ten_b(), 8, Machine(), offload_fraction=0.0)  # all of it on the device
+    assert st.host_exposed == st.host_hidden == st.hide_tokens_per_step == 0.0
+    assert st.step_overlap == pytest.approx(st.step_sync)

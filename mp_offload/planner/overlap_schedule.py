@@ -91,6 +91,8 @@ def keeping_up_backward(b: Buckets, bwd: float) -> float:
     """The shortest last backward (seconds, within 0.1%) from which the worker keeps up:
     arrivals spread with backward's length while the host work stays, so the property
     holds from one length on; ``bwd`` is a length to start from."""
+    if not any(b.host):  # the whole slice on the device: nothing to keep up with
+        return 0.0
     lo, hi = 0.0, max(bwd, 1e-9)
     for _ in range(200):  # each doubling spreads the arrivals further apart
         if schedule(b, hi).keeps_up:
