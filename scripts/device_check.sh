@@ -46,7 +46,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # this checkout, built in 
 if [ ${#REHEARSAL[@]} -eq 1 ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   # the build, preflight, pytest, runs, profile timeouts (seconds) for a 2-core machine
-  LIMITS=(180 120 240 420 120)
+  LIMITS=(180 120 240 540 120)
 else
   # 9 minutes at most on one H200 (each run of stage 3: 42 s at most, runs.py)
   LIMITS=(50 40 110 300 40)
