@@ -456,7 +456,7 @@ def test_optimizer_time_excludes_the_device_tail_of_backward(monkeypatch):
     class SlowStep:
         autocast_dtype = None
 
-        def zero_grad(self):
+        def zero_grad(self, lr=None):
             pass
 
         def backward(self, loss):

@@ -51,5 +51,6 @@ def test_both_optimizers_implement_all_of_it(kind):
     else:
         opt = TorchAdamWOptimizer(model, **ADAM_HP, dp=single, tp=single)
     assert isinstance(opt, Optimizer)  # runtime_checkable: every member is present
+    opt.zero_grad(lr=1e-3)  # the step's lr before backward (training.train_step gives it)
     assert opt.checkpoint_kind == kind
     assert (opt.layout is None) == (kind != "zero")

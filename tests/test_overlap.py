@@ -164,6 +164,62 @@ def test_the_speculative_adam_runs_on_the_worker_while_backward_goes_on():
     assert rec["host_exposed_ms"] > 0 and rec["host_hidden_ms"] >= 0
 
 
+class _FakeEvent:
+    """A CUDA event's stand-in (CPU): logs who waits on it."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def synchronize(self):
+        self.log.append(("sync", self.name, threading.current_thread().name))
+
+
+def test_each_staging_copy_waits_for_its_own_last_copy_up():
+    """The event of a staging's uploads travels with it: the speculation that next writes
+    that staging (two steps later) sleeps on it first, on the worker; the other not."""
+    model, opt = _build(True, dtype=torch.bfloat16, micro_batches=1, clip_grad=0.0)
+    log, real = [], opt._adam
+
+    def logged(*a, param_out, **k):
+        log.append(("adam", param_out.data_ptr()))
+        real(*a, param_out=param_out, **k)
+
+    opt._adam = logged
+    single = ps.ParallelGroup.single()
+
+    def step(i):
+        log.clear()
+        train_step(model, opt, iter([_tokens(i)]), 1, HP["lr"], single, CPU)
+        return list(log)
+
+    step(0)
+    first = opt.param_staging  # live after step 1: the uploads of step 1 read it
+    opt._uploaded = _FakeEvent("first", log)  # as _publish records it on CUDA
+    assert [e[0] for e in step(1)] == ["adam"] * len(opt._pieces)  # writes the other
+    opt._uploaded = _FakeEvent("second", log)
+    third = step(2)
+    assert third[0] == ("sync", "first", "host-grad-accumulate"), third[:2]
+    lo, hi = first.data_ptr(), first.data_ptr() + first.numel() * first.element_size()
+    assert all(lo <= ptr < hi for kind, ptr in third[1:]) and len(third) == 1 + len(opt._pieces)
+    assert opt.param_staging is first
+
+
+def test_a_failing_speculative_step_is_raised_by_the_step_named():
+    model, opt = _build(True)
+
+    def broken(*a, **k):
+        raise MemoryError("no room")
+
+    opt._adam = broken
+    t = _tokens(0)
+    opt.zero_grad(lr=HP["lr"])
+    opt.backward(model(t[:, :-1], t[:, 1:]).mean())
+    with pytest.raises(RuntimeError) as e:
+        opt.step(HP["lr"])
+    assert "speculative CPU Adam of bucket" in str(e.value.__cause__)
+    assert isinstance(e.value.__cause__.__cause__, MemoryError)
+
+
 def test_the_step_needs_the_lr_before_backward_and_the_same_lr():
     model, opt = _build(True)
     t = _tokens(0)
@@ -222,11 +278,23 @@ def test_the_flag_is_refused_where_it_cannot_apply(flags, line):
         resolve(parse_args(argv), 1)
 
 
+def test_the_optimizer_refuses_it_without_offload_or_with_dpu():
+    for kw in (dict(cpu_offload=False), dict(dpu_warmup_steps=1)):
+        with pytest.raises(ValueError, match="--overlap-cpu-optimizer needs --cpu-offload"):
+            _build(True, **kw)
+
+
 def test_the_flag_reaches_the_options():
     from mp_offload.optimizer.options import OptimizerOptions
+    from mp_offload.planner.cli import run_from_args
 
     argv = ["--overlap-cpu-optimizer", "--cpu-offload", "--train-iters", "1"]
-    assert OptimizerOptions.from_args(resolve(parse_args(argv), 1)).overlap_cpu_optimizer
+    args = resolve(parse_args(argv), 1)
+    assert OptimizerOptions.from_args(args).overlap_cpu_optimizer
+    args.model = GPTConfig(**tiny_gpt_config())
+    run = run_from_args(args, 1, cuda=False)  # the planner plans the second copy
+    assert run.overlap and run.options().overlap_cpu_optimizer
+    assert not run_from_args(args, 1, mode="zero2").overlap
 
 
 # -------------------------------------------------------------- checkpoints
@@ -272,3 +340,18 @@ def test_checkpoints_hold_the_committed_copy_and_resume_bitwise(tmp_path, capfd)
         logs[name] = str(tmp_path / f"reshard_{name}.jsonl")
         _run(2, 1, *flags, "--load", str(tmp_path / "over"), "--log-json", logs[name])
     assert _numbers(logs["over"]) == _numbers(logs["sync"]) != []
+
+
+def test_the_run_summary_gives_the_replay_rate():
+    import time
+    from types import SimpleNamespace as NS
+
+    from mp_offload.logger import run_summary
+
+    args = NS(model=NS(seq_length=16), train=NS(train_iters=8), ckpt=NS(save=None))
+    logger = NS(start=time.time(), last_eval={})
+    last = dict(iteration=8, consumed_samples=64, loss=4.0, overlap_steps=8, overlap_replays=2)
+    out = run_summary(args, logger, last, 0, 0, False)
+    assert "overlap     2 of 8 steps replayed (replay rate 25.0%" in out
+    del last["overlap_steps"], last["overlap_replays"]
+    assert "overlap" not in run_summary(args, logger, last, 0, 0, False)  # without the flag

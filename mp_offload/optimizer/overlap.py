@@ -15,7 +15,9 @@ At the step the global norm is known (reduced over TP x DP):
   with the real ``grad_scale`` (one extra Adam pass), each bucket going up after its piece;
 - skip: fp16 overflow: the second copy is dropped (the next speculation overwrites it).
 The device share (F < 1) is stepped at step time as without the overlap.
-docs/DESIGN.md §3 ("The overlapped CPU Adam").
+docs/DESIGN.md §3 ("The overlapped CPU Adam"). Not yet composed with
+``--store-param-remainders`` (its remainder and bf16 hi would be the swapped "master" and
+"param_staging", stepped by ``adam_step_remainder``'s ``*_dst`` form in ``adam_into``).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ SWAPPED = ("master", "exp_avg", "exp_avg_sq", "param_staging")
 
 def adam_into(adam, src: tuple, dst: tuple, grad: torch.Tensor, **hyper) -> None:
     """One Adam step from the state ``src`` (master, exp_avg, exp_avg_sq) into ``dst``,
-    leaving ``src`` untouched: the out-of-place kernel API (docs/api item 1), emulated
-    until the kernel takes ``*_dst``: copy, then step in place (bitwise the same)."""
+    leaving ``src`` untouched: the kernel's out-of-place form (``*_dst`` buffers), emulated
+    until the kernel has it: copy, then step in place (bitwise the same). The one place
+    to switch to ``adam(src..., exp_avg_dst=..., ...)``."""
     for s, d in zip(src, dst):
         d.copy_(s)
     adam(dst[0], grad, dst[1], dst[2], **hyper)
@@ -78,7 +81,10 @@ class OverlappedStep:
                     self.spare_uploaded.synchronize()
                 self._synced = True
             live, spare = self._copies()
-            self._piece(piece, live, spare, 1.0 / self.scale, self.step, self.lr)
+            try:
+                self._piece(piece, live, spare, 1.0 / self.scale, self.step, self.lr)
+            except Exception as e:  # raised by the step's wait, named
+                raise RuntimeError(f"the speculative CPU Adam of bucket {b.index} failed") from e
             self._spans.append((t0, time.perf_counter()))
             self._done.add(b.index)
 
@@ -124,9 +130,6 @@ class OverlappedStep:
         t0 = time.perf_counter()
         self.opt.reducer.wait_host()
         self._end, self._wait_ms = t0, (time.perf_counter() - t0) * 1e3
-        missing = set(self.pieces) - self._done
-        if missing:
-            raise RuntimeError(f"overlap: buckets {sorted(missing)} were never stepped")
 
     def skip(self) -> None:
         """fp16 overflow: the spare copy is dropped (the next step overwrites it)."""
@@ -136,6 +139,9 @@ class OverlappedStep:
         """Swap the copies (recomputing the new one when the real ``grad_scale`` is not
         the assumed one), queue every host bucket's upload, then the publish."""
         o = self.opt
+        missing = set(self.pieces) - self._done
+        if missing:  # every host bucket's chunk is delivered each step: a bug otherwise
+            raise RuntimeError(f"overlap: buckets {sorted(missing)} were never stepped")
         self._swap()
         replayed = grad_scale != 1.0 / self.scale or step != self.step
         t0 = time.perf_counter()

@@ -9,7 +9,8 @@ Backward (``reducer.py``): gradients are bucketed, reduce-scattered over the DP
 group and this rank's chunks added into the fp32 gradient slice. Step: global norm
 (overflow check for fp16) -> the Adam pass over the slice, bucket by bucket, that also
 writes the new low-precision parameters, each bucket's copy up queued after its piece ->
-all-gather of the slices across the DP group.
+all-gather of the slices across the DP group. With ``--overlap-cpu-optimizer`` the host
+Adam runs during backward, speculatively, into a second state copy (``overlap.py``).
 Without offload nothing leaves the device.
 """
 
@@ -458,6 +459,8 @@ class ZeroOptimizer:
         if self.share is not None:  # partial offload: the device share's own state
             device.update(self.share.memory_bytes())
         for name, spare in self.spares.items():  # the overlap's second copies (host)
+            if not spare:
+                continue
             cat = self.placement.buffer(name).category
             host[cat] = host.get(cat, 0) + sum(nbytes(t) for t in spare)
         return dict(device=device, host=host)
