@@ -150,3 +150,25 @@ def test_plots_without_matplotlib(tmp_path, e2e_report):
     assert res.returncode == 0, res.stderr
     assert "matplotlib is not installed" in res.stdout
     assert not png.exists()
+
+
+def test_bench_overlap_tiny(tmp_path):
+    """Both runs through train_step, paired; bitwise the same losses; the model's
+    prediction beside the measured ratio; the required last line."""
+    out = tmp_path / "overlap.json"
+    stdout = run_bench(
+        "bench_overlap.py",
+        *("--layers", 1, "--hidden", 64, "--seq", 8, "--vocab", 64),
+        *("--iters", 3, "--warmup", 1, "--json", out),
+    )
+    lines = stdout.strip().splitlines()
+    assert lines[-1].startswith("paired step-time ratio (overlap / sync): ")
+    r = float(lines[-1].rsplit(" ", 1)[1])
+    assert "losses bitwise equal: True (4 iterations each)" in stdout
+    assert "throughput model on these phases: overlapped step" in stdout
+    rep = json.loads(out.read_text())
+    assert len(rep["ratios"]) == 3 and rep["ratio"] == pytest.approx(r, abs=6e-4)
+    assert rep["equal"] is True and 0 < rep["predicted"] and 0 < rep["bound"] < 1
+    assert all(row["replayed"] == 0 for row in rep["overlap"])  # no clipping: all commit
+    assert all(row["worker"] > 0 and "adam" not in row for row in rep["overlap"])
+    assert all(row["adam"] > 0 and row["upload"] > 0 for row in rep["sync"])

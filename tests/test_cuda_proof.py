@@ -90,6 +90,29 @@ def test_bf16_moments_with_a_device_share(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("on_device", [False, True])
+def test_the_overlapped_step_is_the_synchronous_step(device, on_device):
+    """--overlap-cpu-optimizer on this device (pinned staging, the copies' events, the
+    second staging's last copy up waited for before the worker writes it): k=2 in bf16 on
+    both accumulation paths, the losses and the state bit for bit the synchronous step's,
+    every step taken by the overlap (committed or, where the clip applies, replayed)."""
+    # clip at 1.4: the first steps' norms (about 1.56, 1.48) clip, the next (1.33-1.38) not
+    kw = dict(dtype=torch.bfloat16, micro_batches=2, accumulate_on_device=on_device)
+    kw.update(clip_grad=1.4)
+    sync, o_sync = _train(device, 5, k=2, batch=2, autocast=torch.bfloat16, **kw)
+    ovl, o_ovl = _train(
+        device, 5, k=2, batch=2, autocast=torch.bfloat16, overlap_cpu_optimizer=True, **kw
+    )
+    assert ovl == sync
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(getattr(o_ovl, name), getattr(o_sync, name)), name
+    assert torch.equal(o_ovl.flat, o_sync.flat)  # the parameters the device holds
+    st = o_ovl.stats()
+    assert st["overlap_steps"] == 5 and "overlap_steps" not in o_sync.stats()
+    assert 0 < st["overlap_replays"] < 5  # both a replay and a commit
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_dpu_thread_failure_surfaces(device):
     m = toy.model(device, **CFG)
     opt = toy.zero(m, device, dtype=torch.bfloat16, dpu_warmup_steps=0)

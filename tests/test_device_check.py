@@ -85,19 +85,25 @@ def _recs(losses, mode, **extra):
             phase_zero_grad_ms=0.5,
             phase_forward_backward_ms=7.0,
             phase_optimizer_ms=1.0,
-            **extra,
         )
+        | extra
         for i, loss in enumerate(losses)
     ]
 
 
 def _runs(n=TINY.iters):
     base = [5.0 - 0.01 * i for i in range(n)]
+    k8 = [x * 1.002 for x in base]
     return {
         "no-offload": _recs(base, "no-offload"),
         "offload": _recs(base, "offload"),
         "offload-dpu": _recs(base[:3] + [x + 1e-3 for x in base[3:]], "offload-dpu"),
         "offload-k8-device-dpu": _recs([x * 1.001 for x in base], "offload-k8-device-dpu"),
+        "no-offload-k8": _recs(k8, "no-offload-k8", elapsed_ms=9.0),
+        "offload-k8-device": _recs(k8, "offload-k8-device", elapsed_ms=12.0),
+        "offload-k8-device-overlap": _recs(
+            k8, "offload-k8-device-overlap", elapsed_ms=9.5, overlap_steps=n, overlap_replays=0
+        ),
     }
 
 
@@ -124,6 +130,10 @@ def test_run_checks_pass_on_good_records_and_fail_on_each_fault():
         "offload-k8-device-dpu.loss@8": lambda r: r["offload-k8-device-dpu"][-1].update(loss=9.0),
         "offload.iterations": lambda r: r["offload"].pop(),
         "offload.host_allocator_bytes": lambda r: r["offload"][-1].update(host_allocator_bytes=2),
+        "offload-k8-device.loss@1": lambda r: r["offload-k8-device"][0].update(loss=5.1),
+        "offload-k8-device-overlap.bytes_per_param_error": lambda r: r["offload-k8-device-overlap"][
+            2
+        ].update(host_device_bytes_per_param=4.0),
     }
     for name, fault in faults.items():
         runs = _runs()
@@ -246,3 +256,47 @@ def test_the_cpu_rehearsal_passes_every_check():
         "profile.d2h_overlap_share",
     ):
         assert name in names
+
+
+def test_practicality_and_overlap_checks():
+    """practicality = no-offload-k8's median step / the run's; on a GPU the overlapped run
+    must reach 0.9; its losses are the synchronous run's, bitwise, with no replay."""
+    from mp_offload.device_proof.practicality import (
+        overlap_checks,
+        practicality,
+        practicality_checks,
+    )
+
+    runs = _runs()
+    assert practicality(runs, "offload-k8-device") == pytest.approx(0.75)
+    assert practicality(runs, "offload-k8-device-overlap") == pytest.approx(9 / 9.5)
+    for cuda in (False, True):
+        assert all(c.passed for c in practicality_checks(runs, cuda))
+    assert all(c.passed for c in overlap_checks(runs, TINY))
+    for r in runs["offload-k8-device-overlap"][2:]:
+        r["elapsed_ms"] = 10.5  # 9 / 10.5 < 0.9: below the goal on a GPU only
+    got = {c.name: c.passed for c in practicality_checks(runs, cuda=True)}
+    assert not got["offload-k8-device-overlap.practicality"]
+    assert all(c.passed for c in practicality_checks(runs, cuda=False))
+    runs["no-offload-k8"] = []  # nothing measured: a failed check, not a crash
+    assert not any(c.passed for c in practicality_checks(runs, cuda=False))
+    faults = {
+        "offload-k8-device-overlap.losses": lambda r: r["offload-k8-device-overlap"][5].update(
+            loss=r["offload-k8-device-overlap"][5]["loss"] + 1e-7
+        ),
+        "offload-k8-device-overlap.replays": lambda r: r["offload-k8-device-overlap"][-1].update(
+            overlap_replays=1
+        ),
+        "offload-k8-device-overlap.overlap_steps": lambda r: r["offload-k8-device-overlap"][-1].pop(
+            "overlap_steps"
+        ),
+    }
+    for name, fault in faults.items():
+        runs = _runs()
+        fault(runs)
+        assert not {c.name: c.passed for c in overlap_checks(runs, TINY)}[name], name
+    runs = _runs()
+    runs["offload-k8-device-overlap"] = []
+    assert not {c.name: c.passed for c in overlap_checks(runs, TINY)}[
+        "offload-k8-device-overlap.losses"
+    ]

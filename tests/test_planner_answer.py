@@ -235,3 +235,36 @@ def test_model_flags_leave_default_options_out_and_name_each_once():
     flags = model_flags(dataclasses.replace(base, layernorm_epsilon=1e-6))
     assert flags.count("--layernorm-epsilon") == 1
     assert flags[flags.index("--layernorm-epsilon") + 1] == "1e-06"
+
+
+@pytest.mark.parametrize("micro,kept_up", [(4, True), (1, False)])
+def test_plan_prints_the_overlapped_step_and_where_it_hides(micro, kept_up, capsys, monkeypatch):
+    """An offload plan prints the throughput model's overlapped step for the user's machine
+    and the tokens per step from which the CPU Adam keeps up with backward (1.3B on an HGX
+    H100 node: a micro-batch of 4 keeps up, one of 1 does not)."""
+    import math
+
+    from mp_offload.planner.answer import speed
+    from mp_offload.planner.memory import Run
+
+    shape = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16"]
+    flags = [*shape, "--seq-length", "2048", "--micro-batch-size", str(micro), "--bf16"]
+    flags += ["--cpu-offload", "--optimizer-offload-fraction", "1", "--recompute-activations"]
+    flags += ["--machine", "hgx-h100", "--world-size", "1", "--batch-per-gpu", str(4 * micro)]
+    code, out = plan_out(capsys, monkeypatch, *flags)
+    assert code == 0
+    line = next(ln for ln in out.splitlines() if "with --overlap-cpu-optimizer" in ln)
+    cfg = GPTConfig(
+        num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048,
+        vocab_size=50257, recompute_activations=True,
+    )  # fmt: skip
+    m = Machine(400, 8, 350, 40, 50, 112, 400, 8e7, 3350)  # the preset's, RATE's Adam
+    st = speed(cfg, Run(cfg, micro_batch=micro, micro_batches=4), m, 4 * micro)
+    assert f"{st.step_overlap:.2f} s per step" in line and st.step_overlap < st.step_sync
+    assert (st.hide_tokens_per_step <= st.tokens_per_step) is kept_up
+    if kept_up:
+        assert "already at these" in line
+    else:
+        need = math.ceil(st.hide_tokens_per_step / (4 * 2048))
+        assert f"from {st.hide_tokens_per_step:,.0f} tokens per step" in line
+        assert f"--micro-batch-size >= {need} " in line

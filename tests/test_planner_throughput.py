@@ -114,3 +114,65 @@ def test_throughput_charges_only_the_passes_the_code_makes():
     bwd = step_time(cfg, 1, slow_host, batch_per_gpu=4, micro_batch=4).compute * 3 / 4
     n = rank_shapes(spec_named_params(cfg, 1), 1, DEFAULT_BUCKET_SIZE).slice_numel
     assert acc.accumulate == pytest.approx((6 + 3 * 10) * n / 1e9 - 4 * bwd)
+
+
+def test_overlap_hides_the_cpu_adam_under_a_long_backward():
+    """The paper's 10B on one V100: backward is long, so with --overlap-cpu-optimizer the
+    CPU Adam runs under it but for the last bucket's (its gradient lands as backward
+    ends): the step keeps that piece and the copies up, which follow the worker."""
+    from mp_offload.optimizer.base import DEFAULT_BUCKET_SIZE
+    from mp_offload.planner.throughput import step_time
+
+    cfg = ten_b()
+    st = step_time(cfg, 1, Machine(), batch_per_gpu=4, micro_batch=4)
+    chunks = rank_shapes(spec_named_params(cfg, 1), 1, DEFAULT_BUCKET_SIZE).chunks
+    last = st.adam_host * chunks[-1] / sum(chunks)
+    assert st.adam_host > 1.0 and st.accumulate == 0.0
+    assert st.host_exposed == pytest.approx(last + st.copy_up)
+    assert st.step_overlap == pytest.approx(st.step_sync - st.adam + last)
+    assert 0 < st.host_hidden < st.adam_host
+    assert 0 < st.hide_tokens_per_step < st.tokens_per_step  # it keeps up here
+
+
+def test_overlap_with_a_slow_host_exposes_what_backward_cannot_cover():
+    """A CPU Adam far longer than backward: the worker runs without a pause from the first
+    host gradient on, so its seconds are either hidden (before the end of backward) or
+    exposed, and then every copy up follows."""
+    from mp_offload.planner.throughput import step_time
+
+    slow = Machine(adam_rate_per_core=1e6)
+    st = step_time(ten_b(), 1, slow, batch_per_gpu=4, micro_batch=4)
+    assert st.adam_host > 10 * st.compute
+    assert st.host_hidden + st.host_exposed == pytest.approx(st.adam_host + st.copy_up)
+    assert st.step_overlap == pytest.approx(st.step_sync - st.adam - st.copy_up + st.host_exposed)
+    assert st.step_overlap < st.step_sync
+    assert st.hide_tokens_per_step > st.tokens_per_step  # it does not keep up
+
+
+@pytest.mark.parametrize("accumulate_on_device", [False, True])
+def test_overlap_hiding_point_does_not_depend_on_the_micro_batch(accumulate_on_device):
+    """The tokens per step from which the worker keeps up are a property of the machine
+    and the model at a micro-batch count: growing the micro-batch moves both the backward
+    and the tokens per step together."""
+    from mp_offload.planner.throughput import step_time
+
+    slow = Machine(adam_rate_per_core=2e6)
+    got = [
+        step_time(
+            ten_b(), 1, slow, batch_per_gpu=2 * b, micro_batch=b,
+            accumulate_on_device=accumulate_on_device,
+        ).hide_tokens_per_step
+        for b in (1, 2, 8)
+    ]  # fmt: skip
+    assert got[0] > 0 and got == pytest.approx([got[0]] * 3, rel=3e-3)
+
+
+def test_overlap_is_the_sync_step_without_offload():
+    from mp_offload.planner.throughput import step_time
+
+    for mode in ("zero2", "pytorch"):
+        st = step_time(ten_b(), 8, Machine(), mode=mode)
+        assert st.step_overlap == st.step_sync and st.hide_tokens_per_step == 0.0
+    st = step_time(ten_b(), 8, Machine(), offload_fraction=0.0)  # all of it on the device
+    assert st.host_exposed == st.host_hidden == st.hide_tokens_per_step == 0.0
+    assert st.step_overlap == pytest.approx(st.step_sync)

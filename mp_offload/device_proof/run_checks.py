@@ -7,7 +7,7 @@ import statistics
 from ..model.gpt import GPTConfig
 from ..planner.throughput import Machine, step_time
 from .checks import Check, at_most, equal, finite, within
-from .runs import DPU_WARMUP, MODES, Size, micro_batches
+from .runs import DPU_WARMUP, MODES, PRACTICALITY, Size, micro_batches
 
 LOSS_REL = 1e-2  # the loss at the last iteration, offload against no offload
 RESERVED_REL = 0.10  # peak reserved device memory against the plan
@@ -20,7 +20,7 @@ def expected_bytes_per_param(mode: str, iteration: int) -> float:
     --accumulate-grads-on-device the sum comes down once per step in fp32 (4 B, as the host
     path sums it); under DPU the upload of step i happens at step i+1 (after the warm-up),
     so the record of step i counts i-1 uploads."""
-    if mode == "no-offload":
+    if mode.startswith("no-offload"):
         return 0.0
     down = 4.0 if "device" in mode else 2.0
     if "dpu" in mode and iteration > DPU_WARMUP:
@@ -34,15 +34,14 @@ def steady_median(recs: list[dict], key: str) -> float | None:
 
 
 def loss_checks(runs: dict[str, list[dict]], size: Size) -> list[Check]:
-    base = runs.get("no-offload", [])
     out = [equal(f"{m}.iterations", len(runs.get(m, [])), size.iters) for m in MODES]
-    if not base:
-        return out
     for mode in MODES:
+        # the practicality runs against no offload at their own k: the same batches
+        base = runs.get(PRACTICALITY.get(mode, "no-offload"), [])
         recs = runs.get(mode, [])
-        if mode == "no-offload" or not recs:
+        if mode.startswith("no-offload") or not recs or not base:
             continue
-        if micro_batches(mode, size) == 1:  # the same batch, the same weights: bitwise
+        if micro_batches(mode, size) == 1 or mode in PRACTICALITY:  # same batches, weights
             out.append(equal(f"{mode}.loss@1", recs[0]["loss"], base[0]["loss"]))
         else:  # k micro-batches see more data than no offload's one
             out.append(within(f"{mode}.loss@1", recs[0]["loss"], base[0]["loss"], LOSS_REL))
@@ -82,7 +81,7 @@ def traffic_checks(runs: dict[str, list[dict]], plans: dict, cuda: bool) -> list
         )
     base = runs.get("no-offload") or [{}]
     for mode, recs in runs.items():
-        if mode == "no-offload" or not recs:
+        if mode.startswith("no-offload") or not recs:
             continue
         staging = plans.get(mode, {}).get("host", {}).get("staging")
         want = staging if cuda else 0  # the CPU pins nothing
@@ -215,9 +214,12 @@ def tflops_checks(runs, size: Size, machine: Machine, rehearsal: bool) -> list[C
             machine,
             batch_per_gpu=k * size.micro,
             micro_batch=size.micro,
-            mode="zero2" if mode == "no-offload" else "offload",
+            mode="zero2" if mode.startswith("no-offload") else "offload",
+            accumulate_on_device="device" in mode,
         )
         predicted = model.tflops_dpu if "dpu" in mode else model.tflops_sync
+        if "overlap" in mode:  # the same FLOPs in the overlapped step's time
+            predicted = model.tflops_sync * model.step_sync / model.step_overlap
         measured = steady_median(recs, "tflops_per_device")
         print(f"device_proof: {mode}: {measured} TFLOPS measured, {predicted:.4g} modelled")
         out.append(tflops_check(f"{mode}.tflops", measured, predicted, rehearsal))

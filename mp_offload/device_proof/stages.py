@@ -15,6 +15,7 @@ from .calibrate import calibrate
 from .checks import Check, at_least, equal
 from .dpu_timing import dpu_interleaved
 from .junit import junit_counts
+from .practicality import overlap_checks, practicality_checks
 from .runs import GPU, TINY, run_all
 
 # What each check's threshold is on a GPU, and in the rehearsal (the CPU as the device).
@@ -26,7 +27,7 @@ FLOORS = {  # GB/s or TFLOPS that a working H100/H200-class machine beats with r
         d2h_gbs=0.05, h2d_gbs=0.05, host_stream_gbs=0.05, device_mem_gbs=0.05, gemm_tflops=0.001
     ),
 }
-PROOF_TESTS = 6  # test_cuda_proof.py: one test per property, each on this device
+PROOF_TESTS = 7  # test_cuda_proof.py: one test per property, each on this device
 MIN_OVERLAP = {False: 0.5, True: 0.0}
 
 
@@ -127,6 +128,7 @@ def runs_stage(out: str, rehearsal: bool) -> list[Check]:
     # shared CPU differ by 10x in speed
     checks.append(dpu_interleaved() if rehearsal else rc.dpu_check(records))
     checks += rc.tflops_checks(records, size, machine, rehearsal)
+    checks += practicality_checks(records, cuda) + overlap_checks(records, size)
     return checks
 
 

@@ -43,7 +43,7 @@ def tokens(cfg: dict, batch: int, step: int, device) -> torch.Tensor:
 
 def step(opt: ZeroOptimizer, m: GPTModel, batches: list[torch.Tensor], autocast=None):
     """One optimizer step over ``batches`` (its micro-batches); returns (loss, result)."""
-    opt.zero_grad()
+    opt.zero_grad(lr=HP["lr"])  # before backward: --overlap-cpu-optimizer steps during it
     total = 0.0
     for t in batches:
         with torch.autocast(

@@ -10,6 +10,7 @@ per billion tokens. ``launch_command`` is the torchrun command line that trains 
 
 from __future__ import annotations
 
+import functools
 import math
 import shlex
 from dataclasses import dataclass, replace
@@ -53,6 +54,19 @@ def speed(cfg: GPTConfig, run: Run, machine: Machine, batch_per_gpu: int) -> Ste
         moment_bytes=run.moment_bytes,
         reduce_bytes=run.reduce_bytes,
     )
+
+
+def overlap_exposed(cfg: GPTConfig, run: Run, machine: Machine, batch_per_gpu: int):
+    """``parts(F)``: the overlapped step's exposed optimizer seconds at offload fraction F,
+    (the device share's Adam, the host's after backward): what ``pick_offload_fraction``
+    weighs with --overlap-cpu-optimizer."""
+
+    @functools.cache
+    def parts(f: float) -> tuple[float, float]:
+        st = speed(cfg, replace(run, offload_fraction=f), machine, batch_per_gpu)
+        return st.adam_device, st.host_exposed
+
+    return parts
 
 
 def compare_max_models(
@@ -167,6 +181,25 @@ def format_speed(st: StepTime, cfg: GPTConfig, machine: Machine, rate_source: st
         f"  assumes {machine.device_tflops:g} TFLOPS sustained per device, DP links "
         f"{machine.intra_node_gbs:g} GB/s in a node / {machine.inter_node_gbs:g} GB/s per "
         f"GPU across nodes{host} (set --device-tflops, --pcie-gbs, ... for your machine)"
+    )
+
+
+def format_overlap(st: StepTime, micro_batch: int) -> str:
+    """The step with --overlap-cpu-optimizer and the tokens per step (the micro-batch grown,
+    the micro-batch count kept) from which its host worker keeps up with backward."""
+    per_sequence = st.tokens_per_step / micro_batch  # tokens per step per sequence of it
+    need = math.ceil(st.hide_tokens_per_step / per_sequence)
+    where = (
+        f"already at these {st.tokens_per_step:,} tokens per step"
+        if st.hide_tokens_per_step <= st.tokens_per_step
+        else f"from {st.hide_tokens_per_step:,.0f} tokens per step (--micro-batch-size "
+        f">= {need} at this micro-batch count and DP)"
+    )
+    return (
+        f"  with --overlap-cpu-optimizer: {st.step_overlap:.2f} s per step "
+        f"({st.step_sync / st.step_overlap:.2f}x); host work {st.host_hidden:.3f} s under "
+        f"the last backward, {st.host_exposed:.3f} s after it (the CPU Adam left and the "
+        f"copies up); the CPU Adam keeps up with the arriving gradients {where}"
     )
 
 

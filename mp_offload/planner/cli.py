@@ -139,7 +139,9 @@ def main(argv=None) -> int:
     if not (opt.paper_table or opt.throughput):
         note = None
         if run.mode == "offload" and args.optim.optimizer_offload_fraction is None:
-            run, note = _fraction_line(run, hw)  # keep on the device what fits there
+            # keep on the device what fits there; with the overlap, what hides best
+            machine = _machine(opt, hw)[0] if run.overlap else None
+            run, note = _fraction_line(run, hw, machine, opt.batch_per_gpu)
         plan = plan_job(run, hw, source="meta")
         if opt.json:
             _print_json(args, run, plan)

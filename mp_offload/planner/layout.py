@@ -15,7 +15,7 @@ import copy
 from dataclasses import dataclass, replace
 
 from ..config import Args, config_problems
-from .answer import speed
+from .answer import overlap_exposed, speed
 from .fraction import pick_offload_fraction
 from .memory import GiB, Hardware, JobPlan, Run, plan_job
 from .throughput import Machine, StepTime
@@ -30,7 +30,8 @@ class Layout:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.speed.tokens_per_step / self.speed.step_sync
+        step = self.speed.step_overlap if self.run.overlap else self.speed.step_sync
+        return self.speed.tokens_per_step / step
 
 
 def best_first(layouts: list[Layout]) -> list[Layout]:
@@ -77,7 +78,9 @@ def plan_layout(
     k = max(1, batch_per_rank // run.micro_batch)
     r = replace(run, tp=tp, dp=world // tp, micro_batches=k)
     if pick_fraction and r.mode == "offload":
-        f, plan = pick_offload_fraction(r, hw)
+        # with the overlap: the share of the least exposed optimizer time, of those that fit
+        cost = overlap_exposed(r.cfg, r, machine, batch_per_rank) if r.overlap else None
+        f, plan = pick_offload_fraction(r, hw, cost)
         r = replace(r, offload_fraction=f)
     else:
         plan = plan_job(r, hw)

@@ -16,11 +16,13 @@ from .answer import (
     TRAIN_TOKENS,
     compare_max_models,
     format_max_models,
+    format_overlap,
     format_speed,
     format_split_gain,
     format_wall_time,
     larger_elsewhere,
     launch_command,
+    overlap_exposed,
     speed,
 )
 from .flags import _machine, parse, run_from_args
@@ -61,18 +63,28 @@ def describe_model(args: Args, world: int) -> str:
     )
 
 
-def _fraction_line(run: Run, hw: Hardware) -> tuple[Run, str]:
-    """The run at the largest device share that fits, and a line saying so."""
-    f, plan = pick_offload_fraction(run, hw)
+def _fraction_line(run: Run, hw: Hardware, machine=None, batch_per_gpu=16) -> tuple[Run, str]:
+    """The run at the largest device share that fits (with the overlap, on ``machine``: the
+    one of the least exposed optimizer time), and a line saying so."""
+    cost = overlap_exposed(run.cfg, run, machine, batch_per_gpu) if machine else None
+    f, plan = pick_offload_fraction(run, hw, cost)
     s = plan.ranks[0].shapes
     kept = s.device_share(f)
+    which = "largest device share that fits"
+    if cost is not None:
+        dev, host = cost(f)
+        which = (
+            f"device share of the least exposed optimizer time with --overlap-cpu-optimizer "
+            f"(device Adam {dev:.3f} s, host after backward {host:.3f} s) of those that fit"
+        )
     if f == 1.0:
         why = "nothing more fits the device" if plan.fits_device else "it does not fit even so"
+        why = f"the {which}" if cost is not None and plan.fits_device else why
         return run, f"offload fraction: 1 (all of the optimizer state on the host: {why})"
     zero2 = ", = ZeRO-2 without offload" if f == 0 else ""
     return replace(run, offload_fraction=f), (
-        f"offload fraction: --optimizer-offload-fraction {f:g}{zero2} (the largest device "
-        f"share that fits {hw.device_usable_gb:.1f} GiB: the first {kept:,} of each rank's "
+        f"offload fraction: --optimizer-offload-fraction {f:g}{zero2} (the {which} "
+        f"{hw.device_usable_gb:.1f} GiB: the first {kept:,} of each rank's "
         f"{s.slice_numel:,} elements, {kept / s.slice_numel:.1%} of its optimizer state, stay on "
         f"the device; "
         f"device peak {plan.device_peak / GiB:.2f} GiB)"
@@ -179,6 +191,8 @@ def _print_speed_and_launch(
     if run.mode == "offload" and run.offload_fraction < 1:
         full = speed(cfg, replace(run, offload_fraction=1.0), machine, opt.batch_per_gpu)
         print(format_split_gain(st, full))
+    if run.mode == "offload":
+        print(format_overlap(st, run.micro_batch))
     tokens = _tokens_wanted(args, opt, st)
     print(format_wall_time(tokens or TRAIN_TOKENS, st, _priced_for(opt)))
     where = (

@@ -31,6 +31,12 @@ FLOPs per token (flops_per_token, recomputation counted), C = sustained device F
   Every byte count comes from ops/traffic.py, the account the kernels' benchmarks use.
   DPU: CPU Adam and the copy up run behind the next step's forward/backward; only
   what does not fit under it counts.
+  Overlap (--overlap-cpu-optimizer, ``step_overlap``): each host bucket's last
+  accumulation and CPU Adam run on a host worker as its gradient lands during the last
+  micro-batch's backward; after backward only what is left of the worker's queue and the
+  copies up counts, beside the device share's Adam (planner/overlap_schedule.py, per
+  bucket). ``hide_tokens_per_step``: the tokens per step (the micro-batch grown, k kept)
+  from which the worker keeps up with the arriving gradients.
   Partial offload (``offload_fraction`` F < 1): every host and PCIe term above counts
   only the host part of the slice; the device share (its first buckets) is updated by
   torch's fused AdamW, 34 B per element at device memory bandwidth (28 for Adam, 6 to
@@ -59,6 +65,8 @@ from dataclasses import dataclass
 from ..model.gpt import GPTConfig, flops_per_token
 from ..ops.traffic import accumulate_arrays, adam_arrays, bytes_per_element, publish_arrays
 from ..optimizer.base import DEFAULT_BUCKET_SIZE
+from ..optimizer.device_share import split_buckets
+from .overlap_schedule import Overlap, buckets, keeping_up_backward, schedule
 from .shapes import rank_shapes, spec_named_params
 
 
@@ -135,6 +143,10 @@ class StepTime:
     adam_host: float = 0.0  # partial offload: the CPU Adam over the host part...
     adam_device: float = 0.0  # ...beside the device Adam over the device share
     offload_fraction: float = 1.0
+    step_overlap: float = 0.0  # offload with --overlap-cpu-optimizer (else step_sync)
+    host_exposed: float = 0.0  # overlap: host step seconds after backward (Adam left, up)
+    host_hidden: float = 0.0  # overlap: host work seconds run under backward
+    hide_tokens_per_step: float = 0.0  # overlap: the worker keeps up from this many tokens
 
     @property
     def tokens_per_day(self) -> float:
@@ -159,13 +171,17 @@ def _overlapped(bwd: float, rs: float, down: list[float], accumulate: list[float
 
 
 def _offload_gradients(k, down, accumulate_s, r, on_device, bwd, rs):
-    """(exposed transfer, exposed accumulation) of offload's k micro-batches: ``down``
+    """(exposed transfer, exposed accumulation, of which the last micro-batch's) of
+    offload's k micro-batches: ``down``
     seconds to copy one micro-batch's chunks down; ``accumulate_s`` seconds per byte per
     element of the host sum (0: Adam reads the staging). With device accumulation only the
     last micro-batch's chunks go down, under its backward."""
     copies = [0.0] * (k - 1) + [1.0] if on_device else [1.0] * k
     acc = [bytes_per_element(accumulate_arrays(r, i == 0)) * accumulate_s for i in range(k)]
-    return _overlapped(bwd, rs, [c * down for c in copies], acc)
+    exposed, total = _overlapped(bwd, rs, [c * down for c in copies], acc)
+    # the last micro-batch's own accumulation exposure (the overlap's worker queues it)
+    last = _overlapped(bwd, rs, [copies[-1] * down], acc[-1:])[1] if k else 0.0
+    return exposed, total, last
 
 
 def _offload_optimizer(n, kept, e, r, reads_staging, moments, machine, host_bw, ranks_node):
@@ -191,6 +207,30 @@ def device_adam_bytes(e: int, moments=(4, 4)) -> int:
     """Bytes per element of Adam where the state is on the device (fused AdamW over the
     fp32 master, gradient and moments) and of publishing the master into the params."""
     return bytes_per_element(adam_arrays(4, *moments) + publish_arrays(e))
+
+
+def _overlap_host(chunks, offload_fraction, bwd, rs, r, e, pcie, work_s):
+    """(the overlapped host step at this backward, the backward from which its worker
+    keeps up): r bytes per element down and e up over ``pcie`` B/s, ``work_s`` seconds per
+    element of the worker's (the last micro-batch's accumulation, if any, and CPU Adam)."""
+    j = split_buckets(chunks, offload_fraction)
+    per_bucket = buckets(chunks, j, rs, r / pcie, work_s, e / pcie)
+    return schedule(per_bucket, bwd), keeping_up_backward(per_bucket, bwd)
+
+
+def _dp_link_gbs(gpus: int, machine: Machine) -> float:
+    """The DP link: intra-node while the job fits a node, else the per-GPU network share."""
+    return machine.intra_node_gbs if gpus <= machine.devices_per_node else machine.inter_node_gbs
+
+
+def _tp_comm(cfg: GPTConfig, tp: int, e: int, micro_batch: int, machine: Machine) -> float:
+    """Seconds of one micro-batch's TP all-reduces (ring, intra-node bandwidth)."""
+    if tp == 1:
+        return 0.0
+    volume = (6 if cfg.recompute_activations else 4) * cfg.num_layers * 2 * (tp - 1) / tp
+    return (
+        volume * e * cfg.seq_length * micro_batch * cfg.hidden_size / (machine.intra_node_gbs * 1e9)
+    )
 
 
 def _data_parallel(gpus: int, tp: int, mode: str) -> int:
@@ -222,26 +262,20 @@ def step_time(
     kept = shapes.device_share(offload_fraction) if mode == "offload" else 0
     n -= kept  # partial offload: the host terms count the host part only
     F = flops_per_token(cfg, cfg.recompute_activations, tp)
-    s, h, L = cfg.seq_length, cfg.hidden_size, cfg.num_layers
+    s = cfg.seq_length
     k = batch_per_gpu // micro_batch
     ranks_node = min(gpus, machine.devices_per_node)
     host_bw = machine.host_mem_gbs * 1e9 / ranks_node
-    dev_bw = machine.device_mem_gbs * 1e9
-    dp_bw = (
-        machine.intra_node_gbs if gpus <= machine.devices_per_node else machine.inter_node_gbs
-    ) * 1e9
+    dev_bw, dp_bw = machine.device_mem_gbs * 1e9, _dp_link_gbs(gpus, machine) * 1e9
     pcie = machine.pcie_gbs * 1e9
     fb = micro_batch * s * F / tp / (machine.device_tflops * 1e12)
     bwd = fb * (3 / 4 if cfg.recompute_activations else 2 / 3)
-    tp_comm = 0.0
-    if tp > 1:
-        volume = (6 if cfg.recompute_activations else 4) * L * 2 * (tp - 1) / tp * e * s
-        tp_comm = volume * micro_batch * h / (machine.intra_node_gbs * 1e9)
+    tp_comm = _tp_comm(cfg, tp, e, micro_batch, machine)
     rs = ag = (dp - 1) / dp * e * P / dp_bw
     norm = 0.0  # ZeRO: the squares are summed where each gradient first exists
     if mode == "offload":
         reads_staging = k == 1 or accumulate_on_device  # Adam reads the staging: no fp32 sum
-        grad_exposed, accumulate = _offload_gradients(
+        grad_exposed, accumulate, acc_last = _offload_gradients(
             k, n * r / pcie, 0.0 if reads_staging else n / host_bw, r, accumulate_on_device, bwd, rs
         )
         adam_host, adam_device = _offload_optimizer(
@@ -249,12 +283,16 @@ def step_time(
         )
         adam = max(adam_host, adam_device)  # the device share runs beside the CPU Adam
         up = e * n / pcie
+        acc_s = 0.0 if reads_staging else bytes_per_element(accumulate_arrays(r, False))
+        work_s = (adam_host / n if n else 0.0) + acc_s / host_bw  # the worker's, per element
+        ov, hide_bwd = _overlap_host(shapes.chunks, offload_fraction, bwd, rs, r, e, pcie, work_s)
     else:  # the optimizer state on the device: passes at device memory bandwidth
         adam_bytes = device_adam_bytes(e, moment_bytes)
         if mode == "pytorch":  # all-reduce (2x the bytes), Adam over every parameter
             rs, ag, n = 2 * rs, 0.0, shapes.params
             norm = e * n / dev_bw  # clip_grad_norm_ reads every gradient
         grad_exposed, accumulate, up = k * max(0.0, rs - bwd), 0.0, 0.0
+        acc_last, ov, hide_bwd = 0.0, Overlap(0.0, 0.0, True), 0.0  # the sync step
         adam = adam_bytes * n / dev_bw
         adam_host, adam_device = 0.0, adam
     work = k * (fb + tp_comm) + grad_exposed + accumulate
@@ -265,10 +303,13 @@ def step_time(
         else sync
     )
     flops = batch_per_gpu * s * F / tp
+    tokens = k * micro_batch * dp * s
+    overlap = work - acc_last + norm + max(adam_device, ov.exposed) + ag
     return StepTime(
         gpus, tp, dp, k * fb, k * tp_comm, grad_exposed, accumulate, 0.0, norm, adam, up, ag,
-        sync, dpu, flops / sync / 1e12, flops / dpu / 1e12, mode, k * micro_batch * dp * s,
+        sync, dpu, flops / sync / 1e12, flops / dpu / 1e12, mode, tokens,
         adam_host, adam_device, 1.0 - kept / shapes.slice_numel if mode == "offload" else 0.0,
+        overlap, ov.exposed, ov.hidden, tokens * hide_bwd / bwd if bwd else 0.0,
     )  # fmt: skip
 
 
