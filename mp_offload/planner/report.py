@@ -67,7 +67,13 @@ def _fraction_line(run: Run, hw: Hardware) -> tuple[Run, str]:
     s = plan.ranks[0].shapes
     kept = s.device_share(f)
     if f == 1.0:
-        why = "nothing more fits the device" if plan.fits_device else "it does not fit even so"
+        why = (
+            "it does not fit even so"
+            if not plan.fits_device
+            else "8-bit moments live on the host only"
+            if 1 in run.moment_bytes
+            else "nothing more fits the device"
+        )
         return run, f"offload fraction: 1 (all of the optimizer state on the host: {why})"
     zero2 = ", = ZeRO-2 without offload" if f == 0 else ""
     return replace(run, offload_fraction=f), (
