@@ -348,3 +348,26 @@ def test_device_accumulation_equals_host_accumulation():
     (host, host_grad), (device, device_grad) = runs
     assert torch.equal(device_grad, host_grad)
     assert max(abs(a - b) / abs(b) for a, b in zip(device, host)) <= 1e-6, (device, host)
+
+
+@pytest.mark.parametrize("dpu", [None, 2])
+def test_remainders_and_8bit_moments_on_the_pinned_path(dpu):
+    """--store-param-remainders on CUDA (pinned hi staging, asynchronous copies up, with and
+    without DPU): bitwise the run without it; with 8-bit moments as well."""
+    q8 = dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
+    for extra in ({}, q8):
+        runs = []
+        for remainders in (False, True):
+            model = _model()
+            opt = _zero(
+                model,
+                dtype=torch.bfloat16,
+                cpu_offload=True,
+                dpu_warmup_steps=dpu,
+                store_param_remainders=remainders,
+                **extra,
+            )
+            assert opt.param_staging.is_pinned()
+            runs.append((_run(opt, model, 8)[0], opt.flat.cpu()))
+        (la, fa), (lb, fb) = runs
+        assert la == lb and torch.equal(fa, fb), extra

@@ -59,3 +59,24 @@ def test_the_plan_with_no_flags_states_the_gains(capsys):
     plain = float(re.search(r"largest GPT is (\d+\.\d\d)B", line).group(1))
     rem = float(re.search(r"--store-param-remainders (\d+\.\d\d)B", line).group(1))
     assert rem > plain
+
+
+def test_the_launch_line_keeps_the_host_state_flags():
+    """The command the planner prints trains what it planned: the moment dtypes and
+    remainders (offload's forms) are on it, and the flags pass the run's checks."""
+    from mp_offload.config import config_problems, parse_args
+    from mp_offload.planner.answer import _host_state_flags
+
+    run = Run(BASE, moment_bytes=(1, 2), remainders=True)
+    flags = _host_state_flags(run)
+    assert flags == [
+        "--exp-avg-dtype",
+        "8bit",
+        "--exp-avg-sq-dtype",
+        "bf16",
+        "--store-param-remainders",
+    ]
+    argv = ["--train-iters", "1", "--bf16", "--cpu-offload", *flags]
+    assert config_problems(parse_args(argv), 1) == []
+    assert _host_state_flags(replace(run, mode="zero2")) == ["--exp-avg-sq-dtype", "bf16"]
+    assert _host_state_flags(Run(BASE)) == []

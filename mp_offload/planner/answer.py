@@ -306,11 +306,22 @@ def _optimizer_flags(
         opt += ["--optimizer-offload-fraction", str(run.offload_fraction)]
     if run.mode == "offload" and dpu_warmup_steps is not None:
         opt += ["--dpu-warmup-steps", str(dpu_warmup_steps)]
+    opt += _host_state_flags(run)
     if cfg.recompute_activations:
         opt += ["--recompute-activations"]
     if cfg.sequence_parallel and run.tp > 1:  # planned with sequence-sharded activations
         opt += ["--sequence-parallel"]
     return opt
+
+
+def _host_state_flags(run: Run) -> list[str]:
+    """The moment dtypes and remainders planned with (8-bit and remainders: offload only,
+    as ``Run.options`` plans them)."""
+    names = {2: "bf16", 1: "8bit"} if run.mode == "offload" else {2: "bf16"}
+    out = []
+    for flag, b in zip(("--exp-avg-dtype", "--exp-avg-sq-dtype"), run.moment_bytes):
+        out += [flag, names[b]] if b in names else []
+    return out + (["--store-param-remainders"] if run.remainders and run.mode == "offload" else [])
 
 
 def _schedule_flags(iters: int) -> list[str]:

@@ -78,8 +78,12 @@ def _fraction_line(run: Run, hw: Hardware, machine=None, batch_per_gpu=16) -> tu
             f"(device Adam {dev:.3f} s, host after backward {host:.3f} s) of those that fit"
         )
     if f == 1.0:
-        why = "nothing more fits the device" if plan.fits_device else "it does not fit even so"
-        why = f"the {which}" if cost is not None and plan.fits_device else why
+        if not plan.fits_device:
+            why = "it does not fit even so"
+        elif 1 in run.moment_bytes:
+            why = "8-bit moments live on the host only"
+        else:
+            why = f"the {which}" if cost is not None else "nothing more fits the device"
         return run, f"offload fraction: 1 (all of the optimizer state on the host: {why})"
     zero2 = ", = ZeRO-2 without offload" if f == 0 else ""
     return replace(run, offload_fraction=f), (
