@@ -26,12 +26,9 @@ F32, BF16 = torch.float32, torch.bfloat16
 
 def _picked(host: str, moments=F32):
     """What ZeroOptimizer._pick_adam chooses for state on ``host`` (no GPU needed)."""
-    fake = types.SimpleNamespace(
-        host=torch.device(host),
-        exp_avg=torch.zeros(1, dtype=moments),
-        exp_avg_sq=torch.zeros(1, dtype=moments),
-    )
-    return ZeroOptimizer._pick_adam(fake)
+    fake = types.SimpleNamespace(host=torch.device(host))
+    m, v = torch.zeros(1, dtype=moments), torch.zeros(1, dtype=moments)
+    return ZeroOptimizer._pick_adam(fake, m, v)
 
 
 def test_state_on_a_cuda_device_steps_with_the_fused_kernel():
