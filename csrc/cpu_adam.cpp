@@ -148,19 +148,20 @@ void q8_group(const Q8Step& q, std::size_t b, std::size_t e) {
   const auto blocks = [&](auto&& fn) {
     for (std::size_t i = 0; i < e - b; i += kQ8Block) fn(i, std::min(e - b - i, kQ8Block), (b + i) / kQ8Block);
   };
+  using Blk = std::size_t;  // (i: offset in the group, len, blk: block index in the call)
   if (q.mt == kQ8) {
-    blocks([&](std::size_t i, std::size_t len, std::size_t blk) { q8_decode(mc + i, q.ms[blk], len, true, mb + i, g_level); });
+    blocks([&](Blk i, Blk len, Blk blk) { q8_decode(mc + i, q.ms[blk], len, true, mb + i, g_level); });
     d.m = nd.m = mb;
   }
   if (q.vt == kQ8) {
-    blocks([&](std::size_t i, std::size_t len, std::size_t blk) { q8_decode(vc + i, q.vs[blk], len, false, vb + i, g_level); });
+    blocks([&](Blk i, Blk len, Blk blk) { q8_decode(vc + i, q.vs[blk], len, false, vb + i, g_level); });
     d.v = nd.v = vb;
   }
   run_range(q.fn, d, nd, q.runs, b, e, b);
   if (q.mt == kQ8)
-    blocks([&](std::size_t i, std::size_t len, std::size_t blk) { q8_encode(mb + i, len, true, *q.um, mc + i, q.ms + blk, g_level); });
+    blocks([&](Blk i, Blk len, Blk blk) { q8_encode(mb + i, len, true, *q.um, mc + i, q.ms + blk, g_level); });
   if (q.vt == kQ8)
-    blocks([&](std::size_t i, std::size_t len, std::size_t blk) { q8_encode(vb + i, len, false, *q.uv, vc + i, q.vs + blk, g_level); });
+    blocks([&](Blk i, Blk len, Blk blk) { q8_encode(vb + i, len, false, *q.uv, vc + i, q.vs + blk, g_level); });
 }
 
 void run_all_q8(const Q8Step& q, std::size_t n) {

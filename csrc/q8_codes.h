@@ -47,11 +47,11 @@
 // (value_c <= y < value_(c+1)). With z = y's significand in [1, 2) and j = c's
 // place in its octave: code c + 1 iff z - M_j > RN(G_j * u), G_j = M_(j+1) - M_j
 // (both differences exact); below code 1 (c <= 0): code 1 iff y > RN(value_1 * u),
-// else 0 (for exp_avg_sq: code 1 iff y > 0, see ERROR). Other blocks (tiny or huge scales, where decoded values may underflow
-// and coincide): the same choice on the decoded values D_k = RN(value_k * s) by an
-// exact search: c = the smallest code of the largest D <= |x|, n = the smallest
-// code of the next larger D, code n iff |x| - D_c > RN((D_n - D_c) * u) (or, for
-// exp_avg_sq, iff D_c = 0 < |x|).
+// else 0 (for exp_avg_sq: code 1 iff y > 0, see ERROR). Other blocks (tiny or huge
+// scales, where decoded values may underflow and coincide): the same choice on the
+// decoded values D_k = RN(value_k * s) by an exact search: c = the smallest code
+// of the largest D <= |x|, n = the smallest code of the next larger D, code n iff
+// |x| - D_c > RN((D_n - D_c) * u) (or, for exp_avg_sq, iff D_c = 0 < |x|).
 //
 // IDEMPOTENT. A decoded D_k of a fast block gives y within 2^-22.4 of value_k
 // (two roundings), while u keeps every threshold more than 2^-19.5 value_k away

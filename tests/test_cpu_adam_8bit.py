@@ -277,6 +277,37 @@ def test_quantize_of_dequantize_is_identity(level, moment):
                 assert _same_q(ca.quantize_8bit(back, moment, step=again), q.codes, q.scales)
 
 
+@pytest.mark.parametrize("moment", KINDS)
+def test_every_code_at_any_scale_decodes_to_itself(level, moment):
+    """Idempotence code by code: 3000 blocks, scales log-uniform over the whole float range
+    (fast and exact rule alike), each block holding every code (the top one first, so the
+    scale is the block's absmax): decode, encode with several dithers -> the same codes
+    wherever the decoded values differ (equal ones collapse to their smallest code)."""
+    gen = torch.Generator().manual_seed(23)
+    nb, mags = 3000, _mags(moment)
+    scales = torch.exp2(torch.rand(nb, generator=gen) * 254 - 127).clamp(max=3.4e38)
+    perm = torch.argsort(torch.rand(nb, B, generator=gen), dim=1)
+    codes = perm % mags.numel()
+    codes[:, 0] = mags.numel() - 1  # the top code: absmax = scale
+    if moment == "exp_avg":
+        codes |= (torch.rand(nb, B, generator=gen) < 0.5).long() << 7
+        codes[(codes & 0x7F) == 0] = 0  # no sign on a zero magnitude, as the encode writes
+    q = ca.Blockwise8(codes.to(torch.uint8).flatten(), scales)
+    back = ca.dequantize_8bit(q, moment)
+    d = mags[None, :] * scales[:, None]
+    want = torch.searchsorted(
+        d, d.gather(1, codes & 0x7F if moment == "exp_avg" else codes).contiguous()
+    )
+    if moment == "exp_avg":
+        want = want | (codes & 0x80) * (want > 0)
+    else:  # a v > 0 keeps code 1 even where code 1 underflows to the value of code 0
+        want = torch.where(back.view(nb, B) > 0, want, 0)
+    for step in STEPS:
+        got = ca.quantize_8bit(back, moment, step=step)
+        assert _bits_equal(got.scales, scales)
+        assert torch.equal(got.codes.view(nb, B).long(), want), step
+
+
 def test_a_positive_v_is_never_coded_zero(level):
     """v far below its block's range (1e-12 .. 1e-30 of the absmax, where nearest rounding
     gives 0) keeps code 1 on every dither: a v of 0 under a non-zero m would make that
