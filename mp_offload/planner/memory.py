@@ -157,7 +157,8 @@ class Run:
             exp_avg_sq_dtype=dt[m2],
             offload_fraction=self.offload_fraction,
             store_param_remainders=self.remainders and host_forms,
-            overlap_cpu_optimizer=self.overlap,
+            # the overlap needs a host share; comparison modes and F = 0 plan without it
+            overlap_cpu_optimizer=self.overlap and host_forms and self.offload_fraction != 0,
         )
 
     @classmethod
