@@ -36,7 +36,7 @@ namespace py = pybind11;
 
 namespace {
 
-enum : int { kCopy = 0, kAdd = 1, kRead = 2 };  // what a pass does to dst
+enum : int { kCopy = 0, kAdd = 1, kRead = 2 };  // what a pass does to dst (kRead: reads src only)
 
 // Pieces are the unit of the norm's summation order; threads take runs of them on demand
 // (as in the CPU Adam: a preempted thread does not hold the others up).
@@ -70,7 +70,7 @@ void elements_scalar(const Args& a, std::size_t b, std::size_t i, std::size_t e,
   for (; i < e; ++i) {
     float x;
     if constexpr (OP == kRead) {
-      x = a.dst[i];
+      x = load_scalar<ST>(a.src, i);
     } else {
       const float v = load_scalar<ST>(a.src, i);
       x = OP == kCopy ? v : a.dst[i] + v;
@@ -94,8 +94,8 @@ double piece_scalar(const Args& a, std::size_t b, std::size_t e) {
 // ---------------------------------------------------------------- AVX2 (8)
 template <int ST, int OP, bool NT>
 MPO_AVX2 inline __m256 element8_avx2(const Args& a, std::size_t i) {
-  if constexpr (OP == kRead) return _mm256_loadu_ps(a.dst + i);
   __m256 x = load_avx2<ST>(a.src, i);
+  if constexpr (OP == kRead) return x;
   if constexpr (OP == kAdd) x = _mm256_add_ps(_mm256_loadu_ps(a.dst + i), x);
   if constexpr (NT) _mm256_stream_ps(a.dst + i, x); else _mm256_storeu_ps(a.dst + i, x);
   return x;
@@ -130,8 +130,8 @@ MPO_AVX2 double piece_avx2(const Args& a, std::size_t b, std::size_t e) {
 // ------------------------------------------------------------- AVX-512 (16)
 template <int ST, int OP, bool NT>
 MPO_AVX512 inline __m512 element16_avx512(const Args& a, std::size_t i) {
-  if constexpr (OP == kRead) return _mm512_loadu_ps(a.dst + i);
   __m512 x = load_avx512<ST>(a.src, i);
+  if constexpr (OP == kRead) return x;
   if constexpr (OP == kAdd) x = _mm512_add_ps(_mm512_loadu_ps(a.dst + i), x);
   if constexpr (NT) _mm512_stream_ps(a.dst + i, x); else _mm512_storeu_ps(a.dst + i, x);
   return x;
@@ -284,16 +284,26 @@ double accumulate(std::uintptr_t dst, std::uintptr_t src, long long n, int src_d
   return run(pick(g_level, src_dtype, overwrite), a, pieces, parts, len, overwrite && len >= kStreamMin);
 }
 
-double sum_squares(std::uintptr_t ptr, long long n, const Ranges& ranges) {
+Kernels pick_read(int level, int dtype) {
+  if (dtype == kF16) return pick_ops<kF16, kRead>(level);
+  if (dtype == kBF16) return pick_ops<kBF16, kRead>(level);
+  return pick_ops<kF32, kRead>(level);
+}
+
+// The squares of x (fp32, fp16 or bf16, widened exactly) in the same fixed order.
+double sum_squares(std::uintptr_t ptr, long long n, const Ranges& ranges, int dtype) {
   if (n < 0) throw std::invalid_argument("sum_squares: negative length " + std::to_string(n));
+  if (dtype != kF32 && dtype != kF16 && dtype != kBF16)
+    throw std::invalid_argument("sum_squares: dtype must be 0 (fp32), 1 (fp16) or 2 (bf16), got " +
+                                std::to_string(dtype));
   const std::size_t len = static_cast<std::size_t>(n);
   check_ranges(ranges, len);
   long long parts = 0;
   const auto pieces = make_pieces(len, ranges, false, parts);
   if (pieces.empty()) return 0.0;
   if (!ptr) throw std::invalid_argument("sum_squares: null address");
-  const Args a{reinterpret_cast<float*>(ptr), nullptr};
-  return run(pick_ops<kF32, kRead>(g_level), a, pieces, parts, len, false);
+  const Args a{nullptr, reinterpret_cast<const void*>(ptr)};
+  return run(pick_read(g_level, dtype), a, pieces, parts, len, false);
 }
 
 }  // namespace
@@ -319,7 +329,8 @@ PYBIND11_MODULE(_host_ops, m) {
         "dst = src or dst += src over n elements; returns the sum of squares of the new dst over the\n"
         "sorted, disjoint norm_ranges (0 without them), computed in the same pass.");
   m.def("sum_squares", &sum_squares, py::call_guard<py::gil_scoped_release>(), py::arg("ptr"), py::arg("n"),
-        py::arg("ranges"), "Sum of squares (in double) of fp32 x over sorted, disjoint ranges of [0, n).");
+        py::arg("ranges"), py::arg("dtype") = 0,
+        "Sum of squares (in double) of fp32/fp16/bf16 x over sorted, disjoint ranges of [0, n).");
   m.def("simd_level", [] { return std::string(kLevelNames[g_level]); });
   m.def("available_simd_levels", &available_levels);
   m.def("set_simd_level", [](const std::string& name) { g_level = parse_level(name); }, py::arg("name"));

@@ -113,6 +113,19 @@ def test_sum_squares_follows_the_documented_order(level, offset):
             assert float(got) == reference_sum_squares(x, ranges), (level, n, ranges)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("offset", [0, 3])
+def test_sum_squares_of_half_precision_is_that_of_its_exact_widening(level, dtype, offset):
+    """The reducer's norm of bf16/fp16 chunks on a CPU device: each element widened exactly,
+    then the fp32 order, so bitwise the fp32 pass over ``x.float()`` (and the reference)."""
+    for n in SIZES:
+        x = (torch.randn(n + offset) * 1e2).to(dtype)[offset:]
+        for ranges in _range_sets(n):
+            got = float(host_ops.sum_squares(x, ranges))
+            assert got == float(host_ops.sum_squares(x.float(), ranges)), (level, n, ranges)
+            assert got == reference_sum_squares(x.float(), ranges), (level, n, ranges)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_norm_equals_sum_squares_of_the_result(level, dtype):
     for n in SIZES:

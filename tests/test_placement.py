@@ -62,7 +62,8 @@ def _tensors(opt: ZeroOptimizer, name: str) -> list[torch.Tensor]:
         spare = opt.spare_state
         key = dict(param_staging="hi").get(name, name)
         extra = [] if spare is None or not hasattr(spare, key) else [getattr(spare, key)]
-        return ([] if one[name] is None else [one[name]]) + [t for t in extra if t is not None]
+        extra = [t for t in extra if t is not None and t is not opt.flat]  # in place: no copy
+        return ([] if one[name] is None else [one[name]]) + extra
     return dict(grads=opt.grads, grad_staging=opt.grad_staging)[name]
 
 

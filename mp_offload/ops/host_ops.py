@@ -101,9 +101,11 @@ def accumulate_(
 
 
 def sum_squares(x: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Sum of squares (fp64 scalar) of fp32 ``x`` over sorted, disjoint, in-bounds ``ranges``."""
+    """Sum of squares (fp64 scalar) of fp32/fp16/bf16 ``x`` over sorted, disjoint, in-bounds
+    ``ranges`` (each element widened exactly, squared in double, in the fixed order)."""
     ranges = _check_ranges(ranges, x.numel(), "sum_squares")
-    if x.dtype == torch.float32 and _usable(x):
-        return torch.tensor(_C.sum_squares(x.data_ptr(), x.numel(), ranges), dtype=torch.float64)
+    if x.dtype in _CODES and _usable(x):
+        total = _C.sum_squares(x.data_ptr(), x.numel(), ranges, _CODES[x.dtype])
+        return torch.tensor(total, dtype=torch.float64)
     parts = [x.reshape(-1)[a:z].double().square().sum() for a, z in ranges]
     return torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import time
 
+from .host_state import to_low
+
 
 class OverlappedStep:
     """The speculation of one ``ZeroOptimizer`` (``opt``): its host state's two copies are
@@ -113,7 +115,15 @@ class OverlappedStep:
         self._end, self._wait_ms = t0, (time.perf_counter() - t0) * 1e3
 
     def skip(self) -> None:
-        """fp16 overflow: the spare copy is dropped (the next step overwrites it)."""
+        """fp16 overflow: the spare copy is dropped (the next step overwrites it). Where the
+        speculation wrote the model's params in place (``adam_writes_flat``: a CPU device,
+        one DP rank), the old ones are put back, rounded from the committed master by the
+        rule that made them."""
+        o = self.opt
+        if o.placement.adam_writes_flat:
+            for b, h, n, _ in o._pieces:
+                lo, hi = b.chunk_range(o.dp_rank)
+                to_low(o.flat[lo:hi], o.host_state.master[h : h + n], o._split)
         self._report(replayed=False, replay_ms=0.0)
 
     def commit(self, grad_scale: float, step: int) -> None:

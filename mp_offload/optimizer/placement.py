@@ -128,13 +128,16 @@ def placement(layout, o: OptimizerOptions, device_type: str) -> Placement:
     # Adam writes the new params into the model's own storage, and the publish copies each
     # view onto itself, which torch skips. Not with DPU: forward t+1 must not see step t's
     # update while it is written. (One DP rank: the slice is as long as the flat buffer.)
+    # With the overlap too: it writes a bucket's params once its gradient is final (nothing
+    # of this backward reads them again) and a skip puts the old ones back from the master;
+    # but not with remainders, whose hi is state that the speculation must not overwrite.
     below_fp32 = o.dtype != torch.float32
     writes_flat = (
         below_fp32
         and o.offloaded
         and device_type == "cpu"
         and o.dpu_warmup_steps is None
-        and not o.overlap_cpu_optimizer  # it writes during backward, into a second copy
+        and not (o.overlap_cpu_optimizer and o.store_param_remainders)
         and n == layout.numel
     )
     pinned = device_type == "cuda" and o.offloaded

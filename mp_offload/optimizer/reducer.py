@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..ops.host_ops import accumulate_
+from ..ops.host_ops import accumulate_, sum_squares
 from ..parallel_state import ParallelGroup
 from .host_accumulator import HostAccumulator
 from .layout import FlatLayout
@@ -99,6 +99,8 @@ class GradTargets:
 
 def _sum_squares(t: torch.Tensor, ranges) -> torch.Tensor:
     """Sum of squares (fp64 scalar, on t's device) over ``ranges`` of the 1-D tensor ``t``."""
+    if t.device.type == "cpu":  # the C++ pass (fp64, fixed order); torch's widens a copy first
+        return sum_squares(t, ranges)
     views = [t[a:z] for a, z in ranges]
     if not views:
         return torch.zeros((), dtype=torch.float64, device=t.device)

@@ -123,7 +123,7 @@ class ZeroOptimizer:
         moments = self._moments("exp_avg"), self._moments("exp_avg_sq")
         self.grads, self.grad_staging = self._allocate("grads"), self._allocate("grad_staging")
         staging = self._allocate("param_staging")  # none: the master (fp32) goes up
-        staging = [self.flat] if place.adam_writes_flat else staging
+        staging = [self.flat] * (1 + o.overlap_cpu_optimizer) if place.adam_writes_flat else staging
         # The overlap's speculation writes the next state into the spare (ping-pong).
         self.host_state, self.spare_state = self._host_states(master, masters, staging, moments)
         self.overlap = OverlappedStep(self) if o.overlap_cpu_optimizer else None
