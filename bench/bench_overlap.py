@@ -1,15 +1,17 @@
 """The step time with and without --overlap-cpu-optimizer, paired in one run (issue 22).
 
-One rank on the CPU, fp32, through the real training path: the flags parsed and resolved as
-pretrain_gpt.py does, the model and the optimizer built by ``training.build_model_and_optimizer``,
-each iteration one ``training.train_step``. The model's compute runs on one core
-(``torch.set_num_threads(1)``) and the CPU Adam on the other (``cpu_adam.set_num_threads(1)``;
-with the overlap the Adam runs on the reducer's host worker thread while backward goes on).
+One rank on the CPU, bf16 (``--dtype fp32`` too), through the real training path: the
+flags parsed and resolved as pretrain_gpt.py does, the model and the optimizer built by
+``training.build_model_and_optimizer``, each iteration one ``training.train_step``. The
+model's compute runs on one core (``torch.set_num_threads(1)``) and the CPU Adam on the other
+(``cpu_adam.set_num_threads(1)``; with the overlap the Adam runs on the reducer's host worker
+thread while backward goes on).
 Two runs from the same seed on the same batches, the synchronous one and the overlapped one,
 take their iterations in turn (the order alternating), so a change of load hits both; their
-losses must be bitwise equal. The default model (4 x 512, seq 16, micro-batch 1, one
-bucket per layer) is sized so that the CPU Adam takes about as long as backward on a 2-core
-Xeon; the table says how long each took here.
+losses must be bitwise equal. The default model (4 x 512, seq 8, micro-batch 1, buckets of
+1M elements: 13) is sized so that the CPU Adam takes a large share of backward (0.6 of it on
+a quiet 2-core Xeon: on the CPU backward also moves every gradient through the reducer);
+the table says how long each took here.
 
 The throughput model's prediction (planner/overlap_schedule.py) is made from this run's
 own measured phases: forward and backward and the copies up of the synchronous run, the
@@ -18,8 +20,9 @@ it is printed beside the measured ratio. The last line is
 ``paired step-time ratio (overlap / sync): R``: the median over the iterations of each
 iteration's overlapped step time over its synchronous one.
 
-  python bench/bench_overlap.py [--layers 4] [--hidden 512] [--seq 16] [--micro-batch 1]
-                                [--iters 12] [--warmup 2] [--bucket-size N] [--json FILE]
+  python bench/bench_overlap.py [--layers 4] [--hidden 512] [--seq 8] [--micro-batch 1]
+                                [--dtype bf16] [--iters 20] [--warmup 2]
+                                [--bucket-size 1000000] [--json FILE]
 """
 
 import argparse
@@ -34,14 +37,14 @@ def _args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--micro-batch", type=int, default=1)
-    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
-    ap.add_argument("--iters", type=int, default=12, help="timed iterations of each run")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16", help="compute dtype")
+    ap.add_argument("--iters", type=int, default=20, help="timed iterations of each run")
     ap.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
     ap.add_argument(
-        "--bucket-size", type=int, default=None, help="elements per bucket (default: one layer)"
+        "--bucket-size", type=int, default=1_000_000, help="elements per bucket (0: one layer)"
     )
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
