@@ -35,6 +35,13 @@ def split_rounding(place: Placement) -> bool:
     return place.split_bf16 and _kernels() is not None
 
 
+def initial_split(dtype: torch.dtype) -> bool:
+    """The first bf16 params of every ZeRO run, offloaded or not, come from the fp32 weights
+    by the split rule (where the extension is built): offload, no offload and any F then
+    start from the same bits (the device proof compares their first losses exactly)."""
+    return dtype == torch.bfloat16 and _kernels() is not None
+
+
 def to_low(dst: torch.Tensor, src: torch.Tensor, split: bool) -> None:
     """``dst`` (bf16/fp16, any device) = the fp32 CPU ``src`` rounded, by the split rule
     when ``split``."""

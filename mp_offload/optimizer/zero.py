@@ -31,6 +31,7 @@ from .host_memory import resolve_device, set_thread_device
 from .host_state import (
     HostState,
     allocate_moment,
+    initial_split,
     nbytes,
     remainder_kernel,
     split_rounding,
@@ -237,7 +238,7 @@ class ZeroOptimizer:
         (self.flat,) = self._allocate("params")
         for slot in self.layout.slots:
             view = self.flat[slot.start : slot.start + slot.numel].view_as(slot.param)
-            to_low(view, slot.param.detach(), self._split)
+            to_low(view, slot.param.detach(), initial_split(self.dtype))
             slot.param.data = view
         model.to(self.device)  # any buffers; the parameters already live there
 
