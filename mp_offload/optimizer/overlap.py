@@ -83,23 +83,8 @@ class OverlappedStep:
 
     def _piece(self, piece, src, dst, grad_scale: float, step: int, lr: float):
         o, (_, h, n, decay) = self.opt, piece
-        b1, b2 = o.betas
-        src.step(
-            h,
-            n,
-            o._adam_grads()[0][h : h + n],
-            dst=dst,
-            step=step,
-            lr=lr,
-            beta1=b1,
-            beta2=b2,
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-            adamw=True,
-            bias_correction=True,
-            grad_scale=grad_scale,
-            decay_runs=decay,
-        )
+        grad = o._adam_grads()[0][h : h + n]
+        src.step(h, n, grad, dst=dst, decay_runs=decay, **o.adam_hyper(lr, grad_scale, step))
 
     # ---------------------------------------------------------------- step
     def wait(self, lr: float) -> None:

@@ -379,25 +379,26 @@ class ZeroOptimizer:
             return
         if self._uploaded is not None:  # the last copy up may still be reading the staging
             self._uploaded.synchronize()
-        b1, b2 = self.betas
+        hyper = self.adam_hyper(lr, grad_scale, step)
         for b, h, n, decay in self._adam_calls:
-            self.host_state.step(
-                h,
-                n,
-                grad[h : h + n],
-                step=step,
-                lr=lr,
-                beta1=b1,
-                beta2=b2,
-                eps=self.eps,
-                weight_decay=self.weight_decay,
-                adamw=True,
-                bias_correction=True,
-                grad_scale=grad_scale,
-                decay_runs=decay,
-            )
+            self.host_state.step(h, n, grad[h : h + n], decay_runs=decay, **hyper)
             if upload and b is not None:
                 self._upload(b, h, n)
+
+    def adam_hyper(self, lr: float, grad_scale: float, step: int) -> dict:
+        """The host Adam's arguments of one step (the synchronous pass and the overlap's)."""
+        b1, b2 = self.betas
+        return dict(
+            step=step,
+            lr=lr,
+            beta1=b1,
+            beta2=b2,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            adamw=True,
+            bias_correction=True,
+            grad_scale=grad_scale,
+        )
 
     def _upload(self, b, h: int, n: int) -> None:
         """Queue one host bucket's new params into the flat buffer (asynchronous on CUDA)."""
