@@ -34,12 +34,14 @@ setup(
     packages=find_packages(include=["mp_offload", "mp_offload.*"]),
     install_requires=["torch>=2.1", "numpy", "sentencepiece", "tqdm", "pyyaml"],
     # What the tests need beyond that (the Hugging Face export/import and tokenizer tests,
-    # the loss plots, the lint test); scripts/setup_env.sh installs them, so only CUDA
-    # tests skip. ruff is pinned to a minor release: its formatter's style changes between
-    # them, and tests/test_lint.py holds the tree to one style.
+    # the loss plots, the lint test, scripts/test.sh's test workers); scripts/setup_env.sh
+    # installs them, so only CUDA tests skip. ruff is pinned to a minor release: its
+    # formatter's style changes between them, and tests/test_lint.py holds the tree to one
+    # style.
     extras_require={
         "test": [
             "pytest",
+            "pytest-xdist",
             "transformers",
             "safetensors",
             "tokenizers",

@@ -7,6 +7,7 @@ Both hooks read an environment variable and do nothing without it:
                                                     point of a checkpoint save
   MP_OFFLOAD_FAULT_STALL=<rank>:<iteration>:<secs>  stall that global rank (RANK) after
                                                     that iteration, as a hung rank would
+                                                    (a SIGTERM ends the stall)
   MP_OFFLOAD_CKPT_ENOSPC=<point>[:<iteration>]      raise ENOSPC (a full disk) there instead
   MP_OFFLOAD_FAULT_STOP=<rank>:<iteration>          SIGSTOP that global rank as it starts
                                                     that iteration (the others then wait
@@ -31,7 +32,23 @@ def after_iteration(iteration: int) -> None:
     if stall:
         rank, at, seconds = stall.split(":")
         if iteration == int(at) and os.environ.get("RANK", "0") == rank:
-            time.sleep(float(seconds))
+            _stall(float(seconds))
+
+
+def _stall(seconds: float) -> None:
+    """Sleep, but end early on SIGTERM and pass it on to the loop's own handler: torchrun
+    SIGTERMs the other workers once one has failed and SIGKILLs them only 30 s later
+    (whatever --shutdown-timeout says), a wait the tests would spend for nothing."""
+    asked: list[int] = []
+    loop_handler = signal.signal(signal.SIGTERM, lambda *_: asked.append(1))
+    try:
+        deadline = time.monotonic() + seconds
+        while not asked and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGTERM, loop_handler)
+    if asked and callable(loop_handler):
+        loop_handler(signal.SIGTERM, None)
 
 
 def before_iteration(iteration: int) -> None:

@@ -4,4 +4,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 export OMP_NUM_THREADS=1
-exec "${PYTHON:-python3}" -m pytest -q "$@"
+# Test processes (pytest-xdist; work stealing keeps them all busy to the end): most
+# of the suite's time is spent waiting (process start-up, torch imports, gloo rendezvous),
+# so two workers on two cores take about half the time. At most 4: each multi-process test
+# starts up to 4 ranks of its own. PYTEST_WORKERS=0 runs them in this one process.
+workers=${PYTEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
+exec "${PYTHON:-python3}" -m pytest -q -n "$workers" --dist worksteal "$@"

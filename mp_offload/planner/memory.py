@@ -56,7 +56,7 @@ from ..optimizer.base import DEFAULT_BUCKET_SIZE
 from ..optimizer.options import OptimizerOptions
 from ..optimizer.placement import placement
 from .activations import estimate_activations
-from .shapes import RankShapes, meta_named_params, rank_shapes, spec_named_params
+from .shapes import RankShapes, meta_named_params, rank_shapes, spec_rank_shapes
 
 GiB = 1 << 30
 # Device memory a plan leaves free by default: the larger of this share and this many GiB.
@@ -280,12 +280,11 @@ def plan_job(run: Run, hw: Hardware, source: str = "spec") -> JobPlan:
     kinds: dict[tuple, RankPlan] = {}
     tp_ranks = range(run.tp) if source == "meta" else [0]
     for r in tp_ranks:
-        named = (
-            meta_named_params(run.cfg, run.tp, r)
+        shapes = (
+            rank_shapes(meta_named_params(run.cfg, run.tp, r), run.dp, run.bucket_size, tp_rank=r)
             if source == "meta"
-            else spec_named_params(run.cfg, run.tp)
+            else spec_rank_shapes(run.cfg, run.tp, run.dp, run.bucket_size)
         )
-        shapes = rank_shapes(named, run.dp, run.bucket_size, tp_rank=r)
         device, host, phase = plan_rank(run, shapes, hw)
         key = (tuple(device.items()), tuple(host.items()))
         if key in kinds:

@@ -120,7 +120,7 @@ def check_spec(cfg: GPTConfig, tp: int, tp_rank: int = 0) -> None:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class RankShapes:
     """The exact element counts one rank allocates (see ZeroOptimizer)."""
 
@@ -142,6 +142,18 @@ class RankShapes:
         """Elements of the slice kept on the device at this offload fraction (the
         optimizer's own split, ``device_share.split_buckets``)."""
         return sum(self.chunks[: split_buckets(self.chunks, offload_fraction)])
+
+
+def spec_rank_shapes(cfg: GPTConfig, tp: int, dp: int, bucket_size: int) -> RankShapes:
+    """``rank_shapes`` of the written-down shapes, memoised: the planner's searches ask
+    for the same few dozen models thousands of times, and each layout takes milliseconds."""
+    key = (tuple(vars(cfg).items()), tp, dp, bucket_size)
+    if key not in _SPEC_SHAPES:
+        _SPEC_SHAPES[key] = rank_shapes(spec_named_params(cfg, tp), dp, bucket_size)
+    return _SPEC_SHAPES[key]
+
+
+_SPEC_SHAPES: dict[tuple, RankShapes] = {}
 
 
 def rank_shapes(

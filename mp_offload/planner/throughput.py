@@ -67,7 +67,7 @@ from ..ops.traffic import accumulate_arrays, adam_arrays, bytes_per_element, pub
 from ..optimizer.base import DEFAULT_BUCKET_SIZE
 from ..optimizer.device_share import split_buckets
 from .overlap_schedule import Overlap, buckets, keeping_up_backward, schedule
-from .shapes import rank_shapes, spec_named_params
+from .shapes import spec_rank_shapes
 
 
 @dataclass
@@ -257,7 +257,7 @@ def step_time(
     reduce_bytes: int | None = None,
 ) -> StepTime:
     dp = _data_parallel(gpus, tp, mode)
-    shapes = rank_shapes(spec_named_params(cfg, tp), dp, bucket_size)
+    shapes = spec_rank_shapes(cfg, tp, dp, bucket_size)
     n, P, e, r = shapes.slice_numel, shapes.flat_numel, elem_bytes, reduce_bytes or elem_bytes
     kept = shapes.device_share(offload_fraction) if mode == "offload" else 0
     n -= kept  # partial offload: the host terms count the host part only
