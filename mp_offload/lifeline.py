@@ -24,6 +24,15 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _PARENT = os.getppid()
 
 
+def _forked() -> None:
+    """A process forked after the import (a fork server's worker) has its forker as parent."""
+    global _PARENT
+    _PARENT = os.getppid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def launched() -> bool:
     """Started by a launcher (torchrun and torch.multiprocessing set LOCAL_RANK). A plain
     ``python pretrain_gpt.py`` under nohup must outlive its shell, so it is left alone."""

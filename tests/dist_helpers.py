@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from multiprocessing import reduction
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args):
+# Ranks start from a fork server that has torch and the training loop imported already:
+# a spawned rank spent 2-8 s importing them, the tests' largest cost (about 150 runs).
+# Forked ranks inherit the server's environment and directory, so each rank takes the
+# caller's (as a spawned one would).
+mp.set_forkserver_preload(["torch", "mp_offload.training", "dist_helpers"])
+
+
+class _CallerOutput:
+    """The caller's stdout and stderr, handed to each forked rank as it starts (a fork
+    server's own are those of whichever test started it, e.g. another test's capture)."""
+
+    def __reduce__(self):
+        return _take_output, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _take_output(out, err):
+    os.dup2(out.detach(), 1)
+    os.dup2(err.detach(), 2)
+
+
+def _entry(rank, world, port, env, cwd, output, fn, args):
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -44,7 +68,11 @@ def _entry(rank, world, port, fn, args):
 def run_distributed(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; re-raise any failure."""
     mp.start_processes(
-        _entry, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="spawn"
+        _entry,
+        args=(world, free_port(), dict(os.environ), os.getcwd(), _CallerOutput(), fn, args),
+        nprocs=world,
+        join=True,
+        start_method="forkserver",
     )
 
 

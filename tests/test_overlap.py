@@ -156,18 +156,20 @@ def test_the_speculative_adam_runs_on_the_worker_while_backward_goes_on():
     """Each host bucket's Adam is queued during backward and runs on the worker thread:
     backward returns while the first call is still held (a gate) on that thread."""
     model, opt = _build(True, dtype=torch.bfloat16, micro_batches=1, clip_grad=0.0)
-    gate, calls, real = threading.Event(), [], opt._adam
+    gate, entered, calls, real = threading.Event(), threading.Event(), [], opt._adam
 
     def held(*a, **k):
         calls.append(threading.current_thread().name)
+        entered.set()
         assert gate.wait(30), "the gate was never opened"
         real(*a, **k)
 
     opt._adam = held
     t = _tokens(0)
     opt.zero_grad(lr=HP["lr"])
-    opt.backward(model(t[:, :-1], t[:, 1:]).mean())
-    assert calls == ["host-grad-accumulate"], calls  # started, held, backward returned
+    opt.backward(model(t[:, :-1], t[:, 1:]).mean())  # returns: it does not wait for Adam
+    assert entered.wait(30), "no Adam call was queued during backward"
+    assert calls == ["host-grad-accumulate"], calls  # the first call, held on the worker
     gate.set()
     opt.step(HP["lr"])
     assert len(calls) == len(opt._pieces) > 1

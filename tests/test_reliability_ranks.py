@@ -208,6 +208,19 @@ def test_worker_exits_when_its_launcher_is_killed(tmp_path):
     assert read_latest(str(ck)) == last, "the finished step must be saved"
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_process_forked_after_the_import_takes_its_forker_as_its_launcher():
+    """A fork server's worker (the tests' ranks) is forked after the import recorded the
+    parent: its launcher is the process that forked it, not that one's parent."""
+    from mp_offload import lifeline
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if lifeline._PARENT == os.getppid() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child kept its forker's parent"
+
+
 def test_the_kill_once_fault_kills_exactly_one_of_the_ranks_that_race_for_it(tmp_path):
     """MP_OFFLOAD_FAULT_ONCE: ranks reaching the iteration together must not both find the
     marker missing and both die (the probe's "a rank is killed" case then had no survivor
