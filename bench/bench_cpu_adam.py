@@ -50,6 +50,7 @@ artefact of allocation order rather than of the optimizer.
 
 import argparse
 import ctypes
+import gc
 import json
 import os
 import platform
@@ -209,7 +210,9 @@ def _q8(P):
 def _torch_ref(P):
     tp = torch.nn.Parameter(_randn(P))
     tp.grad = _randn(P)
-    return tp, torch.optim.AdamW([tp], **HP, fused=True)
+    fused = torch.optim.AdamW([tp], **HP, fused=True)
+    fused.step()  # its lazy state now, beside its param
+    return tp, fused
 
 
 _BF = torch.bfloat16
@@ -380,6 +383,7 @@ def time_round(traffic, members, P, lib, ctx):
             fn()
             times[key].append(time.perf_counter() - t0)
             faults[key].append(_faults() - f0)
+    del ctx["scratch"]
     return times, faults, pats
 
 
@@ -412,10 +416,13 @@ def _result(n, key, label, nbytes, times, faults, ceil_key):
 def bench_size(n, rows, ds_cls, lib):
     """Every round of the rows chosen at n elements: (results, ceiling, checks)."""
     persist = Pool(n, ds_cls)
+    for name in {b for r in rows for b in r.buffers} & set(cr.PERSISTENT):
+        persist[name]  # first, below every round's buffers: a round frees into one gap
     ctx = {"step": 0}
     results, ceiling, round_of = {}, {}, {}
     for traffic, members in cr.rounds(rows, hc.TRAFFIC):
         times, faults, pats = time_round(traffic, members, Pool(n, ds_cls, persist), lib, ctx)
+        gc.collect()  # torch's optimizers sit in reference cycles: free the round's now
         best, t = hc.best_of({p: times[k] for p, k in pats.items()})
         nbytes = hc.TRAFFIC[traffic][0]
         c = ceiling[traffic] = {
