@@ -8,7 +8,12 @@ round hurts all alike) and freed before the next class: a run holds one class's
 buffers, not every row's, and refuses (naming --sizes) before allocating what would not
 fit in MemAvailable. ``--rows 12,14`` (numbers or names) runs a subset alone. Each row
 is warmed up once (allocating lazy optimizer state), then timed per step; the table
-shows the median (and the minimum, for noisy machines).
+shows the median (and the minimum, for noisy machines). Each timed step is the second of
+two back to back (--cold: the first): on a VM the first touch of a page after a pause can
+cost a fault on the host's side (the development host: +24 ms on a 32 ms step at 5e7
+after 3 s idle, +240 ms at 2e8), so a row that followed another on the same buffers ran
+faster than one that did not -- rows (1) and (6), the same work, read 60% and 86% of
+the ceiling in one run, and 92% and 95% with the untimed step before each.
 
 Memory freed in the process stays in it (glibc: no mmap for big blocks, no trim;
 --release-memory for the defaults): on a VM with free page reporting (virtio-balloon;
@@ -88,6 +93,11 @@ def _parse_args():
         "--release-memory",
         action="store_true",
         help="glibc's defaults: freed big blocks go back to the kernel (see above)",
+    )
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="time each row's first step of a round (default: the second of two back to back)",
     )
     ap.add_argument("--json", metavar="FILE", help="also write results as JSON")
     return ap.parse_args()
@@ -378,6 +388,8 @@ def time_round(traffic, members, P, lib, ctx):
     for r in range(ARGS.repeats):
         k = r % len(order)
         for key, fn in order[k:] + order[:k]:  # rotate the starting row
+            if not ARGS.cold:
+                fn()  # untimed: the row's page translations and lines back (see above)
             f0 = _faults()
             t0 = time.perf_counter()
             fn()
