@@ -85,11 +85,12 @@ def test_bytes_needed_is_the_reference_plus_the_largest_round():
     ceiling = {c: (10, "gbf") for c in ORDER} | {"fp32": (12, "g32")}
     need = cr.bytes_needed(cr.select("12,18"), 1000, ceiling)
     # rem: hi, lo, fp32 moments (12) + bf16 grads (2) + scratch 10
-    assert need == {"total": cr.HEADROOM * 24_000, "persistent": 0, "largest": ("rem", 24_000)}
+    total = cr.HEADROOM * 24_000 + cr.BASE
+    assert need == {"total": total, "persistent": 0, "largest": ("rem", 24_000)}
     need = cr.bytes_needed(cr.select("1,6,7,19"), 1000, ceiling)
     # fp32: state 12 + g32 4 + dst 12 + scratch 12 = 40; torch's 16 kept throughout
     assert need["persistent"] == 16_000 and need["largest"] == ("fp32", 40_000)
-    assert need["total"] == pytest.approx(cr.HEADROOM * 56_000)
+    assert need["total"] == pytest.approx(cr.HEADROOM * 56_000 + cr.BASE)
 
 
 def test_refusal_names_sizes_only_when_over_the_available_share():
