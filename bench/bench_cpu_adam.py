@@ -1,11 +1,27 @@
 """Benchmark the fused CPU Adam (mp_offload.ops.cpu_adam) against torch and DeepSpeed.
 
-All rows run side by side in one process on the same sizes, round-robin (one step of
-every row per repeat; rows of the same traffic -- ours, its peers, that traffic's
-ceiling patterns -- back to back; the starting row rotating from repeat to repeat), so
-a noisy neighbour or a position in the round hurts all rows alike. Each row is warmed up once
-(allocating lazy optimizer state), then timed per step; the table shows the median
-(and the minimum, for noisy machines).
+One traffic class at a time (bench/cpu_adam_rows.py): its rows, the rows its checks
+compare them with, torch's fused AdamW (the "vs fused" reference) and the class's
+ceiling patterns are allocated, timed round-robin (one step of each per repeat, the
+starting row rotating from repeat to repeat, so a noisy neighbour or a position in the
+round hurts all alike) and freed before the next class: a run holds one class's
+buffers, not every row's, and refuses (naming --sizes) before allocating what would not
+fit in MemAvailable. ``--rows 12,14`` (numbers or names) runs a subset alone. Each row
+is warmed up once (allocating lazy optimizer state), then timed per step; the table
+shows the median (and the minimum, for noisy machines). Each timed step is the second of
+two back to back (--cold: the first): on a VM the first touch of a page after a pause can
+cost a fault on the host's side (the development host: +24 ms on a 32 ms step at 5e7
+after 3 s idle, +240 ms at 2e8), so a row that followed another on the same buffers ran
+faster than one that did not -- rows (1) and (6), the same work, read 60% and 86% of
+the ceiling in one run, and 92% and 95% with the untimed step before each.
+
+Memory freed in the process stays in it (glibc: no mmap for big blocks, no trim;
+--release-memory for the defaults): on a VM with free page reporting (virtio-balloon;
+this project's development host is one) memory given back to the kernel goes to the
+host, and taking it again costs ~2 ms per MB in page faults; torch's foreach AdamW
+allocates ~12 B per element each step, which made it and the row after it 10-100%
+slower (docs/PERFORMANCE.md, "1b, fourth look"). "faults" in the JSON counts the page
+faults of each row's timed steps (0 expected for ours).
 
 "GB/s eff." = bytes the step must move per element x elements / time:
   fp32 Adam step: read p, g, m, v + write p, m, v = 28 B; + bf16 copy out = 30 B;
@@ -33,13 +49,17 @@ Buffers come from torch's allocator with transparent huge pages
 whichever buffers were allocated first 10-15% slower on some hosts (VMs), an
 artefact of allocation order rather than of the optimizer.
 
-  python bench/bench_cpu_adam.py [--sizes 10e6,100e6] [--repeats 7] [--threads N] [--json out.json]
+  python bench/bench_cpu_adam.py [--sizes 10e6,100e6] [--repeats 7] [--threads N] [--rows 1,6,12]
+                                [--json out.json]
 """
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -64,11 +84,37 @@ def _parse_args():
     ap.add_argument(
         "--no-thp", action="store_true", help="plain 4 KiB pages (no THP_MEM_ALLOC_ENABLE)"
     )
+    ap.add_argument(
+        "--rows",
+        default="all",
+        help="comma-separated rows by number or name (default all; see bench/cpu_adam_rows.py)",
+    )
+    ap.add_argument(
+        "--release-memory",
+        action="store_true",
+        help="glibc's defaults: freed big blocks go back to the kernel (see above)",
+    )
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="time each row's first step of a round (default: the second of two back to back)",
+    )
     ap.add_argument("--json", metavar="FILE", help="also write results as JSON")
     return ap.parse_args()
 
 
+def _keep_freed_memory():
+    """glibc: big blocks from the heap (no mmap) and no trimming, so memory freed here is
+    reused here and never handed back to the kernel (and from there to the host)."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    m_trim_threshold, m_mmap_max = -1, -4  # malloc.h; a threshold of -1 is SIZE_MAX
+    return libc.mallopt(m_mmap_max, 0) == 1 and libc.mallopt(m_trim_threshold, -1) == 1
+
+
 ARGS = _parse_args()
+KEEP_MEMORY = not ARGS.release_memory and _keep_freed_memory()
 # Before torch/DeepSpeed load libgomp: every OpenMP runtime in the process gets the same count.
 os.environ["OMP_NUM_THREADS"] = str(ARGS.threads)
 if not ARGS.no_thp:
@@ -80,7 +126,9 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 # This checkout's package (and in-place extension), not whichever mp_offload is installed.
 sys.path[:0] = [BENCH, os.path.dirname(BENCH)]
 import bench_host_ceiling as hc
+import cpu_adam_rows as cr
 
+from mp_offload.device_proof.calibrate import host_memory_bytes
 from mp_offload.ops import cpu_adam as ca
 
 HP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
@@ -150,333 +198,270 @@ def _decay_runs(n):
     return [(s, min(n, s + step - gap)) for s in range(0, n - 1, step)]
 
 
-def bench_size(n, ds_cls, ds_note, lib):
-    gen = torch.Generator().manual_seed(0)
-    # ours: one fp32 state set, grads in all three dtypes, a bf16 copy-out buffer
-    p, m, v = torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)
-    g32 = torch.randn(n, generator=gen)
-    g16, gbf = g32.half(), g32.bfloat16()
-    out = torch.empty(n, dtype=torch.bfloat16)
-    # ours with bf16 moments: its own param and bf16 exp_avg / exp_avg_sq
-    pb, mb, vb = (
-        torch.randn(n, generator=gen),
-        torch.zeros(n, dtype=torch.bfloat16),
-        torch.zeros(n, dtype=torch.bfloat16),
-    )
-    # ours with remainders: the halves of p's copy (fp32 moments) and of pb's (bf16 moments)
-    rem = (*ca.split_fp32(p), m.clone(), v.clone())
-    remb = (*ca.split_fp32(pb), mb.clone(), vb.clone())
-    # ours with 8-bit moments (plausible ones): fp32 master, and remainders; bf16 grads
-    pq, mq = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3
-    q8 = (ca.quantize_8bit(mq, "exp_avg"), ca.quantize_8bit(mq * mq, "exp_avg_sq"))
-    remq = (*ca.split_fp32(pq), *(ca.Blockwise8(q.codes.clone(), q.scales.clone()) for q in q8))
-    # torch / DeepSpeed: one big param with an fp32 grad, each optimizer with its own state
-    tp = torch.nn.Parameter(torch.randn(n, generator=gen))
-    tp.grad = torch.randn(n, generator=gen)
-    tout = torch.empty(n, dtype=torch.bfloat16)
+def _randn(P):
+    return torch.randn(P.n, generator=P.gen)
+
+
+def _zeros(P, dtype=torch.float32):
+    return torch.zeros(P.n, dtype=dtype)
+
+
+def _halves(P):
+    hi, lo = ca.split_fp32(_randn(P))
+    return hi, lo
+
+
+def _q8(P):
+    """Plausible 8-bit moments: codes of small values and of their squares."""
+    m = _randn(P) * 1e-3
+    return ca.quantize_8bit(m, "exp_avg"), ca.quantize_8bit(m * m, "exp_avg_sq")
+
+
+def _torch_ref(P):
+    tp = torch.nn.Parameter(_randn(P))
+    tp.grad = _randn(P)
     fused = torch.optim.AdamW([tp], **HP, fused=True)
-    foreach = torch.optim.AdamW([tp], **HP, foreach=True)
-    ds = ds_cls([tp], **HP, adamw_mode=True) if ds_cls else None
+    fused.step()  # its lazy state now, beside its param
+    return tp, fused
 
-    step = [0]
-    runs = _decay_runs(n)
 
-    # out of place: row (1)'s and row (12)'s state read, the new state written into these
-    dst = {
-        "param_dst": torch.empty(n),
-        "exp_avg_dst": torch.empty(n),
-        "exp_avg_sq_dst": torch.empty(n),
-    }
-    rem_names = ("param_hi_dst", "param_lo_dst", "exp_avg_dst", "exp_avg_sq_dst")
-    rem_dst = dict(zip(rem_names, (torch.empty_like(t) for t in rem)))
+_BF = torch.bfloat16
+# buffer name (cpu_adam_rows.BUFFERS) -> its maker
+MAKERS = {
+    "g32": _randn,
+    "gbf": lambda P: _randn(P).to(_BF),
+    "g16": lambda P: _randn(P).half(),
+    "out": lambda P: torch.empty(P.n, dtype=_BF),
+    "tout": lambda P: torch.empty(P.n, dtype=_BF),
+    "state": lambda P: (_randn(P), _zeros(P), _zeros(P)),
+    "state_bf16mom": lambda P: (_randn(P), _zeros(P, _BF), _zeros(P, _BF)),
+    "state_q8": lambda P: (_randn(P), *_q8(P)),
+    "rem": lambda P: (*_halves(P), _zeros(P), _zeros(P)),
+    "rem_bf16mom": lambda P: (*_halves(P), _zeros(P, _BF), _zeros(P, _BF)),
+    "rem_q8": lambda P: (*_halves(P), *_q8(P)),
+    "dst": lambda P: {k: torch.empty(P.n) for k in ("param_dst", "exp_avg_dst", "exp_avg_sq_dst")},
+    "rem_dst": lambda P: {
+        "param_hi_dst": torch.empty(P.n, dtype=_BF),
+        "param_lo_dst": torch.empty(P.n, dtype=torch.int16),
+        "exp_avg_dst": torch.empty(P.n),
+        "exp_avg_sq_dst": torch.empty(P.n),
+    },
+    "torch_ref": _torch_ref,
+    "foreach": lambda P: torch.optim.AdamW([P["torch_ref"][0]], **HP, foreach=True),
+    "deepspeed": lambda P: P.ds_cls([P["torch_ref"][0]], **HP, adamw_mode=True),
+}
 
-    def ours(grad, param_out=None, decay_runs=None, state=(p, m, v), dsts=None):
+
+def _nbytes(obj):
+    """Bytes of the tensors in ``obj`` (None when it holds something else: an optimizer)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    parts = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, tuple) else None
+    sizes = [_nbytes(x) for x in parts] if parts is not None else [None]
+    return None if None in sizes else sum(sizes)
+
+
+class Pool:
+    """One round's buffers, made on first use by name (persistent ones by the parent
+    pool); each tensor buffer held to its bytes in cpu_adam_rows.BUFFERS."""
+
+    def __init__(self, n, ds_cls=None, parent=None):
+        self.n, self.ds_cls, self.parent, self.made = n, ds_cls, parent, {}
+        self.gen = torch.Generator().manual_seed(0)
+
+    def __getitem__(self, name):
+        if self.parent is not None and name in cr.PERSISTENT:
+            return self.parent[name]
+        if name not in self.made:
+            obj = self.made[name] = MAKERS[name](self)
+            got, want = _nbytes(obj), cr.BUFFERS[name] * self.n
+            assert got is None or abs(got - want) <= 8, f"{name}: {got} B, {want:.0f} B declared"
+        return self.made[name]
+
+
+def _ours(grad, out=None, state="state", decay=False, dsts=None):
+    def build(P, ctx):
+        p, m, v = P[state]
+        g, o, d = P[grad], P[out] if out else None, P[dsts] if dsts else {}
+        runs = _decay_runs(P.n) if decay else None
+        beta1, beta2 = HP["betas"]
+        hp = dict(lr=HP["lr"], beta1=beta1, beta2=beta2, eps=HP["eps"])
+
         def run():
-            step[0] += 1
-            ca.adam_step(
-                state[0],
-                grad,
-                state[1],
-                state[2],
-                step=step[0],
-                lr=HP["lr"],
-                beta1=HP["betas"][0],
-                beta2=HP["betas"][1],
-                eps=HP["eps"],
-                weight_decay=HP["weight_decay"],
-                adamw=True,
-                param_out=param_out,
-                decay_runs=decay_runs,
-                **(dsts or {}),
+            ctx["step"] += 1
+            wd = HP["weight_decay"]
+            kw = dict(step=ctx["step"], weight_decay=wd, adamw=True, param_out=o, decay_runs=runs)
+            ca.adam_step(p, g, m, v, **hp, **kw, **d)
+
+        return run
+
+    return build
+
+
+def _ours_rem(state, dsts=None):
+    def build(P, ctx):
+        hi, lo, m, v = P[state]
+        g, d = P["gbf"], P[dsts] if dsts else {}
+        beta1, beta2 = HP["betas"]
+        hp = dict(lr=HP["lr"], eps=HP["eps"], weight_decay=HP["weight_decay"])
+
+        def run():
+            ctx["step"] += 1
+            ca.adam_step_remainder(
+                hi, lo, g, m, v, step=ctx["step"], beta1=beta1, beta2=beta2, **hp, **d
             )
 
         return run
 
-    def ours_rem(state, dsts=None):
-        def run():
-            step[0] += 1
-            beta1, beta2 = HP["betas"]
-            hp = {"lr": HP["lr"], "eps": HP["eps"], "weight_decay": HP["weight_decay"]}
-            hi, lo, m, v = state
-            kw = dict(step=step[0], beta1=beta1, beta2=beta2, **hp, **(dsts or {}))
-            ca.adam_step_remainder(hi, lo, gbf, m, v, **kw)
+    return build
 
-        return run
 
-    def fused_copy():
+def _fused_copy(P, ctx):
+    (tp, fused), tout = P["torch_ref"], P["tout"]
+
+    def run():
         fused.step()
         tout.copy_(tp.detach())
 
-    # (key, label, bytes/element, fn, traffic class for "of ceil.")
-    rows = [
-        ("ours_fp32", "(1) ours fp32 grads", 28, ours(g32), "fp32"),
-        (
-            "ours_fp32_bf16out",
-            "(2) ours fp32 grads + bf16 param_out",
-            30,
-            ours(g32, out),
-            "fp32+bf16out",
-        ),
-        ("ours_bf16g", "(3) ours bf16 grads", 26, ours(gbf), "bf16grad"),
-        ("ours_fp16g", "(4) ours fp16 grads", 26, ours(g16), "bf16grad"),
-        (
-            "ours_bf16mom",
-            "(5) ours bf16 exp_avg + exp_avg_sq",
-            20,
-            ours(g32, state=(pb, mb, vb)),
-            "bf16mom",
-        ),
-        (
-            "ours_decay_runs",
-            f"(6) ours fp32, decay_runs ({len(runs)} runs)",
-            28,
-            ours(g32, decay_runs=runs),
-            "fp32",
-        ),
-        ("torch_fused", "(7) torch AdamW(fused=True)", 28, fused.step, "fp32"),
-        ("torch_fused_copy", "(8) torch fused + out.copy_(p) bf16", 30, fused_copy, "fp32+bf16out"),
-        ("torch_foreach", "(9) torch AdamW(foreach=True)", 28, foreach.step, "fp32"),
-    ]
-    if ds is not None:
-        rows.append(("deepspeed", "(10) DeepSpeedCPUAdam", 28, ds.step, "fp32"))
-    rows += [  # a bf16 model's step: today's (fp32 master + bf16 copy) and with remainders
-        (
-            "ours_bf16g_out",
-            "(11) ours bf16 grads + bf16 param_out",
-            28,
-            ours(gbf, out),
-            "bf16g+out",
-        ),
-        ("ours_rem", "(12) ours remainders (hi + lo), bf16 grads", 26, ours_rem(rem), "rem"),
-        (
-            "ours_bf16g_bf16mom_out",
-            "(13) ours bf16 grads + bf16 moments + param_out",
-            20,
-            ours(gbf, out, state=(pb, mb, vb)),
-            "bf16g+bf16mom+out",
-        ),
-        (
-            "ours_rem_bf16mom",
-            "(14) ours remainders + bf16 moments",
-            18,
-            ours_rem(remb),
-            "rem+bf16mom",
-        ),
-    ]
-    rows += [  # block-wise 8-bit moments
-        (
-            "ours_q8mom",
-            "(17) ours 8-bit moments, bf16 grads + param_out",
-            16,
-            ours(gbf, out, state=(pq, *q8)),
-            "q8mom",
-        ),
-        ("ours_rem_q8mom", "(18) ours remainders + 8-bit moments", 14, ours_rem(remq), "rem+q8mom"),
-    ]
-    rows += [  # out of place (*_dst): the same bytes as in place, so the same time
-        ("ours_fp32_oop", "(19) ours fp32 grads, out of place", 28, ours(g32, dsts=dst), "fp32"),
-        ("ours_rem_oop", "(20) ours remainders, out of place", 26, ours_rem(rem, rem_dst), "rem"),
-    ]
-    # the ceiling: every pattern of every traffic class is a row of the round-robin too
-    scratch = {}
-    shared = {"grad": g32}
-    ceil_rows = []  # (traffic, pattern, key)
-    for traffic in hc.TRAFFIC:
-        grad_dtype = next(dt for name, dt, _ in hc.TRAFFIC[traffic][1] if name == "grad")
-        sh = dict(shared, grad=gbf) if grad_dtype == "bfloat16" else shared
-        ceiling = hc.HostCeiling(lib, torch, n, ARGS.threads, traffic, shared=sh, scratch=scratch)
-        for pattern, fn in ceiling.patterns():
-            key = f"ceil_{traffic}_{pattern}"
-            rows.append((key, None, ceiling.bytes_per_elem, fn, None))
-            ceil_rows.append((traffic, pattern, key))
-    sp, sm, sv = (
-        scratch[("param", "float32")],
-        scratch[("exp_avg", "float32")],
-        scratch[("exp_avg_sq", "float32")],
-    )
-    rows.append(
-        (
-            "stream_probe",
-            "(16) stream_probe (our pattern), 28 B",
-            28,
-            lambda: ca.stream_probe(sp, g32, sm, sv),
-            "fp32",
-        )
-    )
+    return run
 
-    # Execution order: rows that are compared with each other run next to each other
-    # (same traffic class: ours, its peers, that class's ceiling patterns), so paired
-    # ratios compare steps taken moments apart; foreach (slow) runs last.
-    by_traffic = {
-        tr: [r for r in rows if r[4] == tr and r[0] != "torch_foreach"] for tr in hc.TRAFFIC
-    }
-    for tr, _pattern, key in ceil_rows:
-        by_traffic[tr].append(next(r for r in rows if r[0] == key))
-    order = [r for tr in hc.TRAFFIC for r in by_traffic[tr]] + [
-        r for r in rows if r[0] == "torch_foreach"
-    ]
-    assert len(order) == len(rows)
 
-    for _, _, _, fn, _ in order:  # warm-up: lazy state, page faults, JIT
+def _stream_probe(P, ctx):
+    s = ctx["scratch"]
+    sp, sm, sv = (s[(name, "float32")] for name in ("param", "exp_avg", "exp_avg_sq"))
+    g = P["g32"]
+    return lambda: ca.stream_probe(sp, g, sm, sv)
+
+
+BUILD = {  # row key (cpu_adam_rows.ROWS) -> (pool, ctx) -> the step to time
+    "ours_fp32": _ours("g32"),
+    "ours_fp32_bf16out": _ours("g32", "out"),
+    "ours_bf16g": _ours("gbf"),
+    "ours_fp16g": _ours("g16"),
+    "ours_bf16mom": _ours("g32", state="state_bf16mom"),
+    "ours_decay_runs": _ours("g32", decay=True),
+    "torch_fused": lambda P, ctx: P["torch_ref"][1].step,
+    "torch_fused_copy": _fused_copy,
+    "torch_foreach": lambda P, ctx: P["foreach"].step,
+    "deepspeed": lambda P, ctx: P["deepspeed"].step,
+    "ours_bf16g_out": _ours("gbf", "out"),
+    "ours_rem": _ours_rem("rem"),
+    "ours_bf16g_bf16mom_out": _ours("gbf", "out", state="state_bf16mom"),
+    "ours_rem_bf16mom": _ours_rem("rem_bf16mom"),
+    cr.PROBE: _stream_probe,
+    "ours_q8mom": _ours("gbf", "out", state="state_q8"),
+    "ours_rem_q8mom": _ours_rem("rem_q8"),
+    "ours_fp32_oop": _ours("g32", dsts="dst"),
+    "ours_rem_oop": _ours_rem("rem", "rem_dst"),
+}
+assert set(BUILD) == set(cr.BY_KEY)
+
+
+def ceiling_needs():
+    """class -> (scratch bytes per element, the grad buffer the patterns share)."""
+    out = {}
+    for traffic, (_, spec) in hc.TRAFFIC.items():
+        grad = "gbf" if dict((a, dt) for a, dt, _ in spec)["grad"] == "bfloat16" else "g32"
+        size = sum(getattr(torch, dt).itemsize for a, dt, _ in spec if a != "grad")
+        out[traffic] = (size, grad)
+    return out
+
+
+def _faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def time_round(traffic, members, P, lib, ctx):
+    """Allocate the round's rows and ceiling patterns, warm up, time them round-robin.
+    Returns ({key: [s]}, {key: [page faults]}, {pattern: key})."""
+    grad = ceiling_needs()[traffic][1]
+    ctx["scratch"] = scratch = {}
+    ceiling = hc.HostCeiling(lib, torch, P.n, ARGS.threads, traffic, {"grad": P[grad]}, scratch)
+    patterns = ceiling.patterns()
+    pats = {pattern: f"ceil_{traffic}_{pattern}" for pattern, _ in patterns}
+    order = [(r.key, BUILD[r.key](P, ctx)) for r in members]
+    order += [(pats[pattern], fn) for pattern, fn in patterns]
+    for _, fn in order:  # warm-up: lazy state, page faults, JIT
         fn()
-    times = {key: [] for key, *_ in order}
+    times = {key: [] for key, _ in order}
+    faults = {key: [] for key, _ in order}
     for r in range(ARGS.repeats):
         k = r % len(order)
-        for key, _, _, fn, _ in order[k:] + order[:k]:  # rotate the starting row
+        for key, fn in order[k:] + order[:k]:  # rotate the starting row
+            if not ARGS.cold:
+                fn()  # untimed: the row's page translations and lines back (see above)
+            f0 = _faults()
             t0 = time.perf_counter()
             fn()
             times[key].append(time.perf_counter() - t0)
+            faults[key].append(_faults() - f0)
+    del ctx["scratch"]
+    return times, faults, pats
 
-    def paired(num, den):
-        """Median over repeats of times[num] / times[den]: a ratio of steps taken side by side."""
-        return statistics.median(a / b for a, b in zip(times[num], times[den]))
 
-    ceiling = {}
-    for traffic, (nbytes, _) in hc.TRAFFIC.items():
-        pats = {pattern: times[key] for tr, pattern, key in ceil_rows if tr == traffic}
-        best, t = hc.best_of(pats)
-        ceiling[traffic] = {
+def _paired(times, num, den):
+    """Median over repeats of times[num] / times[den]: a ratio of steps taken side by side."""
+    if num not in times or den not in times:
+        return None
+    return statistics.median(a / b for a, b in zip(times[num], times[den]))
+
+
+def _result(n, key, label, nbytes, times, faults, ceil_key):
+    t_all = times[key]
+    t = statistics.median(t_all)
+    return {
+        "key": key,
+        "label": label,
+        "n": n,
+        "bytes_per_elem": nbytes,
+        "ms_median": t * 1e3,
+        "ms_min": min(t_all) * 1e3,
+        "times_ms": [round(x * 1e3, 2) for x in t_all],
+        "faults": statistics.median(faults[key]),
+        "params_per_s": n / t,
+        "gbps": nbytes * n / t / 1e9,
+        "frac_ceiling": _paired(times, ceil_key, key),
+        "vs_torch_fused": _paired(times, cr.REFERENCE, key),
+    }
+
+
+def bench_size(n, rows, ds_cls, lib):
+    """Every round of the rows chosen at n elements: (results, ceiling, checks)."""
+    persist = Pool(n, ds_cls)
+    for name in {b for r in rows for b in r.buffers} & set(cr.PERSISTENT):
+        persist[name]  # first, below every round's buffers: a round frees into one gap
+    ctx = {"step": 0}
+    results, ceiling, round_of = {}, {}, {}
+    for traffic, members in cr.rounds(rows, hc.TRAFFIC):
+        times, faults, pats = time_round(traffic, members, Pool(n, ds_cls, persist), lib, ctx)
+        gc.collect()  # torch's optimizers sit in reference cycles: free the round's now
+        best, t = hc.best_of({p: times[k] for p, k in pats.items()})
+        nbytes = hc.TRAFFIC[traffic][0]
+        c = ceiling[traffic] = {
             "bytes_per_elem": nbytes,
             "best": best,
-            "key": f"ceil_{traffic}_{best}",
+            "key": pats[best],
             "ms_median": t * 1e3,
-            "patterns_ms": {k: statistics.median(v) * 1e3 for k, v in pats.items()},
+            "patterns_ms": {p: statistics.median(times[k]) * 1e3 for p, k in pats.items()},
         }
-    results = []
-
-    def row(key, label, nbytes, traffic, out_key=None):
-        t_all = times[key]
-        t = statistics.median(t_all)
-        return {
-            "key": out_key or key,
-            "label": label,
-            "n": n,
-            "bytes_per_elem": nbytes,
-            "ms_median": t * 1e3,
-            "ms_min": min(t_all) * 1e3,
-            "times_ms": [round(x * 1e3, 2) for x in t_all],
-            "params_per_s": n / t,
-            "gbps": nbytes * n / t / 1e9,
-            "frac_ceiling": paired(ceiling[traffic]["key"], key),
-            "vs_torch_fused": paired("torch_fused", key),
-        }
-
-    for key, label, nbytes, _, traffic in rows:
-        if key.startswith("ceil_") or key == "stream_probe":
-            continue
-        results.append(row(key, label, nbytes, traffic))
-        if key == "torch_foreach" and ds is None:
-            results.append(
-                {"key": "deepspeed", "label": "(10) DeepSpeedCPUAdam", "n": n, "skipped": ds_note}
-            )
-    for traffic, c in ceiling.items():
-        r = row(
-            c["key"],
-            f"(15) ceiling {traffic} {c['bytes_per_elem']} B: {c['best']}",
-            c["bytes_per_elem"],
-            traffic,
-            out_key=f"ceiling_{traffic}",
-        )
-        r["pattern"] = c["best"]
-        results.append(r)
-    results.append(row("stream_probe", rows[-1][1], 28, "fp32"))
-
-    checks = [
-        ("ours fp32 >= torch fused (speed ratio)", paired("torch_fused", "ours_fp32"), 1.0),
-        (
-            "ours + bf16 copy >= 1.15x torch fused + copy",
-            paired("torch_fused_copy", "ours_fp32_bf16out"),
-            1.15,
-        ),
-        (
-            "bf16 grads within 10% of fp32 time (1.1 * t_fp32 / t_bf16)",
-            1.10 * paired("ours_fp32", "ours_bf16g"),
-            1.0,
-        ),
-        (
-            "decay_runs within 3% of one decay (1.03 * t_fp32 / t_runs)",
-            1.03 * paired("ours_fp32", "ours_decay_runs"),
-            1.0,
-        ),
-        (
-            "ours fp32 within 10% of ceiling (t_ceiling / t_ours)",
-            paired(ceiling["fp32"]["key"], "ours_fp32"),
-            0.90,
-        ),
-        (
-            "ours + bf16 copy within 10% of ceiling",
-            paired(ceiling["fp32+bf16out"]["key"], "ours_fp32_bf16out"),
-            0.90,
-        ),
-        (
-            "remainders within 10% of ceiling (26 B)",
-            paired(ceiling["rem"]["key"], "ours_rem"),
-            0.90,
-        ),
-        (
-            "remainders + bf16 moments within 10% of ceiling (18 B)",
-            paired(ceiling["rem+bf16mom"]["key"], "ours_rem_bf16mom"),
-            0.90,
-        ),
-        (
-            "remainders at <= 0.95x today's bf16 step (t_today / t_rem)",
-            paired("ours_bf16g_out", "ours_rem"),
-            1 / 0.95,
-        ),
-        (
-            "remainders + bf16 moments at <= 0.95x today's (t_today / t_rem)",
-            paired("ours_bf16g_bf16mom_out", "ours_rem_bf16mom"),
-            1 / 0.95,
-        ),
-        (
-            "out of place at the in-place speed (0.95 * t_in / t_out, fp32)",
-            paired("ours_fp32", "ours_fp32_oop") / 0.95,
-            1.0,
-        ),
-        (
-            "out of place at the in-place speed (0.95 * t_in / t_out, remainders)",
-            paired("ours_rem", "ours_rem_oop") / 0.95,
-            1.0,
-        ),
-        (
-            "8-bit moments within 10% of ceiling (16 B)",
-            paired(ceiling["q8mom"]["key"], "ours_q8mom"),
-            0.90,
-        ),
-        (
-            "remainders + 8-bit moments within 10% of ceiling (14 B)",
-            paired(ceiling["rem+q8mom"]["key"], "ours_rem_q8mom"),
-            0.90,
-        ),
-    ]
-    if ds is not None:
-        checks.insert(
-            1, ("ours fp32 >= DeepSpeed (speed ratio)", paired("deepspeed", "ours_fp32"), 1.0)
-        )
-    checks = [
-        {"name": name, "value": val, "target": tgt, "ok": val >= tgt} for name, val, tgt in checks
-    ]
-    return results, ceiling, checks
+        label = f"(15) ceiling {traffic} {nbytes} B: {best}"
+        res = _result(n, c["key"], label, nbytes, times, faults, c["key"])
+        res.update(key=f"ceiling_{traffic}", pattern=best)
+        c["row"] = res
+        for r in members:
+            if r.traffic == traffic:
+                label = f"({r.num}) {r.label}"
+                results[r.key] = _result(n, r.key, label, r.nbytes, times, faults, c["key"])
+                round_of[r.key] = (times, c["key"])
+    checks = []
+    for name, num, den, factor, target in cr.checks_for(rows):
+        times, ceil_key = round_of[den]
+        val = factor * _paired(times, ceil_key if num == cr.CEIL else num, den)
+        checks.append({"name": name, "value": val, "target": target, "ok": val >= target})
+    table = [results[r.key] for r in rows if r.key != cr.PROBE]
+    table += [c.pop("row") for c in ceiling.values()]
+    table += [results[cr.PROBE]] if cr.PROBE in results else []
+    return table, ceiling, checks
 
 
 def _ms(x, width):
@@ -484,7 +469,11 @@ def _ms(x, width):
     return f"{x:{width}.{1 if x >= 1 else 3}f}"
 
 
-def print_table(n, results, ceiling):
+def _pct(x, width):
+    return f"{x:{width}.0%}" if x is not None else f"{'-':>{width}s}"
+
+
+def print_table(n, results, ceiling, notes):
     print(
         f"\n=== n = {n:,} params ({n / 1e6:g}M), threads = {ARGS.threads}, "
         f"simd = {ca.simd_level()} ==="
@@ -496,35 +485,75 @@ def print_table(n, results, ceiling):
     print(hdr)
     print("-" * len(hdr))
     for r in results:
-        if "skipped" in r:
-            print(f"{r['label']:46s} {r['skipped']}")
-            continue
+        vs = f"{r['vs_torch_fused']:8.2f}x" if r["vs_torch_fused"] is not None else f"{'-':>9s}"
         print(
             f"{r['label']:46s} {_ms(r['ms_median'], 9)} {_ms(r['ms_min'], 8)} "
             f"{r['params_per_s'] / 1e6:10.0f} "
-            f"{r['gbps']:10.1f} {r['frac_ceiling']:8.0%} {r['vs_torch_fused']:8.2f}x"
+            f"{r['gbps']:10.1f} {_pct(r['frac_ceiling'], 8)} {vs}"
         )
+    for note in notes:
+        print(note)
     print("ceiling patterns (median ms; * = best):")
-    names = list(next(iter(ceiling.values()))["patterns_ms"])
+    names = list(dict.fromkeys(k for c in ceiling.values() for k in c["patterns_ms"]))
     print(f"  {'traffic':24s}" + "".join(f"{k:>15s}" for k in names))
     for traffic, c in ceiling.items():
         cells = "".join(
-            f"{_ms(c['patterns_ms'][k], 14)}{'*' if k == c['best'] else ' '}" for k in names
+            f"{_ms(c['patterns_ms'][k], 14)}{'*' if k == c['best'] else ' '}"
+            if k in c["patterns_ms"]
+            else f"{'-':>14s} "
+            for k in names
         )
         print(f"  {traffic + ' ' + str(c['bytes_per_elem']) + ' B':24s}{cells}")
+    faulted = [f"{r['label'].split()[0]} {r['faults']:g}" for r in results if r["faults"]]
+    if faulted:
+        print(f"page faults per timed step (median; 0 expected): {', '.join(faulted)}")
+
+
+def _fail(msg):
+    print(f"bench_cpu_adam: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _choose_rows():
+    """(rows, notes, DeepSpeed class): --rows, less DeepSpeed where it cannot run; exits
+    with one line on a bad --rows."""
+    try:
+        rows = cr.select(ARGS.rows)
+    except ValueError as e:
+        _fail(str(e))
+    ds_cls, notes = None, []
+    if any(r.key == "deepspeed" for r in rows):
+        ds_cls, ds_note = _deepspeed_adam()
+        if ds_cls is None:
+            rows = [r for r in rows if r.key != "deepspeed"]
+            notes.append(f"{'(10) DeepSpeedCPUAdam':46s} {ds_note}")
+    if not rows:
+        _fail("--rows: no row left to run")
+    return rows, notes, ds_cls
+
+
+def _refuse_what_does_not_fit(rows, sizes):
+    """Before any allocation: one line naming --sizes if the largest would not fit."""
+    available = host_memory_bytes()
+    for n in sizes:
+        msg = cr.refusal(cr.bytes_needed(rows, n, ceiling_needs()), n, available)
+        if msg:
+            _fail(msg)
 
 
 def main():
     sizes = [int(float(s)) for s in ARGS.sizes.split(",") if s.strip()]
+    rows, notes, ds_cls = _choose_rows()
+    _refuse_what_does_not_fit(rows, sizes)
     ca.set_simd_level(ARGS.simd)
     ca.set_num_threads(ARGS.threads)
     torch.set_num_threads(ARGS.threads)
-    ds_cls, ds_note = _deepspeed_adam()
     lib, why = hc.build_library()
     print(
         f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, load avg "
         f"{os.getloadavg()[0]:.2f}; torch {torch.__version__}; python {platform.python_version()}; "
-        f"THP {'off' if ARGS.no_thp else 'on'}"
+        f"THP {'off' if ARGS.no_thp else 'on'}; freed memory "
+        f"{'kept' if KEEP_MEMORY else 'released'}"
     )
     if lib is None:
         print(f"ceiling: C++ patterns unavailable ({why}); torch-ops only")
@@ -535,13 +564,15 @@ def main():
             "repeats": ARGS.repeats,
             "torch": torch.__version__,
             "thp": not ARGS.no_thp,
+            "keep_memory": KEEP_MEMORY,
+            "rows": [r.key for r in rows],
             "argv": sys.argv[1:],
         },
         "sizes": {},
     }
     for n in sizes:
-        results, ceiling, chk = bench_size(n, ds_cls, ds_note, lib)
-        print_table(n, results, ceiling)
+        results, ceiling, chk = bench_size(n, rows, ds_cls, lib)
+        print_table(n, results, ceiling, notes)
         print("targets (paired: median over repeats of the per-repeat ratio):")
         for c in chk:
             print(
@@ -550,6 +581,7 @@ def main():
             )
         report["sizes"][str(n)] = {"rows": results, "ceiling": ceiling, "checks": chk}
     report["meta"]["load_avg_end"] = os.getloadavg()[0]
+    report["meta"]["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     if ARGS.json:
         with open(ARGS.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -13,7 +13,8 @@ them our kernel's:
   split-4K         each thread one contiguous range, walked 4K elements at a time
                    one array after the other (fewer concurrent streams)
   torch-ops        torch's own kernels: param.add_(grad); exp_avg.mul_(1); exp_avg_sq.mul_(1)
-                   (+ param_out.fill_(1)): the same bytes in separate passes
+                   (+ param_out.fill_(1)): the same bytes in separate passes (only where
+                   param and grad share a dtype: else add_ makes a temporary)
 
 The C++ patterns live in csrc/host_ceiling.cpp (nothing shared with csrc/cpu_adam.cpp),
 compiled here with the host's own flags (-O3 -march=native -fopenmp, cached under
@@ -187,7 +188,11 @@ class HostCeiling:
                 if nt and not self.aligned:
                     continue
                 out.append((name, self._c_pass(code, tile, nt)))
-        out.append(("torch-ops", self._torch_pass()))
+        by_name = {name: t for name, t, _ in self.arrays}
+        if by_name["param"].dtype == by_name["grad"].dtype or not out:
+            # (else param.add_(grad) converts grad into a temporary: more bytes than the
+            # class's, and page faults at every pass; kept only when nothing else runs)
+            out.append(("torch-ops", self._torch_pass()))
         return out
 
 

@@ -3,6 +3,7 @@ interval arithmetic, the parsing and judging, and (slow) the whole CPU rehearsal
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -251,6 +252,7 @@ def test_the_cpu_rehearsal_passes_every_check():
     names = {c["name"] for c in summary["checks"]}
     for name in (
         "calib.gemm_tflops",
+        "host_adam.ours_rem_q8mom.of_ceiling",
         "pytest.failed",
         "offload.loss@1",
         "profile.d2h_overlap_share",
@@ -300,3 +302,55 @@ def test_practicality_and_overlap_checks():
     assert not {c.name: c.passed for c in overlap_checks(runs, TINY)}[
         "offload-k8-device-overlap.losses"
     ]
+
+
+def test_host_adam_checks_judge_each_row_on_the_gpu_host_only(monkeypatch, tmp_path):
+    """Each remainder / 8-bit row's paired "of ceiling" is a check: >= 0.9 on the GPU
+    host, recorded only in the rehearsal; a bench that did not run is a failed check."""
+    from mp_offload.device_proof import host_adam as ha
+
+    fracs = dict(zip(ha.ROWS, (0.95, 0.91, 0.5, None)))
+    rows = [{"key": k, "frac_ceiling": f} for k, f in fracs.items()]
+    rows.append({"key": "ceiling_rem", "frac_ceiling": 1.0})
+    report = {"sizes": {"50000000": {"rows": rows}}}
+    assert ha.of_ceiling(report) == fracs
+    monkeypatch.setattr(ha, "run_bench", lambda out, rehearsal: (report, ""))
+    gpu = {c.name: c.passed for c in ha.host_adam_checks(str(tmp_path), rehearsal=False)}
+    assert gpu == {
+        "host_adam.ours_rem.of_ceiling": True,
+        "host_adam.ours_rem_bf16mom.of_ceiling": True,
+        "host_adam.ours_q8mom.of_ceiling": False,
+        "host_adam.ours_rem_q8mom.of_ceiling": False,  # not measured: failed, not skipped
+    }
+    cpu = ha.host_adam_checks(str(tmp_path), rehearsal=True)
+    assert [c.passed for c in cpu] == [True, True, True, False]
+    assert all("measured only" in c.expected for c in cpu)
+    monkeypatch.setattr(ha, "run_bench", lambda out, rehearsal: (None, "exit 2 (host_adam.out)"))
+    (bad,) = ha.host_adam_checks(str(tmp_path), rehearsal=False)
+    assert bad.name == "host_adam.bench" and not bad.passed
+
+
+def test_host_adam_bench_command_runs_the_rows_on_all_cores(monkeypatch, tmp_path):
+    from mp_offload.device_proof import host_adam as ha
+
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        seen["cmd"], seen["timeout"] = cmd, kw["timeout"]
+        with open(cmd[cmd.index("--json") + 1], "w") as f:
+            f.write('{"sizes": {}}')
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(ha.subprocess, "run", fake_run)
+    monkeypatch.setattr(ha, "usable_cores", lambda: 16)
+    report, why = ha.run_bench(str(tmp_path), rehearsal=False)
+    assert report == {"sizes": {}} and why == ""
+    cmd = seen["cmd"]
+    assert os.path.isfile(cmd[1]) and cmd[1].endswith("bench/bench_cpu_adam.py")
+    assert cmd[cmd.index("--rows") + 1] == ",".join(ha.ROWS)
+    assert cmd[cmd.index("--threads") + 1] == "16" and cmd[cmd.index("--sizes") + 1] == "5e7"
+    with open(os.path.join(ROOT, "scripts/device_check.sh")) as f:
+        limits = re.findall(r"LIMITS=\(([\d ]+)\)", f.read())
+    gpu = [int(x) for x in limits[1].split()]  # build, then the stages in order
+    stage = gpu[1 + list(ck.STAGES).index("host_adam")]
+    assert seen["timeout"] + 3 <= stage  # the bench ends (or is stopped) inside the stage

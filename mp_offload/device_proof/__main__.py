@@ -8,12 +8,13 @@ import json
 import os
 import sys
 
+from .checks import STAGES as STAGE_NAMES
 from .checks import Check, merge, table, write_stage
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mp_offload.device_proof", allow_abbrev=False)
-    p.add_argument("stage", choices=["preflight", "pytest", "runs", "profile", "summary"])
+    p.add_argument("stage", choices=[*STAGE_NAMES, "summary"])
     p.add_argument("--out", required=True)
     p.add_argument("--rehearsal", action="store_true", help="the CPU as the device, tiny sizes")
     a = p.parse_args(argv)

@@ -8,7 +8,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
-STAGES = ("preflight", "pytest", "runs", "profile")
+STAGES = ("preflight", "pytest", "runs", "profile", "host_adam")
 # What one GPU cannot prove: said in every summary.
 NOT_COVERED = [
     "multi-GPU NCCL paths (reduce-scatter, all-gather, all-reduce across ranks)",

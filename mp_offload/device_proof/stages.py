@@ -14,6 +14,7 @@ from . import run_checks as rc
 from .calibrate import calibrate
 from .checks import Check, at_least, equal
 from .dpu_timing import dpu_interleaved
+from .host_adam import host_adam_checks
 from .junit import junit_counts
 from .practicality import overlap_checks, practicality_checks
 from .runs import GPU, TINY, run_all
@@ -150,4 +151,10 @@ def profile_stage(out: str, rehearsal: bool) -> list[Check]:
     return [at_least("profile.d2h_copies", got["copies"], 1), check]
 
 
-STAGES = dict(preflight=preflight, pytest=pytest_stage, runs=runs_stage, profile=profile_stage)
+STAGES = dict(
+    preflight=preflight,
+    pytest=pytest_stage,
+    runs=runs_stage,
+    profile=profile_stage,
+    host_adam=host_adam_checks,
+)
