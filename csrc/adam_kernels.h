@@ -467,8 +467,18 @@ MPO_AVX512 inline void body_rem_avx512(const Ptrs& s, const C512& c, std::size_t
     split_eo_avx512<all>(p + 2 * u, static_cast<std::uint16_t*>(s.out) + i + 32 * u, s.lo + i + 32 * u);
 }
 
-constexpr int kUnrollAVX512 = 4;  // measured on Zen 4: 4 > 8 (spills) ~ 1 in cache, 4 best from DRAM
+// Vectors a step of the loops without remainders, by CPU (set at import, see
+// default_unroll_avx512; set_avx512_unroll for the tests): 4 on Zen 4 (4 > 8 (spills)
+// ~ 1 in cache, 4 best from DRAM), 1 on the Intel Xeon test host, where 4 cost 4-14%
+// (docs/PERFORMANCE.md, 1b fifth look). Either gives the same bits.
+constexpr int kUnrollAVX512 = 4;
+int g_unroll_avx512 = kUnrollAVX512;  // 4 or 1
 constexpr int kUnrollRemAVX512 = 2;  // pairs: the same 4 vectors of state a step
+
+inline int default_unroll_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd") ? kUnrollAVX512 : 1;
+}
 
 template <int GT, int MT, int VT, int OT, bool PROBE, int NT>
 MPO_AVX512 std::size_t loop_avx512(const Ptrs& s, const C512& c, std::size_t i, std::size_t e) {
@@ -478,7 +488,8 @@ MPO_AVX512 std::size_t loop_avx512(const Ptrs& s, const C512& c, std::size_t i, 
     for (; i + 32 * U2 <= e; i += 32 * U2) body_rem_avx512<GT, MT, VT, NT, U2>(s, c, i);
     for (; i + 32 <= e; i += 32) body_rem_avx512<GT, MT, VT, NT, 1>(s, c, i);
   }
-  for (; i + 16 * U <= e; i += 16 * U) body_avx512<GT, MT, VT, OT, PROBE, NT, U>(s, c, i);
+  if (g_unroll_avx512 == U)
+    for (; i + 16 * U <= e; i += 16 * U) body_avx512<GT, MT, VT, OT, PROBE, NT, U>(s, c, i);
   for (; i + 16 <= e; i += 16) body_avx512<GT, MT, VT, OT, PROBE, NT, 1>(s, c, i);
   if constexpr (NT != kStreamNone) _mm_sfence();  // order the streaming stores before anyone reads them
   return i;
