@@ -143,6 +143,7 @@ constexpr std::size_t kQ8Group = 8;
 void q8_group(const Q8Step& q, std::size_t b, std::size_t e) {
   alignas(64) float mb[kQ8Group * kQ8Block], vb[kQ8Group * kQ8Block];
   Job d = rebase(q.dec, b, q.gt, q.mt, q.vt), nd = rebase(q.nodec, b, q.gt, q.mt, q.vt);
+  d.in_l1 = nd.in_l1 = true;
   std::uint8_t* const mc = static_cast<std::uint8_t*>(q.dec.m) + b;
   std::uint8_t* const vc = static_cast<std::uint8_t*>(q.dec.v) + b;
   const auto blocks = [&](auto&& fn) {
