@@ -123,6 +123,7 @@ struct Job {
   std::uint16_t* lo;
   Hyper h;
   Src src{};
+  bool in_l1 = false;  // stack blocks (8-bit moments): compute-bound, the 4-vector AVX-512 step
 };
 
 // Where a tile reads each stream: src's address, or the written one in place.
@@ -467,18 +468,30 @@ MPO_AVX512 inline void body_rem_avx512(const Ptrs& s, const C512& c, std::size_t
     split_eo_avx512<all>(p + 2 * u, static_cast<std::uint16_t*>(s.out) + i + 32 * u, s.lo + i + 32 * u);
 }
 
-constexpr int kUnrollAVX512 = 4;  // measured on Zen 4: 4 > 8 (spills) ~ 1 in cache, 4 best from DRAM
+// Vectors a step of the loops without remainders from DRAM, by CPU (set at import, see
+// default_unroll_avx512; set_avx512_unroll for the tests): 4 on Zen 4 (4 > 8 (spills)
+// ~ 1 in cache, 4 best from DRAM), 1 on the Intel Xeon test host, where 4 cost 4-14%
+// there but won 4-8% on the 8-bit moments' L1 blocks (Job::in_l1: always 4; see
+// docs/PERFORMANCE.md, 1b fifth look). Either gives the same bits.
+constexpr int kUnrollAVX512 = 4;
+int g_unroll_avx512 = kUnrollAVX512;  // 4 or 1
 constexpr int kUnrollRemAVX512 = 2;  // pairs: the same 4 vectors of state a step
 
+inline int default_unroll_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd") ? kUnrollAVX512 : 1;
+}
+
 template <int GT, int MT, int VT, int OT, bool PROBE, int NT>
-MPO_AVX512 std::size_t loop_avx512(const Ptrs& s, const C512& c, std::size_t i, std::size_t e) {
+MPO_AVX512 std::size_t loop_avx512(const Ptrs& s, const C512& c, std::size_t i, std::size_t e, bool wide) {
   constexpr int U = kUnrollAVX512;
   if constexpr (OT == kRem && !PROBE) {
     constexpr int U2 = kUnrollRemAVX512;
     for (; i + 32 * U2 <= e; i += 32 * U2) body_rem_avx512<GT, MT, VT, NT, U2>(s, c, i);
     for (; i + 32 <= e; i += 32) body_rem_avx512<GT, MT, VT, NT, 1>(s, c, i);
   }
-  for (; i + 16 * U <= e; i += 16 * U) body_avx512<GT, MT, VT, OT, PROBE, NT, U>(s, c, i);
+  if (wide)
+    for (; i + 16 * U <= e; i += 16 * U) body_avx512<GT, MT, VT, OT, PROBE, NT, U>(s, c, i);
   for (; i + 16 <= e; i += 16) body_avx512<GT, MT, VT, OT, PROBE, NT, 1>(s, c, i);
   if constexpr (NT != kStreamNone) _mm_sfence();  // order the streaming stores before anyone reads them
   return i;
@@ -493,12 +506,13 @@ MPO_AVX512 void tile_avx512(const Job& j, std::size_t b, std::size_t e) {
   const std::size_t head = head_len<OT == kRem ? 32 : 16, OT>(j, i, e);
   for (std::size_t h = 0; h < head; h += 16) piece_avx512<GT, MT, VT, OT, PROBE>(j, c, i + h, std::min<std::size_t>(16, head - h));
   i += head;
+  const bool wide = j.in_l1 || g_unroll_avx512 == kUnrollAVX512;
   if (!PROBE && stream_all<16, MT, VT, OT>(j, i))
-    i = loop_avx512<GT, MT, VT, OT, PROBE, PROBE ? kStreamNone : kStreamAll>(s, c, i, e);
+    i = loop_avx512<GT, MT, VT, OT, PROBE, PROBE ? kStreamNone : kStreamAll>(s, c, i, e, wide);
   else if (stream_out<OT, 32>(j, i))
-    i = loop_avx512<GT, MT, VT, OT, PROBE, kStreamOut>(s, c, i, e);
+    i = loop_avx512<GT, MT, VT, OT, PROBE, kStreamOut>(s, c, i, e, wide);
   else
-    i = loop_avx512<GT, MT, VT, OT, PROBE, kStreamNone>(s, c, i, e);
+    i = loop_avx512<GT, MT, VT, OT, PROBE, kStreamNone>(s, c, i, e, wide);
   if (i < e) piece_avx512<GT, MT, VT, OT, PROBE>(j, c, i, e - i);
 }
 #endif  // MPO_X86

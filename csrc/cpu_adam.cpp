@@ -143,6 +143,7 @@ constexpr std::size_t kQ8Group = 8;
 void q8_group(const Q8Step& q, std::size_t b, std::size_t e) {
   alignas(64) float mb[kQ8Group * kQ8Block], vb[kQ8Group * kQ8Block];
   Job d = rebase(q.dec, b, q.gt, q.mt, q.vt), nd = rebase(q.nodec, b, q.gt, q.mt, q.vt);
+  d.in_l1 = nd.in_l1 = true;
   std::uint8_t* const mc = static_cast<std::uint8_t*>(q.dec.m) + b;
   std::uint8_t* const vc = static_cast<std::uint8_t*>(q.dec.v) + b;
   const auto blocks = [&](auto&& fn) {
@@ -416,6 +417,9 @@ PYBIND11_MODULE(_cpu_adam, m) {
   m.doc() = "Fused CPU Adam/AdamW on raw buffers (see mp_offload/ops/cpu_adam.py)";
   g_threads = std::max(1, omp_get_max_threads());
   g_level = best_level();
+#if defined(MPO_X86)
+  g_unroll_avx512 = default_unroll_avx512();
+#endif
   if (const char* env = std::getenv("MP_OFFLOAD_CPU_ADAM_SIMD"); env && *env) {
     try {
       g_level = parse_level(env);
@@ -480,6 +484,14 @@ PYBIND11_MODULE(_cpu_adam, m) {
     g_threads = n;
   }, py::arg("n"), "Threads the kernel asks for (a num_threads clause: OMP_NUM_THREADS does not cap it).");
   m.def("get_num_threads", []() { return g_threads; });
+#if defined(MPO_X86)
+  m.def("set_avx512_unroll", [](int u) {
+    if (u != 1 && u != kUnrollAVX512)
+      throw std::invalid_argument("avx512 unroll must be 1 or " + std::to_string(kUnrollAVX512) + ", got " + std::to_string(u));
+    g_unroll_avx512 = u;
+  }, py::arg("u"), "Vectors a step of the AVX-512 loops (tests; the default is picked by CPU at import).");
+  m.def("avx512_unroll", []() { return g_unroll_avx512; });
+#endif
   m.def("last_num_threads", []() { return g_last_team; },
         "omp_get_num_threads() inside the parallel region of the last adam_step / stream_probe (0: none yet).");
 }

@@ -241,3 +241,42 @@ def test_stream_probe_runs(level):
     assert ca.stream_probe(torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0)) == 0.0
     with pytest.raises(ValueError, match="stream_probe: grad has 3 elements"):
         ca.stream_probe(b["param"], torch.zeros(3), b["exp_avg"], b["exp_avg_sq"])
+
+
+@pytest.mark.parametrize(
+    "moments", [(torch.float32, torch.float32), MOMENTS[2]], ids=["mv_fp32", "mv_bf16"]
+)
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16], ids=["noout", "out_bf16"])
+def test_avx512_unroll_same_bits(moments, out_dtype):
+    """The AVX-512 loops take 4 vectors a step on AMD, 1 elsewhere (picked at import):
+    both give the same bits, so the default one, checked against the reference by
+    the other tests, vouches for the one this CPU does not run."""
+    if "avx512" not in ca.available_simd_levels():
+        pytest.skip("CPU lacks avx512")
+    gen = torch.Generator().manual_seed(5)
+    n = 3 * 64 + 16 + 5  # whole 4-vector steps, a lone vector and a tail
+    start = {
+        "param": torch.randn(n, generator=gen),
+        "grad": torch.randn(n, generator=gen).bfloat16(),
+        "exp_avg": (torch.randn(n, generator=gen) * 0.1).to(moments[0]),
+        "exp_avg_sq": torch.rand(n, generator=gen).to(moments[1]),
+    }
+    level, unroll = ca.simd_level(), _C.avx512_unroll()
+    results = []
+    try:
+        ca.set_simd_level("avx512")
+        for u in (1, 4):
+            _C.set_avx512_unroll(u)
+            b = {k: t.clone() for k, t in start.items()}
+            out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
+            _call(b, step=3, weight_decay=0.1, param_out=out)
+            results.append((b, out))
+    finally:
+        ca.set_simd_level(level)
+        _C.set_avx512_unroll(unroll)
+    (b1, o1), (b4, o4) = results
+    for k in ("param", "exp_avg", "exp_avg_sq"):
+        assert _bits_equal(b1[k], b4[k]), k
+    assert o1 is None or _bits_equal(o1, o4)
+    with pytest.raises(ValueError, match="unroll must be 1 or 4, got 2"):
+        _C.set_avx512_unroll(2)
