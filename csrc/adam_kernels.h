@@ -474,7 +474,7 @@ MPO_AVX512 inline void body_rem_avx512(const Ptrs& s, const C512& c, std::size_t
 // there but won 4-8% on the 8-bit moments' L1 blocks (Job::in_l1: always 4; see
 // docs/PERFORMANCE.md, 1b fifth look). Either gives the same bits.
 constexpr int kUnrollAVX512 = 4;
-int g_unroll_avx512 = kUnrollAVX512;  // 4 or 1
+inline int g_unroll_avx512 = kUnrollAVX512;  // 4 or 1
 constexpr int kUnrollRemAVX512 = 2;  // pairs: the same 4 vectors of state a step
 
 inline int default_unroll_avx512() {
