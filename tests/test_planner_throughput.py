@@ -94,6 +94,40 @@ def test_throughput_charges_the_bytes_of_the_real_adam_buffers(dtype, k, moments
     assert bytes_per_element(real) == want
 
 
+def test_throughput_charges_the_remainder_step_its_own_bytes():
+    """--store-param-remainders: the host master is the bf16 param that goes up (the
+    staging, hi) and its int16 remainder (lo), both read and written, and nothing is copied
+    out: 26 B per element with bf16 grads and fp32 moments, 18 with bf16 moments, 2 fewer
+    than the fp32 master's step."""
+    from mp_offload.ops.traffic import READ, READ_WRITE, bytes_per_element
+    from mp_offload.planner.throughput import host_adam_bytes
+
+    single = ps.ParallelGroup.single()
+    for moments, want in ((torch.float32, 26), (torch.bfloat16, 18)):
+        opt = ZeroOptimizer(
+            GPTModel(GPTConfig(**SMALL), tp_group=single),
+            **HP,
+            dp=single,
+            tp=single,
+            device="cpu",
+            dtype=torch.bfloat16,
+            cpu_offload=True,
+            store_param_remainders=True,
+            exp_avg_dtype=moments,
+            exp_avg_sq_dtype=moments,
+        )
+        real = [
+            ("hi", opt.param_staging.element_size(), READ_WRITE),
+            ("lo", opt.master.element_size(), READ_WRITE),
+            ("grad", opt._adam_grads()[0].element_size(), READ),
+            ("exp_avg", opt.exp_avg.element_size(), READ_WRITE),
+            ("exp_avg_sq", opt.exp_avg_sq.element_size(), READ_WRITE),
+        ]
+        m = (opt.exp_avg.element_size(), opt.exp_avg_sq.element_size())
+        assert bytes_per_element(real) == host_adam_bytes(2, 2, True, m, True) == want
+        assert host_adam_bytes(2, 2, True, m) == want + 2
+
+
 def test_throughput_charges_only_the_passes_the_code_makes():
     """No zeroing or norm pass; no accumulation at k = 1 or with device accumulation (only
     its last micro-batch's copies go down); the host sum's first micro-batch overwrites."""

@@ -11,17 +11,22 @@ from __future__ import annotations
 READ, WRITE, READ_WRITE = 1, 2, 3
 
 
-def adam_arrays(grad: int = 4, exp_avg: int = 4, exp_avg_sq: int = 4, param_out: int = 0):
+def adam_arrays(
+    grad: int = 4, exp_avg: int = 4, exp_avg_sq: int = 4, param_out: int = 0, remainders=False
+):
     """The Adam pass (C++ ``adam_step``, torch's fused AdamW): the fp32 master and the
     moments read and written, the gradient read, the rounded params (``param_out``
-    bytes, 0 for none) written. Arguments: bytes per element of each."""
+    bytes, 0 for none) written. Arguments: bytes per element of each. With ``remainders``
+    (``adam_step_remainder``) the master is the bf16 param that goes up and a 16-bit
+    remainder, both read and written, and there is no separate param_out."""
+    master = [("param_hi", 2, READ_WRITE), ("param_lo", 2, READ_WRITE)]
     arrays = [
-        ("param", 4, READ_WRITE),
+        *(master if remainders else [("param", 4, READ_WRITE)]),
         ("grad", grad, READ),
         ("exp_avg", exp_avg, READ_WRITE),
         ("exp_avg_sq", exp_avg_sq, READ_WRITE),
     ]
-    return arrays + ([("param_out", param_out, WRITE)] if param_out else [])
+    return arrays + ([("param_out", param_out, WRITE)] if param_out and not remainders else [])
 
 
 def accumulate_arrays(src: int, first: bool):

@@ -53,6 +53,7 @@ def speed(cfg: GPTConfig, run: Run, machine: Machine, batch_per_gpu: int) -> Ste
         accumulate_on_device=run.accumulate_on_device,
         moment_bytes=run.moment_bytes,
         reduce_bytes=run.reduce_bytes,
+        remainders=run.remainders,
     )
 
 

@@ -184,11 +184,11 @@ def _offload_gradients(k, down, accumulate_s, r, on_device, bwd, rs):
     return exposed, total, last
 
 
-def _offload_optimizer(n, kept, e, r, reads_staging, moments, machine, host_bw, ranks_node):
+def _offload_optimizer(n, kept, e, r, reads_staging, moments, rem, machine, host_bw, ranks_node):
     """(CPU Adam over the host part, device Adam over the device share) seconds; bytes
     from ops/traffic.py, the gradient as Adam reads it (the staging itself when reads_staging,
     else the fp32 sum), the rounded params written beside (none in fp32)."""
-    host_bytes = host_adam_bytes(e, r, reads_staging, moments)
+    host_bytes = host_adam_bytes(e, r, reads_staging, moments, rem)
     rate = min(
         machine.cpu_cores_per_node / ranks_node * machine.adam_rate_per_core,
         host_bw / host_bytes,
@@ -196,11 +196,15 @@ def _offload_optimizer(n, kept, e, r, reads_staging, moments, machine, host_bw, 
     return n / rate, device_adam_bytes(e, moments) * kept / (machine.device_mem_gbs * 1e9)
 
 
-def host_adam_bytes(e: int, r: int, reads_staging: bool, moments=(4, 4)) -> int:
+def host_adam_bytes(
+    e: int, r: int, reads_staging: bool, moments=(4, 4), remainders: bool = False
+) -> int:
     """Bytes per element of the CPU Adam over the host part: the gradient as it reads it
     (the r-byte staging when ``reads_staging``, else the fp32 sum), the rounded params written
-    beside (e bytes; none in fp32, where the master itself goes up)."""
-    return bytes_per_element(adam_arrays(r if reads_staging else 4, *moments, e if e < 4 else 0))
+    beside (e bytes; none in fp32, where the master itself goes up; none with remainders,
+    whose master is the bf16 param plus its remainder)."""
+    grad = r if reads_staging else 4
+    return bytes_per_element(adam_arrays(grad, *moments, e if e < 4 else 0, remainders))
 
 
 def device_adam_bytes(e: int, moments=(4, 4)) -> int:
@@ -255,14 +259,14 @@ def step_time(
     accumulate_on_device: bool = False,
     moment_bytes: tuple[int, int] = (4, 4),
     reduce_bytes: int | None = None,
+    remainders: bool = False,
 ) -> StepTime:
     dp = _data_parallel(gpus, tp, mode)
     shapes = spec_rank_shapes(cfg, tp, dp, bucket_size)
     n, P, e, r = shapes.slice_numel, shapes.flat_numel, elem_bytes, reduce_bytes or elem_bytes
     kept = shapes.device_share(offload_fraction) if mode == "offload" else 0
     n -= kept  # partial offload: the host terms count the host part only
-    F = flops_per_token(cfg, cfg.recompute_activations, tp)
-    s = cfg.seq_length
+    F, s = flops_per_token(cfg, cfg.recompute_activations, tp), cfg.seq_length
     k = batch_per_gpu // micro_batch
     ranks_node = min(gpus, machine.devices_per_node)
     host_bw = machine.host_mem_gbs * 1e9 / ranks_node
@@ -279,7 +283,7 @@ def step_time(
             k, n * r / pcie, 0.0 if reads_staging else n / host_bw, r, accumulate_on_device, bwd, rs
         )
         adam_host, adam_device = _offload_optimizer(
-            n, kept, e, r, reads_staging, moment_bytes, machine, host_bw, ranks_node
+            n, kept, e, r, reads_staging, moment_bytes, remainders, machine, host_bw, ranks_node
         )
         adam = max(adam_host, adam_device)  # the device share runs beside the CPU Adam
         up = e * n / pcie
