@@ -21,7 +21,7 @@ def free_port() -> int:
 
 
 # Ranks start from a fork server that has torch and the training loop imported already:
-# a spawned rank spent 2-8 s importing them, the tests' largest cost (about 150 runs).
+# a spawned rank spent 2-8 s importing them, the largest cost of the multi-process tests.
 # Forked ranks inherit the server's environment and directory, so each rank takes the
 # caller's (as a spawned one would).
 mp.set_forkserver_preload(["torch", "mp_offload.training", "dist_helpers"])
