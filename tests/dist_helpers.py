@@ -41,6 +41,7 @@ def _take_output(out, err):
 
 
 def _entry(rank, world, port, env, cwd, output, fn, args):
+    del output  # the caller's fds are already ours: unpickling it took them (_take_output)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)

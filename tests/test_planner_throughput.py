@@ -52,6 +52,23 @@ def test_step_time_without_offload_has_no_host_terms():
         assert st.days_per_billion_tokens == pytest.approx(1e9 / st.tokens_per_day)
 
 
+def _offload_optimizer(dtype, moments, **options) -> ZeroOptimizer:
+    """A one-rank offload ZeroOptimizer of the SMALL model (both moments in ``moments``)."""
+    single = ps.ParallelGroup.single()
+    return ZeroOptimizer(
+        GPTModel(GPTConfig(**SMALL), tp_group=single),
+        **HP,
+        dp=single,
+        tp=single,
+        device="cpu",
+        dtype=dtype,
+        cpu_offload=True,
+        exp_avg_dtype=moments,
+        exp_avg_sq_dtype=moments,
+        **options,
+    )
+
+
 @pytest.mark.parametrize(
     "dtype,k,moments",
     [
@@ -67,20 +84,7 @@ def test_throughput_charges_the_bytes_of_the_real_adam_buffers(dtype, k, moments
     from mp_offload.ops.traffic import adam_arrays, bytes_per_element
     from mp_offload.planner.throughput import host_adam_bytes
 
-    single = ps.ParallelGroup.single()
-    model = GPTModel(GPTConfig(**SMALL), tp_group=single)
-    opt = ZeroOptimizer(
-        model,
-        **HP,
-        dp=single,
-        tp=single,
-        device="cpu",
-        dtype=dtype,
-        cpu_offload=True,
-        micro_batches=k,
-        exp_avg_dtype=moments,
-        exp_avg_sq_dtype=moments,
-    )
+    opt = _offload_optimizer(dtype=dtype, micro_batches=k, moments=moments)
     size = lambda t: 0 if t is None else t.element_size()  # noqa: E731
     real = adam_arrays(
         size(opt._adam_grads()[0]),
@@ -102,20 +106,8 @@ def test_throughput_charges_the_remainder_step_its_own_bytes():
     from mp_offload.ops.traffic import READ, READ_WRITE, bytes_per_element
     from mp_offload.planner.throughput import host_adam_bytes
 
-    single = ps.ParallelGroup.single()
     for moments, want in ((torch.float32, 26), (torch.bfloat16, 18)):
-        opt = ZeroOptimizer(
-            GPTModel(GPTConfig(**SMALL), tp_group=single),
-            **HP,
-            dp=single,
-            tp=single,
-            device="cpu",
-            dtype=torch.bfloat16,
-            cpu_offload=True,
-            store_param_remainders=True,
-            exp_avg_dtype=moments,
-            exp_avg_sq_dtype=moments,
-        )
+        opt = _offload_optimizer(torch.bfloat16, moments=moments, store_param_remainders=True)
         real = [
             ("hi", opt.param_staging.element_size(), READ_WRITE),
             ("lo", opt.master.element_size(), READ_WRITE),

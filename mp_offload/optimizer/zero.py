@@ -357,16 +357,7 @@ class ZeroOptimizer:
 
     def _device_step(self, lr: float, grad_scale: float, step: int) -> None:
         if self.share is not None:
-            b1, b2 = self.betas
-            self.share.step(
-                step=step,
-                lr=lr,
-                beta1=b1,
-                beta2=b2,
-                eps=self.eps,
-                weight_decay=self.weight_decay,
-                grad_scale=grad_scale,
-            )
+            self.share.step(**self._hyper(lr, grad_scale, step))
 
     def _adam_pass(
         self, grad: torch.Tensor, lr: float, grad_scale: float, step: int, upload: bool = False
@@ -387,6 +378,10 @@ class ZeroOptimizer:
 
     def adam_hyper(self, lr: float, grad_scale: float, step: int) -> dict:
         """The host Adam's arguments of one step (the synchronous pass and the overlap's)."""
+        return dict(self._hyper(lr, grad_scale, step), adamw=True, bias_correction=True)
+
+    def _hyper(self, lr: float, grad_scale: float, step: int) -> dict:
+        """One step's AdamW hyperparameters (the device share's Adam and the host's)."""
         b1, b2 = self.betas
         return dict(
             step=step,
@@ -395,8 +390,6 @@ class ZeroOptimizer:
             beta2=b2,
             eps=self.eps,
             weight_decay=self.weight_decay,
-            adamw=True,
-            bias_correction=True,
             grad_scale=grad_scale,
         )
 
