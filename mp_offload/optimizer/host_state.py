@@ -43,12 +43,14 @@ def initial_split(dtype: torch.dtype) -> bool:
 
 
 def to_low(dst: torch.Tensor, src: torch.Tensor, split: bool) -> None:
-    """``dst`` (bf16/fp16, any device) = the fp32 CPU ``src`` rounded, by the split rule
-    when ``split``."""
+    """``dst`` (bf16/fp16, any device) = ``src`` (any device, any float dtype) rounded, by
+    the split rule when ``split``: the C++ split reads host memory, so a ``src`` already on
+    the GPU (a model moved there before the optimizer was built) is brought down first."""
     if not split:
         dst.copy_(src)
         return
-    hi, _ = _kernels().split_fp32(src.reshape(-1).contiguous())
+    src = src.reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
+    hi, _ = _kernels().split_fp32(src)
     dst.copy_(hi.view(dst.shape))
 
 
