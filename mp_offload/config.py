@@ -30,7 +30,7 @@ from .config_schema import (
 from .fields import field_problems, flag_fields, unwrap_optional
 from .help_format import DefaultsHelpFormatter
 from .model.config import GPTConfig
-from .optimizer.options import MOMENT_DTYPES, compute_dtype, host_state_problems
+from .optimizer.options import FLAGS, OptimizerOptions, option_fields, render
 from .parallel_state import ParallelConfigError, validate_parallel_sizes
 
 __all__ = [  # the schema's names too: callers import the run's flags from here
@@ -328,18 +328,8 @@ def _training_problems(args: Args, world_size: int, given: frozenset):
         yield "--fp16 needs loss scaling: use --optimizer adam"
     if o.optimizer == "torch-adamw" and (o.cpu_offload or o.dpu_warmup_steps is not None):
         yield "--cpu-offload/--dpu-warmup-steps need --optimizer adam"
-    if o.dpu_warmup_steps is not None and not o.cpu_offload:
-        yield "--dpu-warmup-steps needs --cpu-offload"
-    if o.optimizer_offload_fraction is not None and not o.cpu_offload:
-        yield (
-            f"--optimizer-offload-fraction {o.optimizer_offload_fraction:g} needs "
-            f"--cpu-offload (without it the whole optimizer state is on the device)"
-        )
-    if o.dpu_warmup_steps is not None and o.optimizer_offload_fraction == 0:
-        yield (
-            "--dpu-warmup-steps needs a host share: --optimizer-offload-fraction 0 offloads nothing"
-        )
-    yield from _overlap_problems(o)
+    if o.optimizer == "torch-adamw" and o.overlap_cpu_optimizer:
+        yield "--overlap-cpu-optimizer needs --optimizer adam (the ZeRO optimizer)"
     if o.min_loss_scale > o.initial_loss_scale:
         yield (
             f"--min-loss-scale {o.min_loss_scale:g} exceeds --initial-loss-scale "
@@ -354,40 +344,13 @@ def _training_problems(args: Args, world_size: int, given: frozenset):
     yield from _schedule_problems(args, gbs, given)
 
 
-def _host_state_problems(args: Args) -> list[str]:
-    """--store-param-remainders and the 8-bit moments: the optimizer's own rule."""
-    o = args.optim
-    fraction = 1.0 if o.optimizer_offload_fraction is None else o.optimizer_offload_fraction
-    offloaded = o.optimizer == "adam" and o.cpu_offload and fraction != 0
-    moments = dict(exp_avg=o.exp_avg_dtype, exp_avg_sq=o.exp_avg_sq_dtype)
-    return host_state_problems(
-        compute_dtype(args),
-        offloaded,
-        offloaded and fraction == 1.0,
-        o.store_param_remainders,
-        {k: MOMENT_DTYPES[v] for k, v in moments.items()},
-    )
-
-
-def _overlap_problems(o):
-    if not o.overlap_cpu_optimizer:
-        return
-    if o.optimizer == "torch-adamw":
-        yield "--overlap-cpu-optimizer needs --optimizer adam (the ZeRO optimizer)"
-    elif not o.cpu_offload:
-        yield "--overlap-cpu-optimizer needs --cpu-offload (it overlaps the CPU Adam)"
-    elif o.optimizer_offload_fraction == 0:
-        yield "--overlap-cpu-optimizer needs a host share: --optimizer-offload-fraction 0"
-    if o.dpu_warmup_steps is not None:
-        yield (
-            "--overlap-cpu-optimizer and --dpu-warmup-steps are exclusive (DPU already "
-            "overlaps the CPU Adam, one step late)"
-        )
-    if "8bit" in (o.exp_avg_dtype, o.exp_avg_sq_dtype):
-        yield (
-            "--overlap-cpu-optimizer with 8bit --exp-avg-dtype/--exp-avg-sq-dtype is not "
-            "supported (the 8-bit kernel steps in place): use fp32 or bf16 moments"
-        )
+def _mode_problems(args: Args) -> list[str]:
+    """The ZeRO optimizer's mode combinations: its own table (``optimizer.options.RULES``),
+    in flag names."""
+    if args.optim.optimizer != "adam":
+        return []
+    options, broken = OptimizerOptions.checked(**option_fields(args))
+    return [render(r, options, FLAGS) for r in broken]
 
 
 def _schedule_problems(args: Args, gbs: int, given: frozenset):
@@ -454,7 +417,7 @@ def config_problems(args: Args, world_size: int, given: frozenset = frozenset())
     if not found:
         found = [
             *_training_problems(args, world_size, given),
-            *_host_state_problems(args),
+            *_mode_problems(args),
             *_data_problems(args.data, args.train, given),
         ]
     return found

@@ -17,12 +17,12 @@ from kernel_timeline import (
     spans,
     streams_of,
 )
+from zero_helpers import build_zero
 
 from mp_offload import parallel_state as ps
 from mp_offload.data.loader import MockGPTDataset
 from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer.torch_adamw import param_groups
-from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.planner.activations import estimate_activations
 from mp_offload.tensor_parallel import model_parallel_seed
 
@@ -58,7 +58,7 @@ def _model(**over):
 
 def _zero(model, **kw):
     kw.setdefault("bucket_size", 3000)  # many buckets: exercises the copy stream and thread
-    return ZeroOptimizer(model, **HP, dp=SINGLE, tp=SINGLE, device="cuda", **kw)
+    return build_zero(model, **HP, dp=SINGLE, tp=SINGLE, device="cuda", **kw)
 
 
 def _run(opt, model, steps):
@@ -219,7 +219,7 @@ def test_worker_threads_run_on_the_rank_device():
     torch.cuda.set_device(index)
     try:
         model = _model()
-        opt = ZeroOptimizer(
+        opt = build_zero(
             model,
             **HP,
             dp=SINGLE,
@@ -256,7 +256,7 @@ def test_activation_estimate_within_15_percent(recompute):
     )
     model_parallel_seed(1234, 0, "cuda")
     model = GPTModel(cfg, tp_group=SINGLE)
-    opt = ZeroOptimizer(
+    opt = build_zero(
         model, **HP, dp=SINGLE, tp=SINGLE, device="cuda", dtype=torch.bfloat16, cpu_offload=True
     )
     micro = 4

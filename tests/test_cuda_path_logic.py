@@ -8,6 +8,7 @@ import weakref
 import pytest
 import torch
 from dist_helpers import run_distributed
+from zero_helpers import build_zero
 
 from mp_offload import parallel_state as ps
 from mp_offload.data.loader import BatchIterator, MockGPTDataset, SizedPlaceholder
@@ -19,7 +20,6 @@ from mp_offload.optimizer.layout import FlatLayout
 from mp_offload.optimizer.options import OptimizerOptions
 from mp_offload.optimizer.placement import placement
 from mp_offload.optimizer.reducer import GradientReducer, GradTargets
-from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.training import train_step
 
 CFG = dict(
@@ -86,7 +86,7 @@ def test_dpu_thread_binds_the_optimizer_device(monkeypatch):
         zero, "set_thread_device", lambda d: seen.append((threading.current_thread().name, d))
     )
     model = _model()
-    opt = ZeroOptimizer(
+    opt = build_zero(
         model,
         **HP,
         dp=SINGLE,
@@ -103,7 +103,7 @@ def test_dpu_thread_binds_the_optimizer_device(monkeypatch):
 
 def test_dpu_failure_stops_the_run_and_publishes_nothing():
     model = _model()
-    opt = ZeroOptimizer(
+    opt = build_zero(
         model,
         **HP,
         dp=SINGLE,
@@ -131,7 +131,7 @@ def test_dpu_failure_stops_the_run_and_publishes_nothing():
 
 def test_without_offload_nothing_crosses_to_the_host():
     model = _model()
-    opt = ZeroOptimizer(
+    opt = build_zero(
         model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", dtype=torch.bfloat16, cpu_offload=False
     )
     for step in range(2):
@@ -142,7 +142,7 @@ def test_without_offload_nothing_crosses_to_the_host():
     # and the same fp32 master as with offload, published rounded to bf16: on the device to
     # nearest even, by the host's split rule with offload (docs/DESIGN.md §7; the two
     # differ at exact ties only)
-    with_offload = ZeroOptimizer(
+    with_offload = build_zero(
         _model(), **HP, dp=SINGLE, tp=SINGLE, device="cpu", dtype=torch.bfloat16, cpu_offload=True
     )
     m2 = with_offload.model
@@ -323,7 +323,7 @@ def test_the_optimizer_resolves_its_device_where_it_enters(monkeypatch):
         return torch.device("cpu")
 
     monkeypatch.setattr(zero, "resolve_device", resolve)
-    opt = ZeroOptimizer(_model(), **HP, dp=SINGLE, tp=SINGLE, device="cuda", cpu_offload=True)
+    opt = build_zero(_model(), **HP, dp=SINGLE, tp=SINGLE, device="cuda", cpu_offload=True)
     assert asked == ["cuda"] and opt.device == torch.device("cpu")
 
 
@@ -369,11 +369,12 @@ def test_adam_runs_per_bucket_and_each_upload_follows_its_piece():
     """The synchronous step runs Adam one bucket at a time, in the order forward t+1 uses
     the buckets (the reverse of the layout's gradient order), and queues each bucket's
     upload right after its piece; the result is bitwise one call over the whole slice."""
-    from mp_offload.ops.cpu_adam import adam_step
     from mp_offload.optimizer.device_share import clip_runs
 
+    from mp_offload.ops.cpu_adam import adam_step
+
     model = _model()
-    opt = ZeroOptimizer(
+    opt = build_zero(
         model,
         **HP,
         dp=SINGLE,

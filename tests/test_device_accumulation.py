@@ -7,11 +7,11 @@ differently (fp32 partial norms on the device, fp64 on the host).
 
 import torch
 from helpers import ADAM_HP, tiny_gpt_config
+from zero_helpers import build_zero, live, wrap_adam
 
 from mp_offload import parallel_state as ps
 from mp_offload.data.loader import MockGPTDataset
 from mp_offload.model.gpt import GPTConfig, GPTModel
-from mp_offload.optimizer.zero import ZeroOptimizer
 
 SINGLE = ps.ParallelGroup.single()
 _DATA = MockGPTDataset(10_000, 16, 96, seed=5)
@@ -26,7 +26,7 @@ def _batch(step):
 def _losses(on_device: bool, steps: int = 10, **kw):
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**tiny_gpt_config()), tp_group=SINGLE)
-    opt = ZeroOptimizer(
+    opt = build_zero(
         model,
         **ADAM_HP,
         dp=SINGLE,
@@ -40,14 +40,14 @@ def _losses(on_device: bool, steps: int = 10, **kw):
         **kw,
     )
     losses, first_grad = [], []
-    adam = opt._adam
+    adam = live(opt).adam
 
     def recording_adam(param, grad, *a, **k):  # keeps what Adam read at the first step
         if not losses:
             first_grad.append(grad.float().clone())  # one piece (bucket) per call
         return adam(param, grad, *a, **k)
 
-    opt._adam = recording_adam
+    wrap_adam(opt, lambda _: recording_adam)
     for step in range(steps):
         x, y = _batch(step)
         opt.zero_grad()

@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from mp_offload.optimizer.device_share import DeviceShare
 
 from mp_offload.ops.cpu_adam import adam_step
 from mp_offload.optimizer.adam_math import (
@@ -17,7 +18,6 @@ from mp_offload.optimizer.adam_math import (
     fused_adamw_available,
     torch_adam_step,
 )
-from mp_offload.optimizer.device_share import DeviceShare
 from mp_offload.optimizer.placement import STATE
 from mp_offload.optimizer.zero import ZeroOptimizer
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from dist_helpers import ckpt_run
 from test_param_remainders import _cat, _opt, _records, _train
+from zero_helpers import host_tensor
 
 from mp_offload.config import config_problems, parse_args
 from mp_offload.ops.cpu_adam import Q8_BLOCK, dequantize_8bit
@@ -25,10 +26,10 @@ def test_the_placement_block_is_the_kernels():
 @pytest.mark.parametrize("remainders", [False, True])
 def test_blocks_restart_at_each_piece_and_the_bytes_are_placed(remainders):
     _, opt = _opt(remainders, **Q8)
-    pieces = [(h, n) for _, h, n, _ in opt._adam_calls]
+    pieces = [(p.lo, p.n) for p in opt.host_side.pieces]
     assert len(pieces) > 3 and any(n % Q8_BLOCK for _, n in pieces)
     for key in ("exp_avg", "exp_avg_sq"):
-        q = getattr(opt, key)
+        q = host_tensor(opt, key)
         assert isinstance(q, Q8Moment)
         assert sorted(q.pieces) == sorted(h for h, _ in pieces)
         for h, n in pieces:
@@ -53,7 +54,8 @@ def test_trains_near_fp32_moments_and_saves_fp32(remainders):
     state = o8.state_dict()
     for key in ("master", "exp_avg", "exp_avg_sq"):
         assert state[key].dtype == torch.float32
-    want = dequantize_8bit(o8.exp_avg_sq[0 : o8.exp_avg_sq.pieces[0].codes.numel()], "exp_avg_sq")
+    q = host_tensor(o8, "exp_avg_sq")
+    want = dequantize_8bit(q[0 : q.pieces[0].codes.numel()], "exp_avg_sq")
     assert torch.equal(state["exp_avg_sq"][: want.numel()], want)
 
 
@@ -77,7 +79,8 @@ def test_a_load_gives_back_the_saved_codes():
     _, loader = _opt(False, **Q8)
     loader.load_state_dict(saver.state_dict())
     for key in ("exp_avg_sq", "exp_avg"):
-        for a, b in zip(getattr(saver, key).pieces.values(), getattr(loader, key).pieces.values()):
+        pairs = zip(host_tensor(saver, key).pieces.values(), host_tensor(loader, key).pieces.values())
+        for a, b in pairs:
             assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales), key
 
 
@@ -88,7 +91,7 @@ def test_checkpoints_load_into_any_moment_dtype():
     state = saver.state_dict()
     _, fp32 = _opt(False, bucket_size=700)
     fp32.load_state_dict(state)
-    assert torch.equal(fp32.exp_avg, state["exp_avg"])
+    assert torch.equal(host_tensor(fp32, "exp_avg"), state["exp_avg"])
     _, q8 = _opt(False, **dict(Q8, exp_avg_sq_dtype=BF16))
     q8.load_state_dict(fp32.state_dict())
     assert torch.equal(q8.state_dict()["exp_avg"], state["exp_avg"])  # re-quantized alike

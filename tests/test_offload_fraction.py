@@ -14,14 +14,17 @@ import torch.distributed as dist
 from dist_helpers import pretrain_worker, run_distributed
 from helpers import ADAM_HP as HP
 from helpers import CKPT_RUN, micro_batches, tiny_gpt_config
+from zero_helpers import build_zero, live
 
 from mp_offload import parallel_state as ps
 from mp_offload.data.loader import MockGPTDataset
 from mp_offload.model.gpt import GPTConfig, GPTModel
-from mp_offload.optimizer.adam_math import fused_adamw_available, torch_adam_step
-from mp_offload.optimizer.device_share import DeviceShare, actual_fraction, split_buckets
-from mp_offload.optimizer.placement import STATE
-from mp_offload.optimizer.zero import ZeroOptimizer
+from mp_offload.optimizer.adam_math import (
+    fused_adam_step,
+    fused_adamw_available,
+    torch_adam_step,
+)
+from mp_offload.optimizer.split import actual_fraction, split_buckets
 from mp_offload.planner import (
     EXACT,
     Hardware,
@@ -71,7 +74,7 @@ def _single(fraction=1.0, offload=True, dtype=torch.float32, bucket=2000, **kw):
     single = ps.ParallelGroup.single()
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**CFG), tp_group=single)
-    opt = ZeroOptimizer(
+    opt = build_zero(
         model,
         **HP,
         dp=single,
@@ -100,12 +103,12 @@ def test_fraction_one_is_todays_offload_and_zero_is_zero2():
     """Bitwise: F = 1 builds no device share; F = 0 is offload off, buffers and all."""
     base = _single()
     one = _single(1.0)
-    assert one[1].share is None and one[1].memory_bytes() == base[1].memory_bytes()
+    assert one[1].device_side is None and one[1].memory_bytes() == base[1].memory_bytes()
     a, b = _train(*base), _train(*one)
     assert a[0] == b[0] and torch.equal(a[1], b[1])
     off = _single(offload=False)
     zero = _single(0.0)
-    assert not zero[1].cpu_offload and zero[1].share is None
+    assert not zero[1].placement.offloaded and zero[1].host_side is None
     assert zero[1].memory_bytes() == off[1].memory_bytes()
     a, b = _train(*off), _train(*zero)
     assert a[0] == b[0] and torch.equal(a[1], b[1])
@@ -113,11 +116,14 @@ def test_fraction_one_is_todays_offload_and_zero_is_zero2():
 
 def test_device_share_holds_the_first_buckets_and_only_the_rest_crosses():
     model, opt = _single(0.5, dtype=torch.bfloat16)
-    n, split = opt.layout.slice_numel, opt.share_numel
-    assert 0 < opt.device_buckets < len(opt.layout.buckets)
-    assert split == sum(b.chunk for b in opt.layout.buckets[: opt.device_buckets])
-    assert opt.actual_offload_fraction == pytest.approx(1 - split / n)
-    assert abs(opt.actual_offload_fraction - 0.5) < max(b.chunk for b in opt.layout.buckets) / n
+    n, split = opt.layout.slice_numel, opt.placement.share_numel
+    assert 0 < opt.placement.device_buckets < len(opt.layout.buckets)
+    assert split == sum(b.chunk for b in opt.layout.buckets[: opt.placement.device_buckets])
+    assert opt.placement.actual_offload_fraction == pytest.approx(1 - split / n)
+    assert (
+        abs(opt.placement.actual_offload_fraction - 0.5)
+        < max(b.chunk for b in opt.layout.buckets) / n
+    )
     rep = opt.memory_bytes()
     assert {k: rep["device"][k] for k in ("master", "exp_avg", "exp_avg_sq", "grads")} == {
         k: 4 * split for k in ("master", "exp_avg", "exp_avg_sq", "grads")
@@ -127,7 +133,8 @@ def test_device_share_holds_the_first_buckets_and_only_the_rest_crosses():
     # The checkpoint holds the live parts in slice order (device share, host part): no copy.
     state = opt.state_dict()
     for key in ("master", "exp_avg", "exp_avg_sq"):
-        assert state[key][0] is getattr(opt.share, key) and state[key][1] is getattr(opt, key)
+        assert state[key][0] is getattr(opt.device_side, key)
+        assert state[key][1] is live(opt).form(key).saved()
     losses, _ = _train(model, opt, 2)
     assert losses[1] < losses[0]
     # Traffic: 2 B down and 2 B up per host-part element, none for the device share.
@@ -142,38 +149,32 @@ def test_fused_device_adam_equals_the_torch_restatement():
     adam_math.torch_adam_step over the same runs: decay on some, clipping scale, 5 steps."""
     torch.manual_seed(0)
     runs = [(0, 300, True), (300, 310, False), (310, 1000, True), (1000, 1024, False)]
-    share = DeviceShare({k: torch.zeros(1024) for k in STATE}, runs)
-    assert share.fused
-    share.master.copy_(torch.randn(1024))
-    p, m, v = share.master.clone(), torch.zeros(1024), torch.zeros(1024)
+    p0 = torch.randn(1024)
+    share = {k: torch.zeros(1024) for k in ("master", "exp_avg", "exp_avg_sq")}
+    share["master"].copy_(p0)
+    p, m, v = p0.clone(), torch.zeros(1024), torch.zeros(1024)
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    decay = [(a, z) for a, z, d in runs if d]
     for step in range(1, 6):
         g = torch.randn(1024)
-        share.grads.copy_(g)
-        share.step(step=step, grad_scale=0.25, **hp)
-        torch_adam_step(
-            p,
-            g,
-            m,
-            v,
-            step=step,
-            grad_scale=0.25,
-            decay_runs=[(a, z) for a, z, d in runs if d],
-            **hp,
-        )
-    assert (share.master - p).abs().max() < 1e-6
+        fused_adam_step(share["master"], g.clone(), share["exp_avg"], share["exp_avg_sq"],
+                        step=step, grad_scale=0.25, decay_runs=decay, **hp)  # fmt: skip
+        torch_adam_step(p, g, m, v, step=step, grad_scale=0.25, decay_runs=decay, **hp)
+    assert (share["master"] - p).abs().max() < 1e-6
+    share = type("Share", (), share)
     assert (share.exp_avg - m).abs().max() < 1e-6 and (share.exp_avg_sq - v).abs().max() < 1e-6
 
 
 def test_fp16_overflow_skips_both_parts():
     scale = dict(initial=2.0**120, min=1.0, window=1000, hysteresis=1)
     model, opt = _single(0.5, dtype=torch.float16, loss_scale=scale)
-    before = (opt.share.master.clone(), opt.master.clone())
+    before = (opt.device_side.master.clone(), live(opt).master.clone())
     x, y = _batch(0)
     opt.zero_grad()
     opt.backward(model(x, y).mean())
     assert opt.step(HP["lr"]).skipped
-    assert torch.equal(opt.share.master, before[0]) and torch.equal(opt.master, before[1])
+    assert torch.equal(opt.device_side.master, before[0])
+    assert torch.equal(live(opt).master, before[1])
 
 
 # ------------------------------------------------------- TP=2 x DP=2, several steps
@@ -183,7 +184,7 @@ def _ours(steps, fraction, *, micro=None, dpu=None):
     micro = micro or per_rank
     torch.manual_seed(42)
     model = GPTModel(GPTConfig(**NO_BIAS))
-    opt = ZeroOptimizer(
+    opt = build_zero(
         model,
         **HP,
         dp=ps.get_data_parallel_group(),
@@ -236,8 +237,8 @@ def _fractions_worker(rank, world):
     steps = 6
     half, one, zero = (_ours(steps, f) for f in (0.5, 1.0, 0.0))
     opt = half[3]
-    assert 0 < opt.device_buckets < len(opt.layout.buckets), "F=0.5 must split the slice"
-    assert one[3].share is None and not zero[3].cpu_offload
+    assert 0 < opt.placement.device_buckets < len(opt.layout.buckets), "F=0.5 must split the slice"
+    assert one[3].device_side is None and zero[3].host_side is None
     assert half[1][0] > HP["clip_grad"], "the test must exercise clipping"
     assert half[0][-1] < half[0][0]
     _close(half, one, "F=0.5 vs F=1")
@@ -262,7 +263,7 @@ def test_cuda_device_share_runs_fused_beside_the_cpu_adam():
     def run(fraction, dtype):
         torch.manual_seed(0)
         model = GPTModel(GPTConfig(**NO_BIAS), tp_group=ps.ParallelGroup.single())
-        opt = ZeroOptimizer(
+        opt = build_zero(
             model,
             **HP,
             dp=ps.ParallelGroup.single(),
@@ -285,7 +286,8 @@ def test_cuda_device_share_runs_fused_beside_the_cpu_adam():
         return losses, opt
 
     half, opt = run(0.5, torch.float32)
-    assert opt.share.fused and opt.share.master.is_cuda and not opt.master.is_cuda
+    assert opt.device_side.adam is fused_adam_step and opt.device_side.master.is_cuda
+    assert not live(opt).master.is_cuda
     one, _ = run(1.0, torch.float32)
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(half, one)), (half, one)
     low, _ = run(0.5, torch.bfloat16)
@@ -303,7 +305,7 @@ def test_plan_equals_real_buffers_with_a_device_share():
         model, opt = _single(
             0.5, dtype=dtype, bucket=3000, micro_batches=k, dpu_warmup_steps=0 if dpu else None
         )
-        assert opt.share is not None
+        assert opt.device_side is not None
         real = opt.memory_bytes()
         run = Run(
             cfg,
@@ -413,7 +415,9 @@ def test_checkpoint_saved_at_one_fraction_loads_at_another(tmp_path, capfd):
     _run(4, 2, "0.5", "--save", ck, "--exit-interval", "4")
     assert read_latest(ck) == 4
     shard = torch.load(os.path.join(iter_dir(ck, 4), optim_file(1, 1)), weights_only=True)
-    assert set(shard) == {"master", "exp_avg", "exp_avg_sq", "step", "scaler", "layout", "rng"}
+    assert set(shard) == {
+        "master", "exp_avg", "exp_avg_sq", "step", "scaler", "layout", "rng", "param_steps"
+    }
     # The parts as the run held them (device share, host part), read back on the CPU.
     assert [p.device.type for p in shard["master"]] == ["cpu", "cpu"]
     assert sum(p.numel() for p in shard["master"]) == shard["layout"]["host_numel"]

@@ -16,12 +16,12 @@ import torch.distributed as dist
 from dist_helpers import log_records, pretrain_worker, run_distributed
 from helpers import ADAM_HP as HP
 from helpers import CKPT_RUN, micro_batches, tiny_gpt_config
+from zero_helpers import build_zero
 
 from mp_offload import parallel_state as ps
 from mp_offload.config import ConfigError, parse_args, resolve
 from mp_offload.data.loader import MockGPTDataset
 from mp_offload.model.gpt import GPTConfig, GPTModel
-from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.planner import EXACT, Hardware, Run, plan_rank, rank_shapes, spec_named_params
 from mp_offload.tensor_parallel import merge_partitions
 from mp_offload.training import train_step
@@ -40,7 +40,7 @@ def _build(overlap, *, dp=None, tp=None, bucket=500, **kw):
     torch.manual_seed(42)
     model = GPTModel(GPTConfig(**tiny_gpt_config()), tp_group=tp or single)
     hp = dict(HP, clip_grad=kw.pop("clip_grad", HP["clip_grad"]))
-    opt = ZeroOptimizer(
+    opt = build_zero(
         model,
         **hp,
         dp=dp or single,

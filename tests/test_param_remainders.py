@@ -8,13 +8,13 @@ import torch
 from dist_helpers import ckpt_run, log_records
 from helpers import ADAM_HP as HP
 from helpers import micro_batches, tiny_gpt_config
+from zero_helpers import build_zero, host_tensor
 
 from mp_offload import parallel_state as ps
 from mp_offload.config import config_problems, parse_args
 from mp_offload.data.loader import MockGPTDataset
 from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.ops.cpu_adam import join_fp32
-from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.training import train_step
 
 SINGLE = ps.ParallelGroup.single()
@@ -31,7 +31,7 @@ def _opt(remainders: bool, **kw):
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**tiny_gpt_config()), tp_group=SINGLE)
     kw = dict(dict(dtype=BF16, cpu_offload=True, bucket_size=2000), **kw)
-    opt = ZeroOptimizer(
+    opt = build_zero(
         model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", store_param_remainders=remainders, **kw
     )
     return model, opt
@@ -49,8 +49,8 @@ def _train(model, opt, steps, first=0, k=1):
 def _master(opt) -> torch.Tensor:
     """The host fp32 master, however it is kept."""
     if opt.options.store_param_remainders:
-        return join_fp32(opt.param_staging, opt.master)
-    return opt.master
+        return join_fp32(host_tensor(opt, "param_staging"), host_tensor(opt, "master"))
+    return host_tensor(opt, "master")
 
 
 CASES = {  # one rank: Adam writes the params in place, or a staging (DPU), ...
@@ -70,9 +70,11 @@ def test_one_rank_bitwise_with_and_without(case):
     (ma, a), (mb, b) = _opt(False, **kw), _opt(True, **kw)
     assert _train(ma, a, 4, k=k) == _train(mb, b, 4, k=k)
     assert torch.equal(a.flat, b.flat)
-    assert torch.equal(a.master, _master(b))
-    assert torch.equal(a.exp_avg, b.exp_avg) and torch.equal(a.exp_avg_sq, b.exp_avg_sq)
-    assert b.master.dtype == torch.int16 and b.param_staging.dtype == BF16
+    assert torch.equal(host_tensor(a, "master"), _master(b))
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(host_tensor(a, key), host_tensor(b, key))
+    assert host_tensor(b, "master").dtype == torch.int16
+    assert host_tensor(b, "param_staging").dtype == BF16
 
 
 def test_host_master_takes_two_bytes_and_the_memory_line_says_so():
@@ -88,8 +90,8 @@ def test_host_master_takes_two_bytes_and_the_memory_line_says_so():
     # the device share (F < 1) keeps its fp32 master on the device
     _, c = _opt(True, offload_fraction=0.5)
     rep = c.memory_bytes()
-    assert rep["device"]["master"] == 4 * c.share_numel
-    assert rep["host"]["master"] == 2 * (n - c.share_numel)
+    assert rep["device"]["master"] == 4 * c.placement.share_numel
+    assert rep["host"]["master"] == 2 * (n - c.placement.share_numel)
 
 
 @pytest.mark.parametrize("saved_with", [False, True])

@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import ADAM_HP as HP
 from helpers import tiny_gpt_config
+from zero_helpers import build_zero
 
 from mp_offload import parallel_state as ps
 from mp_offload.config import parse_args, resolve
@@ -41,40 +42,31 @@ OPTIONS = [
 
 
 def _tensors(opt: ZeroOptimizer, name: str) -> list[torch.Tensor]:
-    """The optimizer's tensors for one placed buffer (an 8-bit moment's codes, its pieces
-    end to end, and its scales)."""
-    if name.startswith("share."):
-        return [getattr(opt.share, name.split(".")[1])]
-    if name.endswith(".scales"):
-        return [getattr(opt, name.split(".")[0]).scales]
-    q = getattr(opt, name, None)
-    if isinstance(q, Q8Moment):
-        return [torch.cat([p.codes for _, p in sorted(q.pieces.items())])]
-    one = dict(
-        params=opt.flat,
-        grad_accumulation=opt.reducer.acc_buffer,
-        master=opt.master,
-        exp_avg=opt.exp_avg,
-        exp_avg_sq=opt.exp_avg_sq,
-        param_staging=None if opt.param_staging is opt.flat else opt.param_staging,
-    )
-    if name in one:  # the overlap's second copy (its spare HostState) beside the live one
-        spare = opt.spare_state
-        key = dict(param_staging="hi").get(name, name)
-        extra = [] if spare is None or not hasattr(spare, key) else [getattr(spare, key)]
-        extra = [t for t in extra if t is not None and t is not opt.flat]  # in place: no copy
-        return ([] if one[name] is None else [one[name]]) + extra
-    return dict(grads=opt.grads, grad_staging=opt.grad_staging)[name]
+    """The optimizer's tensors for one placed buffer, from the sides' ``buffers()`` (an
+    8-bit moment's codes, its pieces end to end, and its scales)."""
+    if name == "params":
+        return [opt.flat]
+    if name == "grad_accumulation":
+        return [opt.reducer.source.buffer]
+    out = []
+    for side in opt.sides:
+        for n, t in side.buffers():
+            if isinstance(t, Q8Moment) and name in (n, n + ".scales"):
+                codes = torch.cat([p.codes for _, p in sorted(t.pieces.items())])
+                out.append(t.scales if name.endswith(".scales") else codes)
+            elif n == name:
+                out.append(t if isinstance(t, torch.Tensor) else getattr(t, "t", None) or t.master)
+    return out
 
 
 @pytest.mark.parametrize("kw", OPTIONS)
 def test_the_optimizer_allocates_exactly_its_placement(kw):
     """Buffer by buffer: the copies, elements, dtype and side the placement names."""
     model = GPTModel(GPTConfig(**tiny_gpt_config()), tp_group=SINGLE)
-    opt = ZeroOptimizer(model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", bucket_size=900, **kw)
+    opt = build_zero(model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", bucket_size=900, **kw)
     for buf in opt.placement.buffers:
         if buf.name == "grad_buckets":  # made as backward needs them (planner test: bytes)
-            assert (opt.reducer.max_bucket, opt.reducer.dtype) == (buf.numel, buf.dtype)
+            assert (opt.reducer.source.max_bucket, opt.reducer.source.dtype) == (buf.numel, buf.dtype)
             continue
         got = _tensors(opt, buf.name)
         assert len(got) == buf.copies, buf

@@ -7,10 +7,10 @@ import pytest
 import torch
 from dist_helpers import run_distributed
 from planner_cases import BUCKETS, HP, SMALL, TEN_B
+from zero_helpers import build_zero
 
 from mp_offload import parallel_state as ps
 from mp_offload.model.gpt import GPTConfig, GPTModel
-from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.planner import (
     EXACT,
     GiB,
@@ -72,7 +72,7 @@ def test_plan_equals_real_buffers_tp1_dp1(bucket):
     ):
         torch.manual_seed(0)
         model = GPTModel(cfg, tp_group=ps.ParallelGroup.single())
-        opt = ZeroOptimizer(
+        opt = build_zero(
             model,
             **HP,
             dp=ps.ParallelGroup.single(),
@@ -97,7 +97,7 @@ def test_plan_equals_real_buffers_tp1_dp1(bucket):
         torch.manual_seed(0)
         model = GPTModel(cfg, tp_group=ps.ParallelGroup.single())
         mdt = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}
-        opt = ZeroOptimizer(
+        opt = build_zero(
             model,
             **HP,
             dp=ps.ParallelGroup.single(),
@@ -140,7 +140,7 @@ def _tp2_dp2_worker(rank, world):
     for bucket in BUCKETS:
         torch.manual_seed(0)
         model = GPTModel(cfg)
-        opt = ZeroOptimizer(
+        opt = build_zero(
             model,
             **HP,
             dp=ps.get_data_parallel_group(),

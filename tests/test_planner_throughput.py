@@ -5,6 +5,7 @@ import sys
 import pytest
 import torch
 from planner_cases import HP, SMALL
+from zero_helpers import build_zero
 
 from mp_offload import parallel_state as ps
 from mp_offload.model.gpt import GPTConfig, GPTModel
@@ -55,7 +56,7 @@ def test_step_time_without_offload_has_no_host_terms():
 def _offload_optimizer(dtype, moments, **options) -> ZeroOptimizer:
     """A one-rank offload ZeroOptimizer of the SMALL model (both moments in ``moments``)."""
     single = ps.ParallelGroup.single()
-    return ZeroOptimizer(
+    return build_zero(
         GPTModel(GPTConfig(**SMALL), tp_group=single),
         **HP,
         dp=single,

@@ -3,11 +3,11 @@
 import torch
 from helpers import ADAM_HP as HP
 from helpers import tiny_gpt_config
+from zero_helpers import build_zero
 
 from mp_offload import parallel_state as ps
 from mp_offload.data.loader import MockGPTDataset
 from mp_offload.model.gpt import GPTConfig, GPTModel
-from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.training import train_step
 
 CFG = tiny_gpt_config()
@@ -27,7 +27,7 @@ def test_train_step_equals_hand_written_loop():
     for kind in ("train_step", "hand"):
         torch.manual_seed(0)
         model = GPTModel(GPTConfig(**CFG), tp_group=SINGLE)
-        opt = ZeroOptimizer(
+        opt = build_zero(
             model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", bucket_size=700, micro_batches=2
         )
         batches = _micro_batches(data, 2)

@@ -8,12 +8,12 @@ import torch.distributed as dist
 from dist_helpers import run_distributed
 from helpers import ADAM_HP as HP
 from helpers import micro_batches, tiny_gpt_config
+from zero_helpers import build_zero, host_tensor
 
 from mp_offload import parallel_state as ps
 from mp_offload.data.loader import MockGPTDataset
 from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer.torch_adamw import param_groups
-from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.tensor_parallel import merge_partitions
 from mp_offload.training import train_step
 
@@ -87,7 +87,7 @@ def _ours(
     per_rank = GBS // dp
     micro = micro or per_rank
     model = _model(None, cfg)
-    opt = ZeroOptimizer(
+    opt = build_zero(
         model,
         **HP,
         dp=ps.get_data_parallel_group(),
@@ -224,7 +224,7 @@ def _low_precision_worker(rank, world):
     losses, _, skipped, model, opt = _ours(3, dtype=torch.float16, loss_scale=scale)
     assert skipped[0], "overflow must skip the step"
     assert opt.scaler.scale < 2.0**120 and opt.scaler.overflows >= 1
-    assert torch.isfinite(opt.master).all(), "master weights must stay finite"
+    assert torch.isfinite(host_tensor(opt, "master")).all(), "master weights must stay finite"
     assert opt.step_count == sum(not s for s in skipped)
 
 
@@ -250,7 +250,7 @@ def _traffic(k, on_device, dtype=torch.bfloat16, reduce_dtype=None, **kw):
     single = ps.ParallelGroup.single()
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**CFG), tp_group=single)
-    opt = ZeroOptimizer(
+    opt = build_zero(
         model,
         **HP,
         dp=single,
@@ -286,7 +286,7 @@ def test_device_keeps_only_low_precision_params_and_fixed_buckets():
     """docs/DESIGN.md §4: with offload the device holds 2-byte params and fixed-size buckets."""
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**CFG), tp_group=ps.ParallelGroup.single())
-    opt = ZeroOptimizer(
+    opt = build_zero(
         model,
         **HP,
         dp=ps.ParallelGroup.single(),
@@ -324,7 +324,7 @@ def _bf16_steps(staging: bool, dpu=None):
     torch.manual_seed(0)
     single = ps.ParallelGroup.single()
     model = GPTModel(GPTConfig(**CFG), tp_group=single)
-    opt = ZeroOptimizer(
+    opt = build_zero(
         model,
         **HP,
         dp=single,
@@ -336,7 +336,8 @@ def _bf16_steps(staging: bool, dpu=None):
         dpu_warmup_steps=dpu,
     )
     if staging:
-        opt.param_staging = torch.empty_like(opt.flat)
+        for state in opt.host_side.states:
+            state.master_form.hi = torch.empty_like(opt.flat)
     losses = []
     for step in range(3):
         out = train_step(model, opt, iter([_tokens(step)]), 1, 1e-3, single, CPU)
@@ -349,12 +350,13 @@ def test_cpu_device_adam_writes_the_params_in_place():
     """CPU device, one DP rank, no DPU: the Adam's bf16 output is the model's flat buffer
     (no publish copy), with the bits of the staging + copy path."""
     opt, losses = _bf16_steps(staging=False)
-    assert opt.param_staging is opt.flat
+    assert host_tensor(opt, "param_staging") is opt.flat
     ref, ref_losses = _bf16_steps(staging=True)
     assert losses == ref_losses
-    assert torch.equal(opt.flat, ref.flat) and torch.equal(opt.master, ref.master)
+    assert torch.equal(opt.flat, ref.flat)
+    assert torch.equal(host_tensor(opt, "master"), host_tensor(ref, "master"))
     dpu, _ = _bf16_steps(staging=False, dpu=1)  # forward t+1 runs beside Adam t
-    assert dpu.param_staging.data_ptr() != dpu.flat.data_ptr()
+    assert host_tensor(dpu, "param_staging").data_ptr() != dpu.flat.data_ptr()
 
 
 def test_bf16_moments_track_fp32_moments():
@@ -364,7 +366,7 @@ def test_bf16_moments_track_fp32_moments():
     for mdt in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
         model = GPTModel(GPTConfig(**CFG), tp_group=single)
-        opt = ZeroOptimizer(
+        opt = build_zero(
             model,
             **HP,
             dp=single,
@@ -379,7 +381,7 @@ def test_bf16_moments_track_fp32_moments():
         for step in range(20):
             out = train_step(model, opt, iter([_tokens(step)]), 1, HP["lr"], single, CPU)
             losses.append(out.loss)
-        assert opt.exp_avg.dtype == opt.state_dict()["exp_avg_sq"].dtype == mdt
+        assert host_tensor(opt, "exp_avg").dtype == opt.state_dict()["exp_avg_sq"].dtype == mdt
         runs[mdt] = losses
     assert runs[torch.bfloat16][-1] < runs[torch.bfloat16][0] - 0.5
     worst = max(abs(a - b) / b for a, b in zip(runs[torch.bfloat16], runs[torch.float32]))

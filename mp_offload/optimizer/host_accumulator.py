@@ -1,11 +1,12 @@
 """Host work on the gradient chunks, on a worker thread, as their copies land.
 
-On CUDA with offload each reduced bucket chunk is copied down (non-blocking, pinned) while
-backward goes on; this thread waits for each copy's event and then runs the host work for
-that chunk (add it into the fp32 gradient slice; on the last micro-batch also its share of
-the gradient norm), so that work overlaps the rest of backward instead of running after
-it. Chunks cover disjoint parts of the slice, and the main thread only reads the slice
-after ``wait()``, so no locking is needed.
+On a GPU with offload each reduced bucket chunk is copied down (non-blocking, pinned)
+while backward goes on; this thread waits (sleeping) for each copy's event and then runs
+the host work for that chunk (add it into the fp32 gradient slice, and on the last
+micro-batch its share of the gradient norm; with the overlap, its speculative Adam), so
+that work overlaps the rest of backward instead of running after it. Chunks cover
+disjoint parts of the slice, and the main thread only reads the slice after ``wait()``,
+so no locking is needed. The thread is a real one on the CPU too (the overlap's).
 """
 
 from __future__ import annotations
@@ -14,28 +15,20 @@ import queue
 import threading
 from collections.abc import Callable
 
-import torch
-
-from .host_memory import set_thread_device
-
 
 class HostAccumulator:
-    def __init__(self, device: torch.device | None = None):
-        # the rank's GPU: its copy events are waited on from this thread
-        self.device = device or torch.device("cpu")
+    def __init__(self, streams):
+        """``streams``: the optimizer's (``streams.py``): the thread binds to the rank's
+        device through it and waits for the copies' events with it."""
+        self.streams = streams
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="host-grad-accumulate", daemon=True)
         self._thread.start()
 
     def submit(self, work: Callable[[], None], ready=None) -> None:
-        """Run ``work()`` on the thread once ``ready`` (an event with .synchronize(), or
-        None) is set."""
+        """Run ``work()`` on the thread once ``ready`` (an event, or None) is set."""
         self._queue.put((work, ready))
-
-    def add(self, dst: torch.Tensor, src: torch.Tensor, ready=None) -> None:
-        """Queue ``dst += src`` once ``ready`` is set."""
-        self.submit(lambda: dst.add_(src), ready)
 
     def wait(self) -> None:
         """Block until every queued piece of work is done; re-raise the worker's failure."""
@@ -46,15 +39,14 @@ class HostAccumulator:
 
     def _run(self) -> None:
         try:
-            set_thread_device(self.device)
+            self.streams.bind_thread()
         except BaseException as e:  # noqa: BLE001 - every piece is then refused; wait() raises
             self._error = e
         while True:
             work, ready = self._queue.get()
             try:
                 if self._error is None:
-                    if ready is not None:
-                        ready.synchronize()  # the copy down has landed in pinned memory
+                    self.streams.wait(ready)  # the copy down has landed in pinned memory
                     work()
             except BaseException as e:  # noqa: BLE001 - surfaced by wait()
                 self._error = e

@@ -1,15 +1,15 @@
-"""The host's optimizer state in its stored forms (docs/DESIGN.md §3, §5).
+"""The host's optimizer state in its stored forms, each behind one face (docs/DESIGN.md §3).
 
-``placement.py`` decides the dtypes; ``HostState`` steps the state, and converts it to
-and from the fp32 that checkpoints hold:
-  * master: fp32; with ``--store-param-remainders`` the int16 remainder ``lo`` beside the
-    bf16 param staging ``hi`` (the param that goes up): join_fp32(hi, lo) is the fp32
-    master exactly, so the host keeps no fp32 copy and Adam writes no separate bf16 one;
-  * each moment: an fp32/bf16 tensor, or 8-bit (``Q8Moment``: one Blockwise8 per Adam
-    piece, its blocks restarting at each piece, so no block spans two kernel calls).
-bf16 params made from an fp32 master all use split_fp32's rounding when
-``Placement.split_bf16`` (bf16 with offload): with or without remainders, the device
-gets the same bits.
+``placement.py`` decides the dtypes; here each form steps and converts itself:
+  * master: ``Fp32Master`` (fp32, with the low-precision param staging ``hi`` beside it,
+    or none in fp32 where the master itself goes up), or ``SplitMaster``
+    (``--store-param-remainders``: the int16 remainder ``lo`` beside the bf16 staging
+    ``hi``; join_fp32(hi, lo) is the fp32 master exactly, so the host keeps no fp32 copy);
+  * each moment: ``DenseMoment`` (fp32/bf16) or ``Q8Moment`` (8-bit: one Blockwise8 per
+    Adam piece, its blocks restarting at each piece, so no block spans two kernel calls).
+A form's ``saved()`` is what a checkpoint holds (fp32), ``target()``/``commit()`` load it.
+bf16 params made from an fp32 master use split_fp32's rounding when ``split`` (bf16 with
+offload), so the device gets the same bits with or without remainders.
 """
 
 from __future__ import annotations
@@ -54,19 +54,40 @@ def to_low(dst: torch.Tensor, src: torch.Tensor, split: bool) -> None:
     dst.copy_(hi.view(dst.shape))
 
 
-def remainder_kernel():
-    """adam_step_remainder: the master as hi + lo needs the C++ kernel."""
-    if _kernels() is None:
-        raise RuntimeError("--store-param-remainders needs the C++ CPU Adam (mp_offload._cpu_adam)")
-    return _kernels().adam_step_remainder
-
-
 def nbytes(t) -> int:
     if t is None:
         return 0
-    if isinstance(t, Q8Moment):
+    if isinstance(t, (Q8Moment, DenseMoment, Fp32Master, SplitMaster)):
         return t.nbytes
     return t.numel() * t.element_size()
+
+
+# ---------------------------------------------------------------------------- moments
+class DenseMoment:
+    """An fp32 or bf16 moment: the tensor itself."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def __getitem__(self, s: slice) -> torch.Tensor:
+        return self.t[s]
+
+    def numel(self) -> int:
+        return self.t.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.t.numel() * self.t.element_size()
+
+    def saved(self) -> torch.Tensor:
+        return self.t
+
+    def target(self) -> torch.Tensor:
+        return self.t
+
+    def commit(self, t: torch.Tensor) -> None:
+        if t is not self.t:
+            self.t.copy_(t)
 
 
 class Q8Moment:
@@ -104,94 +125,165 @@ class Q8Moment:
             raise ValueError(f"Q8Moment: [{piece.start}:{piece.stop}] is not an Adam piece")
         return q
 
-    def to_fp32(self) -> torch.Tensor:
+    def saved(self) -> torch.Tensor:
         out = torch.empty(self._numel)
         for h, q in self.pieces.items():
             _kernels().dequantize_8bit(q, self.kind, out=out[h : h + q.codes.numel()])
         return out
 
-    def load_(self, x: torch.Tensor) -> None:
+    to_fp32 = saved
+
+    def target(self) -> torch.Tensor:
+        return torch.zeros(self._numel)
+
+    def commit(self, x: torch.Tensor) -> None:
         for h, q in self.pieces.items():
             _kernels().quantize_8bit(x[h : h + q.codes.numel()].contiguous(), self.kind, out=q)
 
+    load_ = commit
 
-def allocate_moment(place: Placement, key: str, pieces, allocate):
-    """Moment ``key``'s host buffer as placed: a tensor (``allocate(name)``), or a
-    Q8Moment over the Adam ``pieces`` when its dtype is 8-bit."""
+
+def make_moment(place: Placement, key: str, pieces, tensor_of) -> DenseMoment | Q8Moment:
+    """Moment ``key``'s host form as placed: ``tensor_of()`` wrapped, or a Q8Moment over
+    the Adam ``pieces`` when its dtype is 8-bit."""
     buf = place.buffer(key)
     if buf.dtype != torch.uint8:
-        return allocate(key)[0]
+        return DenseMoment(tensor_of())
     return Q8Moment(key, buf.numel, place.buffer(key + ".scales").numel, pieces)
 
 
+# ----------------------------------------------------------------------------- masters
+class Fp32Master:
+    """The fp32 master; ``hi``: the low-precision params Adam writes beside it (the staging
+    that goes up; None where the master itself goes up)."""
+
+    def __init__(self, master: torch.Tensor, hi: torch.Tensor | None, split: bool):
+        self.master, self.hi, self.split = master, hi, split
+        k = _kernels()
+        self.kernel = k.adam_step if k is not None else None
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.master)
+
+    def numel(self) -> int:
+        return self.master.numel()
+
+    def params(self, s: slice) -> tuple:
+        return (self.master[s],)
+
+    def outputs(self, s: slice, to: Fp32Master | None) -> dict:
+        """The kernel's keyword outputs: the new low-precision params; with ``to`` (the
+        other copy) the new master goes there too."""
+        out = {} if to is None else dict(param_dst=to.master[s])
+        dst = (to or self).hi
+        if dst is not None:
+            out["param_out"] = dst[s]
+            if self.split:
+                out["bf16_rounding"] = "split"
+        return out
+
+    @property
+    def upload_source(self) -> torch.Tensor:
+        return self.master if self.hi is None else self.hi
+
+    def saved(self) -> torch.Tensor:
+        return self.master
+
+    def target(self) -> torch.Tensor:
+        return self.master
+
+    def commit(self, t: torch.Tensor) -> None:
+        if t is not self.master:
+            self.master.copy_(t)
+        if self.hi is not None:  # the staging's params from the new master
+            to_low(self.hi, self.master, self.split)
+
+
+class SplitMaster:
+    """The master as bf16 ``hi`` (the param staging that goes up) + int16 remainder ``lo``."""
+
+    split = True
+
+    def __init__(self, lo: torch.Tensor, hi: torch.Tensor):
+        self.lo, self.hi = lo, hi
+        k = _kernels()
+        if k is None:
+            raise RuntimeError(
+                "--store-param-remainders needs the C++ CPU Adam (mp_offload._cpu_adam)"
+            )
+        self.kernel = k.adam_step_remainder
+
+    @property
+    def master(self) -> torch.Tensor:
+        return self.lo
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.lo)
+
+    def numel(self) -> int:
+        return self.lo.numel()
+
+    def params(self, s: slice) -> tuple:
+        return (self.hi[s], self.lo[s])
+
+    def outputs(self, s: slice, to: SplitMaster | None) -> dict:
+        return {} if to is None else dict(param_hi_dst=to.hi[s], param_lo_dst=to.lo[s])
+
+    @property
+    def upload_source(self) -> torch.Tensor:
+        return self.hi
+
+    def saved(self) -> torch.Tensor:
+        return _kernels().join_fp32(self.hi, self.lo)
+
+    def target(self) -> torch.Tensor:
+        return torch.zeros(self.lo.numel())  # the padding, never written, stays 0
+
+    def commit(self, t: torch.Tensor) -> None:
+        _kernels().split_fp32(t, hi=self.hi, lo=self.lo)
+
+
 class HostState:
-    """The host slice's master, moments and param staging (``hi``; None in fp32, where
-    the master goes up), stepped one Adam piece at a time by ``adam`` (adam_step, or the
-    device/torch Adam for state on the device)."""
+    """One copy of the host slice's state: a master form and two moment forms, stepped one
+    Adam call at a time (``kernel``: the form's C++ Adam, or torch's where it is not
+    built; tests wrap it)."""
 
-    def __init__(self, master, hi, exp_avg, exp_avg_sq, adam, remainders: bool, split: bool):
-        self.master, self.hi, self.exp_avg, self.exp_avg_sq = master, hi, exp_avg, exp_avg_sq
-        self.adam, self.remainders, self.split = adam, remainders, split
+    KEYS = ("master", "exp_avg", "exp_avg_sq")
 
-    def step(self, h: int, n: int, grad: torch.Tensor, dst: HostState | None = None, **hyper):
-        """Adam on elements [h, h + n) (one piece), writing their new low-precision params
-        into the staging; with ``dst`` (the overlap's other copy) the new state and params
-        go there and this copy stays untouched (the kernel's ``*_dst``: in-place bytes)."""
-        to, s = dst or self, slice(h, h + n)
-        m, v = self.exp_avg[s], self.exp_avg_sq[s]
+    def __init__(self, master, exp_avg, exp_avg_sq, kernel=None):
+        self.master_form, self.exp_avg, self.exp_avg_sq = master, exp_avg, exp_avg_sq
+        self.adam = kernel or master.kernel
+        self.uploaded = None  # event: the last copy up that reads this copy's staging
+
+    @property
+    def master(self) -> torch.Tensor:
+        return self.master_form.master
+
+    @property
+    def hi(self) -> torch.Tensor | None:
+        return self.master_form.hi
+
+    def form(self, key: str):
+        return self.master_form if key == "master" else getattr(self, key)
+
+    def step(self, s: slice, grad: torch.Tensor, dst: HostState | None = None, **hyper):
+        """Adam on elements ``s``, writing their new low-precision params into the staging;
+        with ``dst`` (the overlap's other copy) the new state and params go there and this
+        copy stays untouched (the kernel's ``*_dst``: in-place bytes)."""
         if dst is not None and not self.out_of_place:  # torch fallback: copy, then in place
-            for k in ("master", "exp_avg", "exp_avg_sq") + ("hi",) * self.remainders:
-                getattr(to, k)[s].copy_(getattr(self, k)[s])
-            return to.step(h, n, grad, **hyper)
-        moved = {}
+            for key in self.KEYS:  # (fp32 forms only: the others need the C++ kernels)
+                getattr(dst, key)[s].copy_(getattr(self, key)[s])
+            return dst.step(s, grad, **hyper)
+        out = self.master_form.outputs(s, None if dst is None else dst.master_form)
         if dst is not None:
-            moved = dict(exp_avg_dst=to.exp_avg[s], exp_avg_sq_dst=to.exp_avg_sq[s])
-        if self.remainders:  # hi and lo: the staging is the master's top half
-            if dst is not None:
-                moved.update(param_hi_dst=to.hi[s], param_lo_dst=to.master[s])
-            self.adam(self.hi[s], self.master[s], grad, m, v, **moved, **hyper)
-            return None
-        if dst is not None:
-            moved["param_dst"] = to.master[s]
-        out = None if to.hi is None else to.hi[s]
-        rounding = dict(bf16_rounding="split") if self.split and out is not None else {}
-        self.adam(self.master[s], grad, m, v, param_out=out, **rounding, **moved, **hyper)
-        return None
+            out.update(exp_avg_dst=dst.exp_avg[s], exp_avg_sq_dst=dst.exp_avg_sq[s])
+        m, v = self.exp_avg[s], self.exp_avg_sq[s]
+        self.adam(*self.master_form.params(s), grad, m, v, **out, **hyper)
 
     @property
     def out_of_place(self) -> bool:
         """The kernel takes ``*_dst`` (the C++ Adam; torch's fallback does not)."""
-        k = _kernels()
         fn = getattr(self.adam, "__wrapped__", self.adam)
-        return k is not None and fn in (k.adam_step, k.adam_step_remainder)
-
-    def saved(self, key: str) -> torch.Tensor:
-        """State ``key`` as a checkpoint holds it: the live tensor, or an fp32 temporary
-        (the master joined from hi + lo; an 8-bit moment dequantized)."""
-        t = getattr(self, key)
-        if key == "master" and self.remainders:
-            return _kernels().join_fp32(self.hi, self.master)
-        return t.to_fp32() if isinstance(t, Q8Moment) else t
-
-    def target(self, key: str) -> torch.Tensor:
-        """Where a load writes ``key``: the live tensor, or an fp32 temporary for ``commit``."""
-        t = getattr(self, key)
-        converted = isinstance(t, Q8Moment) or (key == "master" and self.remainders)
-        return torch.empty(t.numel()) if converted else t
-
-    def commit(self, key: str, t: torch.Tensor) -> None:
-        """Store a loaded fp32 ``t`` (from ``target``) into its stored form."""
-        live = getattr(self, key)
-        if t is live:
-            return
-        if isinstance(live, Q8Moment):
-            live.load_(t)
-        else:  # the master as hi + lo: the staging gets its split top half
-            _kernels().split_fp32(t, hi=self.hi, lo=self.master)
-
-    def refresh_staging(self) -> None:
-        """After a load: the staging's low-precision params from the master (remainders:
-        ``commit`` already wrote hi)."""
-        if self.hi is None or self.remainders:
-            return
-        to_low(self.hi, self.master, self.split)
+        return fn is self.master_form.kernel and fn is not None

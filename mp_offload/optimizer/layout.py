@@ -27,6 +27,7 @@ class Slot:
     start: int  # offset in the flat buffer
     numel: int
     bucket: int
+    index: int = 0  # in ``FlatLayout.slots``
 
 
 @dataclass
@@ -57,7 +58,7 @@ class Segment:
 
     slice_start: int
     slice_end: int
-    decay: bool  # weight decay applies (matrices, not biases/LayerNorm)
+    slot: int | None  # index of its parameter's slot (None: padding)
     counts_for_norm: bool  # TP-sharded, or TP rank 0 (docs/DESIGN.md §2)
 
 
@@ -88,7 +89,7 @@ class FlatLayout:
             offset, current = end, []
 
         for name, p in reversed(named_params):
-            slot = Slot(name, p, offset, p.numel(), len(self.buckets))
+            slot = Slot(name, p, offset, p.numel(), len(self.buckets), len(self.slots))
             self.slots.append(slot)
             current.append(slot)
             offset += p.numel()
@@ -115,20 +116,20 @@ class FlatLayout:
                     continue
                 if a > cursor:
                     segs.append(
-                        Segment(cursor - lo + b.slice_offset, a - lo + b.slice_offset, False, False)
+                        Segment(cursor - lo + b.slice_offset, a - lo + b.slice_offset, None, False)
                     )
                 segs.append(
                     Segment(
                         a - lo + b.slice_offset,
                         z - lo + b.slice_offset,
-                        s.param.ndim > 1,
+                        s.index,
                         not is_duplicate_across_tp(s.param, tp_rank),
                     )
                 )
                 cursor = z
             if cursor < hi:
                 segs.append(
-                    Segment(cursor - lo + b.slice_offset, hi - lo + b.slice_offset, False, False)
+                    Segment(cursor - lo + b.slice_offset, hi - lo + b.slice_offset, None, False)
                 )
         return segs
 
@@ -151,15 +152,23 @@ class FlatLayout:
                 if a < z:
                     yield s, a - s.start, a - lo + b.slice_offset, z - a
 
-    def decay_runs(self) -> list[tuple[int, int, bool]]:
-        """Maximal runs of the slice with one weight-decay setting (one kernel call each)."""
-        runs: list[list] = []
+    def norm_ranges(self) -> list[list[tuple[int, int]]]:
+        """Per bucket, the ranges of this rank's chunk that count for the gradient norm
+        (merged runs, relative to the chunk)."""
+        out: list[list[tuple[int, int]]] = [[] for _ in self.buckets]
+        starts = [b.slice_offset for b in self.buckets]
+        b = 0
         for seg in self.segments:
-            if runs and runs[-1][2] == seg.decay and runs[-1][1] == seg.slice_start:
-                runs[-1][1] = seg.slice_end
+            while b + 1 < len(starts) and seg.slice_start >= starts[b + 1]:
+                b += 1
+            if not seg.counts_for_norm or seg.slice_end <= seg.slice_start:
+                continue
+            a, z = seg.slice_start - starts[b], seg.slice_end - starts[b]
+            if out[b] and out[b][-1][1] == a:
+                out[b][-1] = (out[b][-1][0], z)
             else:
-                runs.append([seg.slice_start, seg.slice_end, seg.decay])
-        return [tuple(r) for r in runs]
+                out[b].append((a, z))
+        return out
 
     def describe(self) -> dict:
         """What a checkpoint records to re-partition later."""

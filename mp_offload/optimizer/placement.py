@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .device_share import actual_fraction, split_buckets
+from .split import actual_fraction, split_buckets
 from .host_memory import host_empty
 from .options import OptimizerOptions
 
@@ -47,22 +47,31 @@ class Placement:
     options: OptimizerOptions
     buffers: tuple[Buffer, ...]
     offloaded: bool  # any state on the host
-    device_buckets: int  # partial offload: the leading buckets updated on the device
-    share_numel: int  # their elements; host buffers start at this slice offset
+    device_buckets: int  # buckets whose state is on the device (all of them without offload)
+    share_numel: int  # partial offload: the elements of those buckets
     actual_offload_fraction: float
     adam_reads_staging: bool  # the chunk that comes down is the step's whole gradient
     chunk_dtype: torch.dtype  # of the reduced chunks (the sum, with device accumulation)
     adam_writes_flat: bool  # Adam writes the new params into the model's own storage
     pinned: bool  # the host staging is pinned (CUDA with offload)
-    host_pieces: tuple[
-        int, ...
-    ]  # lengths of the host buckets' chunks (Adam pieces), in slice order
+    host_pieces: tuple[int, ...]  # lengths of the host buckets' chunks (Adam pieces)
+    chunks: tuple[int, ...] = ()  # every bucket's chunk, in slice order
 
     @property
     def split_bf16(self) -> bool:
         """bf16 params made on the host from the fp32 master use split_fp32's rule (the bits
         adam_step_remainder keeps), so the run is the same with or without remainders."""
         return self.offloaded and self.options.dtype == torch.bfloat16
+
+    @property
+    def device_range(self) -> tuple[int, int]:
+        """(first, end) bucket indices of the buckets the device side steps."""
+        return (0, self.device_buckets)
+
+    @property
+    def host_range(self) -> tuple[int, int]:
+        """(first, end) bucket indices of the host side's buckets (empty without offload)."""
+        return (self.device_buckets, len(self.chunks)) if self.offloaded else (0, 0)
 
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)
@@ -83,7 +92,7 @@ def _split(chunks, o: OptimizerOptions) -> tuple[int, float]:
     """(device buckets, actual offload fraction): partial offload keeps the first buckets
     on the device (``device_share.py``); nothing splits off without offload."""
     if not o.offloaded:
-        return 0, 0.0
+        return len(chunks), 0.0
     kept = split_buckets(chunks, o.offload_fraction)
     return kept, actual_fraction(chunks, kept)
 
@@ -120,7 +129,7 @@ def placement(layout, o: OptimizerOptions, device_type: str) -> Placement:
     their own staging)."""
     chunks = list(layout.chunks)
     device_buckets, actual = _split(chunks, o)
-    share = sum(chunks[:device_buckets])
+    share = sum(chunks[:device_buckets]) if o.offloaded else 0
     n = sum(chunks) - share  # elements of the host buffers (device ones without offload)
     reads_staging = o.offloaded and (o.micro_batches == 1 or o.accumulates_on_device)
     chunk_dtype = o.accumulate_dtype if o.accumulates_on_device else o.reduce_dtype or o.dtype
@@ -181,6 +190,7 @@ def placement(layout, o: OptimizerOptions, device_type: str) -> Placement:
         writes_flat,
         pinned,
         pieces,
+        tuple(chunks),
     )
 
 

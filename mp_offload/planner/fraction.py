@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..optimizer.device_share import actual_fraction, split_buckets
+from ..optimizer.split import actual_fraction, split_buckets
 from .memory import Hardware, JobPlan, Run, plan_job
 
 

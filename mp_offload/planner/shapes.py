@@ -21,7 +21,7 @@ import torch
 
 from .. import parallel_state as ps
 from ..model.gpt import GPTConfig, layer_widths
-from ..optimizer.device_share import split_buckets
+from ..optimizer.split import split_buckets
 from ..optimizer.layout import FlatLayout
 
 

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from ..model.gpt import GPTConfig, flops_per_token
 from ..ops.traffic import accumulate_arrays, adam_arrays, bytes_per_element, publish_arrays
 from ..optimizer.base import DEFAULT_BUCKET_SIZE
-from ..optimizer.device_share import split_buckets
+from ..optimizer.split import split_buckets
 from .overlap_schedule import Overlap, buckets, keeping_up_backward, schedule
 from .shapes import spec_rank_shapes
 

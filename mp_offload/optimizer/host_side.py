@@ -1,0 +1,220 @@
+"""The host side: the offloaded buckets' state on the CPU, stepped by the C++ Adam.
+
+It holds the grad staging (the reduced chunks as they come down), the fp32 gradient
+sums (k > 1 micro-batches accumulated on the host), one or two ``HostState`` copies
+(master and moments in their stored forms, with the param staging that goes up), the
+host worker thread, and the uploads. Its face is the device side's (``side.py``):
+- ``launched``/``receive``: each reduced chunk is copied down (on a GPU, queued at the
+  reduce-scatter on the copy stream so it overlaps the rest of backward) and, when Adam
+  does not read the staging itself, added into the fp32 sum on the worker as it lands;
+- ``step_piece``/``upload``: one bucket's Adam, and its new params queued up right
+  after it (the kernel is elementwise: bitwise one call over the slice);
+- ``parts``/``target``/``commit`` and ``buffers``.
+When it steps and publishes is the schedule's (``schedules.py``); the second copies the
+schedules use (DPU's second gradient buffer, the overlap's second state) are listed by
+the placement and rotated through ``alternate_grads``/``swap_states``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.host_ops import accumulate_
+from .adam_math import torch_adam_step
+from .host_accumulator import HostAccumulator
+from .host_state import Fp32Master, HostState, SplitMaster, make_moment, split_rounding, to_low
+from .placement import allocate
+from .side import Micro, Side
+
+_NOT_COPIED = object()  # ``launched``'s token: the copy down waits for ``receive``
+
+
+class HostSide(Side):
+    def __init__(self, layout, place, streams, flat: torch.Tensor, dp_rank: int):
+        super().__init__(layout, place.host_range, streams)
+        self.place, self.flat, self.dp_rank = place, flat, dp_rank
+        self.reads_staging = place.adam_reads_staging
+        self.staging_copies = self._host("grad_staging")
+        self.grad_copies = self._host("grads")
+        self.staging = self.staging_copies[0] if self.staging_copies else None
+        self.grads = self.grad_copies[0] if self.grad_copies else None
+        self.states = self._states(place)
+        self.q8 = place.buffer("exp_avg").dtype == torch.uint8
+        self.q8 = self.q8 or place.buffer("exp_avg_sq").dtype == torch.uint8
+        self.by_bucket = {p.bucket.index: p for p in self.pieces}
+        self.pieces.reverse()  # the upload order: forward t+1 uses the last buckets first
+        self.bytes_down = self.bytes_up = 0
+        self.on_final = None  # a schedule's host work once a bucket's gradient is final
+        self.defer_wait = False  # the schedule waits for the worker at the step
+        self.worker = None
+        if streams.asynchronous and not self.reads_staging:
+            self.start_worker()
+
+    def _host(self, name: str) -> list[torch.Tensor]:
+        return allocate(self.place.buffer(name), self.flat.device)
+
+    def _states(self, place) -> list[HostState]:
+        """One HostState per copy of the master (two with the overlap)."""
+        masters = self._host("master")
+        if place.adam_writes_flat:  # a CPU device, one DP rank: the params are the staging
+            staging = [self.flat] * len(masters)
+        else:
+            staging = self._host("param_staging") or [None] * len(masters)
+        pieces = [(p.lo, p.n) for p in self.pieces]
+        moments = {k: self._host(k) if not place.buffer(k).dtype == torch.uint8 else None
+                   for k in ("exp_avg", "exp_avg_sq")}  # fmt: skip
+        split = self.split = split_rounding(place)
+        out = []
+        for i, lo in enumerate(masters):
+            if lo.dtype == torch.int16:
+                master = SplitMaster(lo, staging[i])
+            else:
+                master = Fp32Master(lo, staging[i], split)
+            m, v = (
+                make_moment(place, k, pieces, lambda k=k: moments[k][i])
+                for k in ("exp_avg", "exp_avg_sq")
+            )
+            out.append(HostState(master, m, v, master.kernel or torch_adam_step))
+        return out
+
+    def start_worker(self) -> None:
+        if self.worker is None:
+            self.worker = HostAccumulator(self.streams)
+
+    # ------------------------------------------------------------------ gradients
+    def launched(self, b, out: torch.Tensor, work, micro: Micro):
+        if not self.streams.asynchronous:
+            return _NOT_COPIED  # the CPU copies after the collective, at ``receive``
+        return self._copy_down(b, out, work, micro)
+
+    def receive(self, b, out: torch.Tensor, token, micro: Micro):
+        if micro.last and micro.whole:
+            self.chunk_norm(b, out)  # on the device, where the final chunk first exists
+        if token is _NOT_COPIED:
+            token = self._copy_down(b, out, None, micro)
+        return token
+
+    def _copy_down(self, b, out: torch.Tensor, work, micro: Micro):
+        """Copy one reduced chunk into the staging (after ``work``, its collective), queue
+        its host sum and a schedule's work on it; returns the copy's event."""
+        lo = b.slice_offset - self.offset
+        stage = self.staging[lo : lo + b.chunk]
+        landed = self.streams.copy_down(stage, out, after=work)
+        self.bytes_down += b.chunk * out.element_size()
+        if not self.reads_staging:
+            job = self._accumulate(b, self.grads[lo : lo + b.chunk], stage, micro)
+            self.worker.submit(job, landed) if self.worker is not None else job()
+        if self.on_final is not None and micro.last:
+            self.worker.submit(self.on_final(b), landed)  # FIFO: after its host sum
+        return landed
+
+    def _accumulate(self, b, grad, stage, micro: Micro):
+        ranges = self.norm_ranges[b.index] if micro.last else None
+
+        def job():
+            # C++ (torch's fp32 += bf16 is slow); the last micro-batch completes the
+            # gradient, so its pass also sums the squares for the norm: no second read.
+            self.streams.host_access(grad, stage)
+            norm = accumulate_(grad, stage, overwrite=micro.first, norm_ranges=ranges)
+            if micro.last:
+                self.norm_parts.append(norm)
+
+        return job
+
+    def end_backward(self, micro: Micro) -> None:
+        if not (self.defer_wait and micro.last):
+            self.wait()
+        if self.reads_staging:
+            self.streams.drain()  # Adam reads the staging next
+
+    def wait(self) -> None:
+        if self.worker is not None:
+            self.worker.wait()
+
+    @property
+    def adam_grads(self) -> torch.Tensor:
+        """The gradient Adam reads: the staging itself, or the fp32 sums."""
+        return self.staging if self.reads_staging else self.grads
+
+    def alternate_grads(self) -> None:
+        """DPU: backward t+1 writes the other gradient buffer while Adam reads this one."""
+        for copies in (self.staging_copies, self.grad_copies):
+            copies.reverse()
+        self.staging = self.staging_copies[0] if self.staging_copies else None
+        self.grads = self.grad_copies[0] if self.grad_copies else None
+
+    # ----------------------------------------------------------------------- step
+    def step(self, hyper, upload: bool, grad: torch.Tensor | None = None) -> None:
+        """Adam over every host bucket in place, reading ``grad`` (default: this step's);
+        with ``upload`` each bucket's new params are queued up as soon as its piece is
+        done."""
+        state, grad = self.states[0], self.adam_grads if grad is None else grad
+        self.streams.wait(state.uploaded)  # the last copy up may still read the staging
+        for p in self.pieces:
+            self.step_piece(p, hyper, state, None, grad)
+            if upload:
+                self.upload(p, state)
+
+    def step_piece(self, p, hyper, src: HostState, dst: HostState | None, grad) -> None:
+        """One bucket's Adam from ``src`` (into ``dst``: out of place)."""
+        calls = hyper.calls(p.segments)
+        if self.q8 and calls and [(c.lo, c.hi) for c in calls] != [(0, p.n)]:
+            raise RuntimeError(
+                f"8-bit moments step a bucket's chunk in one call, but bucket "
+                f"{p.bucket.index} holds parameters with different learning rates, step "
+                f"counts or weight decays this step (or without a gradient): use fp32/bf16 "
+                f"moments"
+            )
+        for c in calls:
+            s = slice(p.lo + c.lo, p.lo + c.hi)
+            self.streams.host_access(grad[s])
+            src.step(s, grad[s], dst=dst, **hyper.kwargs(c))
+
+    def upload(self, p, state: HostState) -> None:
+        """Queue bucket ``p``'s new params from ``state``'s staging into the flat buffer."""
+        lo, hi = p.bucket.chunk_range(self.dp_rank)
+        src = state.master_form.upload_source[p.lo : p.lo + p.n]
+        self.streams.copy_up(self.flat[lo:hi], src)
+        self.bytes_up += p.n * self.flat.element_size()
+
+    def publish(self) -> None:
+        """Every bucket's params up from the live state (after a DPU join or a load)."""
+        for p in self.pieces:
+            self.upload(p, self.states[0])
+
+    def mark_uploaded(self) -> None:
+        """The copies up queued so far read the live state's staging until this event."""
+        self.states[0].uploaded = self.streams.record()
+
+    def restore_params(self) -> None:
+        """Where Adam writes the params in place (``adam_writes_flat``), put back the ones
+        of the committed master, rounded by the rule that made them."""
+        if not self.place.adam_writes_flat:
+            return
+        for p in self.pieces:
+            lo, hi = p.bucket.chunk_range(self.dp_rank)
+            to_low(self.flat[lo:hi], self.states[0].master[p.lo : p.lo + p.n], self.split)
+
+    def swap_states(self) -> None:
+        self.states.reverse()
+
+    # ----------------------------------------------------------------- checkpoint
+    def parts(self, key: str) -> torch.Tensor:
+        return self.states[0].form(key).saved()
+
+    def target(self, key: str) -> torch.Tensor:
+        return self.states[0].form(key).target()
+
+    def commit(self, key: str, t: torch.Tensor) -> None:
+        self.streams.wait(self.states[0].uploaded)  # the staging may still be read
+        self.states[0].form(key).commit(t)
+
+    def buffers(self) -> list[tuple[str, object]]:
+        out = []
+        for st in self.states:
+            out += [("master", st.master_form), ("exp_avg", st.exp_avg)]
+            out += [("exp_avg_sq", st.exp_avg_sq)]
+            if st.hi is not None and st.hi is not self.flat:
+                out.append(("param_staging", st.hi))
+        out += [("grads", g) for g in self.grad_copies]
+        return out + [("grad_staging", g) for g in self.staging_copies]

@@ -1,0 +1,109 @@
+"""The optimizer's one seam to the device's streams and events (copies down and up).
+
+Every asynchronous copy, event, stream wait and thread binding of the optimizer, the
+reducer, the host accumulator and the schedules' threads goes through one ``streams``
+object:
+- ``CudaStreams``: the real thing on a GPU. Copies down run on their own stream, so they
+  overlap the rest of backward instead of queueing behind its kernels; events are
+  blocking (a waiting thread sleeps instead of spinning).
+- ``HostStreams``: a CPU "device": copies are synchronous, events are None.
+- the tests' race checker (``tests/fake_cuda.py``) implements the same face with copies
+  that complete late unless ordered, to catch a missing wait on the CPU.
+``host_access`` is called where a C++ kernel reads or writes host memory through raw
+pointers (invisible to torch): a no-op here, a check in the race checker.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .host_memory import set_thread_device
+
+
+class HostStreams:
+    """The device is the CPU: every copy is done when it returns."""
+
+    asynchronous = False
+
+    def __init__(self, device: torch.device | None = None):
+        self.device = device or torch.device("cpu")
+
+    def copy_down(self, dst: torch.Tensor, src: torch.Tensor, after=None):
+        """``dst.copy_(src)`` once ``after`` (a collective's work, or None) is done;
+        returns the event that marks the copy done (None: it is)."""
+        if after is not None:
+            after.wait()
+        dst.copy_(src)
+        return None
+
+    def copy_up(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue ``dst.copy_(src)`` (host -> device) on the compute stream."""
+        dst.copy_(src)
+
+    def record(self):
+        """An event after what the compute stream queued so far (None: all done)."""
+        return None
+
+    def before_reuse(self, event) -> None:
+        """The compute stream may overwrite a copy's source only after ``event``."""
+
+    def drain(self) -> None:
+        """The host is about to read what came down: wait for every copy."""
+
+    def wait(self, event) -> None:
+        """The calling thread sleeps until ``event`` (None: nothing to wait for)."""
+        if event is not None:
+            event.synchronize()
+
+    def bind_thread(self) -> None:
+        """A new thread that will touch the device binds to the rank's device first."""
+        set_thread_device(self.device)
+
+    def host_access(self, *tensors: torch.Tensor) -> None:
+        """A C++ kernel is about to read or write these host tensors (raw pointers)."""
+
+
+class CudaStreams(HostStreams):
+    """Copies down on a side stream; copies up on the compute stream (the forward that
+    reads them is queued behind them); blocking events."""
+
+    asynchronous = True
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.stream = torch.cuda.Stream(device)
+
+    def copy_down(self, dst, src, after=None):
+        compute = torch.cuda.current_stream()
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                after.wait()  # NCCL: this stream waits for the collective, the host does not
+            else:
+                self.stream.wait_stream(compute)
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event(blocking=True)
+            done.record(self.stream)
+        src.record_stream(self.stream)  # the caching allocator: in use on the copy stream
+        return done
+
+    def copy_up(self, dst, src) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def record(self):
+        done = torch.cuda.Event(blocking=True)
+        done.record()
+        return done
+
+    def before_reuse(self, event) -> None:
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def drain(self) -> None:
+        done = torch.cuda.Event(blocking=True)
+        done.record(self.stream)
+        done.synchronize()
+
+
+def streams_for(device: torch.device, pinned: bool) -> HostStreams:
+    """The real streams of ``device`` (CUDA with a pinned host staging), else the CPU's."""
+    return CudaStreams(device) if pinned else HostStreams(device)
