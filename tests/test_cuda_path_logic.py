@@ -8,18 +8,17 @@ import weakref
 import pytest
 import torch
 from dist_helpers import run_distributed
-from zero_helpers import build_zero
+from zero_helpers import build_zero, host_tensor, live, wrap_adam
 
 from mp_offload import parallel_state as ps
 from mp_offload.data.loader import BatchIterator, MockGPTDataset, SizedPlaceholder
 from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.ops.cpu_adam import split_fp32
 from mp_offload.optimizer import host_memory, zero
+from mp_offload.optimizer import streams as streams_mod
 from mp_offload.optimizer.host_accumulator import HostAccumulator
 from mp_offload.optimizer.layout import FlatLayout
-from mp_offload.optimizer.options import OptimizerOptions
-from mp_offload.optimizer.placement import placement
-from mp_offload.optimizer.reducer import GradientReducer, GradTargets
+from mp_offload.optimizer.streams import HostStreams
 from mp_offload.training import train_step
 
 CFG = dict(
@@ -61,9 +60,9 @@ def test_accumulator_thread_binds_the_rank_device(monkeypatch):
     monkeypatch.setattr(
         torch.cuda, "set_device", lambda d: seen.append((threading.current_thread().name, d))
     )
-    acc = HostAccumulator(torch.device("cuda", 3))
+    acc = HostAccumulator(HostStreams(torch.device("cuda", 3)))
     dst = torch.zeros(4)
-    acc.add(dst, torch.ones(4))
+    acc.submit(lambda: dst.add_(torch.ones(4)))
     acc.wait()
     assert seen == [("host-grad-accumulate", torch.device("cuda", 3))]
     assert torch.equal(dst, torch.ones(4))
@@ -74,8 +73,8 @@ def test_accumulator_thread_that_cannot_bind_fails_wait_not_hangs(monkeypatch):
         raise RuntimeError("invalid device ordinal")
 
     monkeypatch.setattr(torch.cuda, "set_device", refuse)
-    acc = HostAccumulator(torch.device("cuda", 9))
-    acc.add(torch.zeros(2), torch.ones(2))
+    acc = HostAccumulator(HostStreams(torch.device("cuda", 9)))
+    acc.submit(lambda: None)
     with pytest.raises(RuntimeError, match="host gradient accumulation failed"):
         acc.wait()
 
@@ -83,7 +82,9 @@ def test_accumulator_thread_that_cannot_bind_fails_wait_not_hangs(monkeypatch):
 def test_dpu_thread_binds_the_optimizer_device(monkeypatch):
     seen = []
     monkeypatch.setattr(
-        zero, "set_thread_device", lambda d: seen.append((threading.current_thread().name, d))
+        streams_mod,
+        "set_thread_device",
+        lambda d: seen.append((threading.current_thread().name, d)),
     )
     model = _model()
     opt = build_zero(
@@ -119,7 +120,7 @@ def test_dpu_failure_stops_the_run_and_publishes_nothing():
             def broken(*a, **k):
                 raise ValueError("kernel exploded")
 
-            opt._adam = broken
+            wrap_adam(opt, lambda _: broken)
         _step(model, opt, step)
     before = opt.flat.clone()
     with pytest.raises(
@@ -137,7 +138,7 @@ def test_without_offload_nothing_crosses_to_the_host():
     for step in range(2):
         _step(model, opt, step)
     assert opt.stats()["host_device_bytes_per_param"] == 0.0
-    assert opt.param_staging is None and not opt.grad_staging
+    assert opt.host_side is None
     assert opt.memory_bytes()["host"] == {"staging": 0}
     # and the same fp32 master as with offload, published rounded to bf16: on the device to
     # nearest even, by the host's split rule with offload (docs/DESIGN.md §7; the two
@@ -148,9 +149,10 @@ def test_without_offload_nothing_crosses_to_the_host():
     m2 = with_offload.model
     for step in range(2):
         _step(m2, with_offload, step)
-    assert torch.equal(opt.master, with_offload.master)
-    assert torch.equal(opt.flat, opt.master.to(torch.bfloat16))
-    assert torch.equal(with_offload.flat, split_fp32(opt.master)[0])
+    master = opt.device_side.master
+    assert torch.equal(master, host_tensor(with_offload, "master"))
+    assert torch.equal(opt.flat, master.to(torch.bfloat16))
+    assert torch.equal(with_offload.flat, split_fp32(master)[0])
     assert with_offload.stats()["host_device_bytes_per_param"] == 4.0
 
 
@@ -172,14 +174,18 @@ class _FakeEvent:
         self.log.append(("host-waits", self.n))
 
 
-class _FakeCopyStream:
-    """Records the order of operations the CUDA copy stream would queue."""
+class _FakeCopyStream(HostStreams):
+    """Records the order of operations the CUDA copy stream would queue (the optimizer's
+    ``streams`` seam, asynchronous as on a GPU)."""
+
+    asynchronous = True
 
     def __init__(self, log=None):
+        super().__init__()
         self.log, self.copies, self.dsts = [] if log is None else log, 0, []
         self.afters = []
 
-    def copy(self, dst, src, after=None):
+    def copy_down(self, dst, src, after=None):
         self.afters.append(after is not None)
         if after is not None:  # the copy stream waits for the reduce-scatter
             after.wait()
@@ -190,7 +196,8 @@ class _FakeCopyStream:
         return _FakeEvent(self.log, self.copies)
 
     def before_reuse(self, done):
-        self.log.append(("reuse-after", done.n))
+        if done is not None:
+            self.log.append(("reuse-after", done.n))
 
     def drain(self):
         self.log.append(("drain", self.copies))
@@ -204,21 +211,14 @@ def test_copy_stream_order_and_buffer_reuse_through_a_fake():
     sums = []
     for copier in (fake, None):  # the CUDA wiring (staging + copy stream) vs on-device sums
         model = _model()
-        layout = FlatLayout(list(model.named_parameters()), 1, 0, 0, 600)
-        o = OptimizerOptions(cpu_offload=copier is not None, micro_batches=2)
-        reducer = GradientReducer(
-            layout, SINGLE, torch.device("cpu"), placement(layout, o, "cpu"), copier=copier
-        )
-        n = layout.slice_numel
-        reducer.start_step(
-            GradTargets(
-                staging=torch.empty(n) if copier else None, grads=torch.full((n,), float("nan"))
-            )
-        )
+        opt = build_zero(model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", bucket_size=600,
+                         cpu_offload=copier is not None, micro_batches=2,
+                         streams=copier)  # fmt: skip
+        layout = opt.layout
         for micro in range(2):
-            _loss(model, micro).backward()
-            reducer.finish()
-        sums.append((reducer.targets.grads, reducer.norm_squared()))
+            opt.backward(_loss(model, micro))
+        side = opt.host_side or opt.device_side
+        sums.append((side.grads, opt.reducer.norm_squared()))
     assert torch.equal(sums[0][0], sums[1][0]), "the first micro-batch must overwrite"
     # the host sums squares in fp64; the device path takes an fp32 norm per range first
     assert torch.allclose(sums[0][1], sums[1][1], rtol=1e-6)
@@ -252,21 +252,17 @@ def test_each_copy_is_queued_when_its_bucket_launches(micro_batches, on_device):
     bucket_of = {id(s.param): s.bucket for s in layout.slots}
     for s in layout.slots:  # registered first: runs before the reducer's own hook
         s.param.register_post_accumulate_grad_hook(lambda p: log.append(("grad", bucket_of[id(p)])))
-    o = OptimizerOptions(
-        dtype=torch.bfloat16, micro_batches=micro_batches, accumulate_on_device=on_device
-    )
-    reducer = GradientReducer(
-        layout, SINGLE, torch.device("cpu"), placement(layout, o, "cpu"), copier=fake
-    )
-    n = layout.slice_numel
-    staging = torch.empty(n, dtype=reducer.staging_dtype)
-    grads = None if reducer.adam_reads_staging else torch.empty(n)
-    reducer.start_step(GradTargets(staging=staging, grads=grads))
+    opt = build_zero(model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", bucket_size=600,
+                     dtype=torch.bfloat16, micro_batches=micro_batches,
+                     accumulate_on_device=on_device, streams=fake)  # fmt: skip
+    assert [(s.name, s.numel) for s in opt.layout.slots] == [
+        (s.name, s.numel) for s in layout.slots
+    ]
+    staging = opt.host_side.staging
     at = {b.slice_offset: b.index for b in layout.buckets}
     for micro in range(micro_batches):
         first = len(fake.dsts)
-        _loss(model, micro).backward()
-        reducer.finish()
+        opt.backward(_loss(model, micro))
         if on_device and micro < micro_batches - 1:
             assert len(fake.dsts) == first, "device accumulation copies the sum only"
             continue
@@ -309,8 +305,8 @@ def test_a_device_without_an_index_is_the_current_cuda_device(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "set_device", set_device)
     host_memory.set_thread_device(torch.device("cuda"))
-    acc = HostAccumulator(torch.device("cuda"))
-    acc.add(torch.zeros(1), torch.ones(1))
+    acc = HostAccumulator(HostStreams(torch.device("cuda")))
+    acc.submit(lambda: None)
     acc.wait()
     assert seen == [torch.device("cuda", 5)] * 2
 
@@ -369,57 +365,50 @@ def test_adam_runs_per_bucket_and_each_upload_follows_its_piece():
     """The synchronous step runs Adam one bucket at a time, in the order forward t+1 uses
     the buckets (the reverse of the layout's gradient order), and queues each bucket's
     upload right after its piece; the result is bitwise one call over the whole slice."""
-    from mp_offload.optimizer.device_share import clip_runs
-
     from mp_offload.ops.cpu_adam import adam_step
 
     model = _model()
-    opt = build_zero(
-        model,
-        **HP,
-        dp=SINGLE,
-        tp=SINGLE,
-        device="cpu",
-        dtype=torch.bfloat16,
-        cpu_offload=True,
-        bucket_size=600,
-        micro_batches=2,
-    )
-    log, calls = [], []
-    adam, upload = opt._adam, opt._upload
+    opt = build_zero(model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", dtype=torch.bfloat16,
+                     cpu_offload=True, bucket_size=600, micro_batches=2)  # fmt: skip
+    host, log, calls = opt.host_side, [], []
+    adam, upload = live(opt).adam, host.upload
     start = {b.slice_offset: b.index for b in opt.layout.buckets}
 
     def logged_adam(param, *a, **k):
-        h = (param.data_ptr() - opt.master.data_ptr()) // 4
+        h = (param.data_ptr() - live(opt).master.data_ptr()) // 4
         log.append(("adam", start[h]))
         calls.append(dict(k))
         return adam(param, *a, **k)
 
-    def logged_upload(b, h, n):
-        log.append(("upload", b.index))
-        upload(b, h, n)
+    def logged_upload(p, state):
+        log.append(("upload", p.bucket.index))
+        upload(p, state)
 
-    opt._adam, opt._upload = logged_adam, logged_upload
+    wrap_adam(opt, lambda _: logged_adam)
+    host.upload = logged_upload
     for step in range(2):
         opt.zero_grad()
         for micro in range(2):
             opt.backward(_loss(model, 2 * step + micro))
-        state = [t.clone() for t in (opt.master, opt.grads[0], opt.exp_avg, opt.exp_avg_sq)]
+        keys = ("master", "exp_avg", "exp_avg_sq")
+        state = [host_tensor(opt, k).clone() for k in keys[:1]] + [host.grads.clone()]
+        state += [host_tensor(opt, k).clone() for k in keys[1:]]
         log.clear(), calls.clear()
         opt.step(1e-3)
         order = sorted((b.index for b in opt.layout.buckets), reverse=True)
         assert len(order) >= 3
         assert log == [(kind, i) for i in order for kind in ("adam", "upload")]
-        # the same step as one kernel call over the slice
+        # the same step as one kernel call over the slice, decay where the groups say
         master, grad, m, v = state
-        out = torch.empty_like(opt.param_staging)
+        out = torch.empty_like(host_tensor(opt, "param_staging"))
         k = dict(calls[0], param_out=out)
-        runs = clip_runs(opt.layout.decay_runs(), 0, opt.layout.slice_numel)
-        k["decay_runs"] = [(lo, hi) for lo, hi, decay in runs if decay]
+        decay = [(g.slice_start, g.slice_end) for g in opt.layout.segments
+                 if g.slot is not None and opt.layout.slots[g.slot].param.ndim > 1]  # fmt: skip
+        k["decay_runs"] = decay
         adam_step(master, grad, m, v, **k)
-        for mine, whole in zip((opt.master, opt.exp_avg, opt.exp_avg_sq), (master, m, v)):
-            assert torch.equal(mine, whole)
-        assert torch.equal(opt.param_staging, out)
+        for key, whole in zip(keys, (master, m, v)):
+            assert torch.equal(host_tensor(opt, key), whole)
+        assert torch.equal(host_tensor(opt, "param_staging"), out)
         assert torch.equal(opt.flat.view(-1)[: out.numel()], out)
 
 
@@ -427,16 +416,12 @@ def test_norm_parts_on_two_devices_cross_once(monkeypatch):
     """Partial offload with k > 1: the device share's norm parts are summed on the device
     and cross to the host once, not once per bucket ("meta" stands in for the GPU)."""
     model = _model()
-    layout = FlatLayout(list(model.named_parameters()), 1, 0, 0, 600)
-    reducer = GradientReducer(
-        layout,
-        SINGLE,
-        torch.device("cpu"),
-        placement(layout, OptimizerOptions(cpu_offload=False), "cpu"),
-    )
+    opt = build_zero(model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", cpu_offload=True,
+                     bucket_size=600, offload_fraction=0.5)  # fmt: skip
+    reducer = opt.reducer
     reducer.micro = reducer.micro_batches
-    host = [torch.full((), 2.0, dtype=torch.float64) for _ in range(3)]
-    reducer._norm_parts = host + [torch.empty((), dtype=torch.float64, device="meta")] * 4
+    opt.host_side.norm_parts = [torch.full((), 2.0, dtype=torch.float64) for _ in range(3)]
+    opt.device_side.norm_parts = [torch.empty((), dtype=torch.float64, device="meta")] * 4
     crossings = []
 
     def cpu(t):
@@ -489,19 +474,12 @@ def _early_copy_dp2_worker(rank, world):
     out = []
     for copier in (_FakeCopyStream(), None):
         model = _model()
-        layout = FlatLayout(list(model.named_parameters()), dp.size, dp.rank, 0, 600)
-        o = OptimizerOptions(dtype=torch.bfloat16, micro_batches=2)
-        reducer = GradientReducer(
-            layout, dp, torch.device("cpu"), placement(layout, o, "cpu"), copier=copier
-        )
-        n = layout.slice_numel
-        reducer.start_step(
-            GradTargets(staging=torch.empty(n, dtype=torch.bfloat16), grads=torch.empty(n))
-        )
+        opt = build_zero(model, **HP, dp=dp, tp=SINGLE, device="cpu", bucket_size=600,
+                         dtype=torch.bfloat16, micro_batches=2, streams=copier)  # fmt: skip
+        layout = opt.layout
         for micro in range(2):
-            _loss(model, 2 * rank + micro).backward()
-            reducer.finish()
-        out.append((reducer.targets.grads.clone(), reducer.norm_squared()))
+            opt.backward(_loss(model, 2 * rank + micro))
+        out.append((opt.host_side.grads.clone(), opt.reducer.norm_squared()))
         if copier is not None:  # every copy waited (on its stream) for its reduce-scatter
             assert copier.copies == 2 * len(layout.buckets)
             assert len(copier.afters) == copier.copies and all(copier.afters)
@@ -558,19 +536,19 @@ class _Recorder:
 
 
 def test_copy_stream_waits_where_the_chunk_is_ready_and_its_events_block(monkeypatch):
-    from mp_offload.optimizer.reducer import CopyStream
+    from mp_offload.optimizer.streams import CudaStreams
 
     rec = _Recorder(monkeypatch)
-    cs = CopyStream(torch.device("cuda", 0))
+    cs = CudaStreams(torch.device("cuda", 0))
 
     class Work:
         def wait(self):  # NCCL: the current stream (here the copy stream) waits
             rec.log.append(("work_wait", torch.cuda.current_stream().name))
 
     dst, src = torch.zeros(4), torch.arange(4.0)
-    done = cs.copy(dst, src)  # DP=1: after what the compute stream queued
+    done = cs.copy_down(dst, src)  # DP=1: after what the compute stream queued
     assert torch.equal(dst, src)
-    cs.copy(torch.zeros(4), src, after=Work())  # DP>1: after the reduce-scatter only
+    cs.copy_down(torch.zeros(4), src, after=Work())  # DP>1: after the reduce-scatter only
     cs.before_reuse(done)
     cs.drain()
     assert rec.log == [

@@ -5,11 +5,8 @@ The choice is a logic test (a CUDA device needs no GPU to be named); the fused p
 here on the CPU kernel torch ships (torch >= 2.4) against the torch-ops restatement.
 """
 
-import types
-
 import pytest
 import torch
-from mp_offload.optimizer.device_share import DeviceShare
 
 from mp_offload.ops.cpu_adam import adam_step
 from mp_offload.optimizer.adam_math import (
@@ -18,17 +15,14 @@ from mp_offload.optimizer.adam_math import (
     fused_adamw_available,
     torch_adam_step,
 )
-from mp_offload.optimizer.placement import STATE
-from mp_offload.optimizer.zero import ZeroOptimizer
+from mp_offload.optimizer.device_side import _adam
 
 F32, BF16 = torch.float32, torch.bfloat16
 
 
-def _picked(host: str, moments=F32):
-    """What ZeroOptimizer._pick_adam chooses for state on ``host`` (no GPU needed)."""
-    fake = types.SimpleNamespace(host=torch.device(host))
-    m, v = torch.zeros(1, dtype=moments), torch.zeros(1, dtype=moments)
-    return ZeroOptimizer._pick_adam(fake, m, v)
+def _picked(device: str, moments=F32):
+    """What the device side chooses for its state on ``device`` (no GPU needed)."""
+    return _adam(torch.device(device), moments, moments)
 
 
 def test_state_on_a_cuda_device_steps_with_the_fused_kernel():
@@ -40,7 +34,7 @@ def test_state_on_a_cuda_device_steps_with_the_fused_kernel():
     # master cannot go through it (torch: "expected scalar type Float but found BFloat16").
     assert device_adam(cuda, BF16, F32) is torch_adam_step
     assert _picked("cuda", BF16) is torch_adam_step
-    assert _picked("cpu") is adam_step  # state on the host: the C++ Adam, as before
+    assert _picked("cpu") is adam_step  # a CPU "device": the C++ Adam, as the host steps
 
 
 def test_no_fused_kernel_falls_back_to_the_torch_ops(monkeypatch):
@@ -50,8 +44,7 @@ def test_no_fused_kernel_falls_back_to_the_torch_ops(monkeypatch):
         lambda device_type: hasattr(torch, "_fused_adamw_"),
     )
     assert device_adam(torch.device("cuda"), F32, F32) is torch_adam_step
-    share = DeviceShare({k: torch.zeros(8) for k in STATE}, [(0, 8, True)])
-    assert not share.fused
+    assert _picked("cuda") is torch_adam_step
 
 
 @pytest.mark.skipif(not fused_adamw_available("cpu"), reason="torch has no CPU fused AdamW")

@@ -79,7 +79,9 @@ def test_a_load_gives_back_the_saved_codes():
     _, loader = _opt(False, **Q8)
     loader.load_state_dict(saver.state_dict())
     for key in ("exp_avg_sq", "exp_avg"):
-        pairs = zip(host_tensor(saver, key).pieces.values(), host_tensor(loader, key).pieces.values())
+        pairs = zip(
+            host_tensor(saver, key).pieces.values(), host_tensor(loader, key).pieces.values()
+        )
         for a, b in pairs:
             assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales), key
 

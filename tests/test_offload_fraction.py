@@ -416,7 +416,14 @@ def test_checkpoint_saved_at_one_fraction_loads_at_another(tmp_path, capfd):
     assert read_latest(ck) == 4
     shard = torch.load(os.path.join(iter_dir(ck, 4), optim_file(1, 1)), weights_only=True)
     assert set(shard) == {
-        "master", "exp_avg", "exp_avg_sq", "step", "scaler", "layout", "rng", "param_steps"
+        "master",
+        "exp_avg",
+        "exp_avg_sq",
+        "step",
+        "scaler",
+        "layout",
+        "rng",
+        "param_steps",
     }
     # The parts as the run held them (device share, host part), read back on the CPU.
     assert [p.device.type for p in shard["master"]] == ["cpu", "cpu"]

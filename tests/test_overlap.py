@@ -16,7 +16,7 @@ import torch.distributed as dist
 from dist_helpers import log_records, pretrain_worker, run_distributed
 from helpers import ADAM_HP as HP
 from helpers import CKPT_RUN, micro_batches, tiny_gpt_config
-from zero_helpers import build_zero
+from zero_helpers import build_zero, host_tensor, live, wrap_adam
 
 from mp_offload import parallel_state as ps
 from mp_offload.config import ConfigError, parse_args, resolve
@@ -33,6 +33,11 @@ CPU = torch.device("cpu")
 
 def _tokens(step):
     return torch.stack([torch.from_numpy(_DATA[step * GBS + i]["text"]) for i in range(GBS)])
+
+
+def host_tensor_of(state, name):
+    """A HostState copy's tensor of ``name`` (its master, or a moment's tensor)."""
+    return state.master if name == "master" else getattr(state, name).t
 
 
 def _build(overlap, *, dp=None, tp=None, bucket=500, **kw):
@@ -156,7 +161,7 @@ def test_the_speculative_adam_runs_on_the_worker_while_backward_goes_on():
     """Each host bucket's Adam is queued during backward and runs on the worker thread:
     backward returns while the first call is still held (a gate) on that thread."""
     model, opt = _build(True, dtype=torch.bfloat16, micro_batches=1, clip_grad=0.0)
-    gate, entered, calls, real = threading.Event(), threading.Event(), [], opt._adam
+    gate, entered, calls, real = threading.Event(), threading.Event(), [], live(opt).adam
 
     def held(*a, **k):
         calls.append(threading.current_thread().name)
@@ -164,7 +169,7 @@ def test_the_speculative_adam_runs_on_the_worker_while_backward_goes_on():
         assert gate.wait(30), "the gate was never opened"
         real(*a, **k)
 
-    opt._adam = held
+    wrap_adam(opt, lambda _: held)
     t = _tokens(0)
     opt.zero_grad(lr=HP["lr"])
     opt.backward(model(t[:, :-1], t[:, 1:]).mean())  # returns: it does not wait for Adam
@@ -172,7 +177,7 @@ def test_the_speculative_adam_runs_on_the_worker_while_backward_goes_on():
     assert calls == ["host-grad-accumulate"], calls  # the first call, held on the worker
     gate.set()
     opt.step(HP["lr"])
-    assert len(calls) == len(opt._pieces) > 1
+    assert len(calls) == len(opt.host_side.pieces) > 1
     assert set(calls) == {"host-grad-accumulate"}
     rec = opt.stats()
     assert rec["host_exposed_ms"] > 0 and rec["host_hidden_ms"] >= 0
@@ -192,13 +197,13 @@ def test_each_staging_copy_waits_for_its_own_last_copy_up():
     """The event of a staging's uploads travels with it: the speculation that next writes
     that staging (two steps later) sleeps on it first, on the worker; the other not."""
     model, opt = _build(True, dtype=torch.bfloat16, micro_batches=1, clip_grad=0.0)
-    log, real = [], opt._adam
+    log, real = [], live(opt).adam
 
     def logged(*a, param_out, **k):
         log.append(("adam", param_out.data_ptr()))
         real(*a, param_out=param_out, **k)
 
-    opt._adam = logged
+    wrap_adam(opt, lambda _: logged)
     single = ps.ParallelGroup.single()
 
     def step(i):
@@ -207,15 +212,17 @@ def test_each_staging_copy_waits_for_its_own_last_copy_up():
         return list(log)
 
     step(0)
-    first = opt.param_staging  # live after step 1: the uploads of step 1 read it
-    opt._uploaded = _FakeEvent("first", log)  # as _publish records it on CUDA
-    assert [e[0] for e in step(1)] == ["adam"] * len(opt._pieces)  # writes the other
-    opt._uploaded = _FakeEvent("second", log)
+    first = live(opt).hi  # live after step 1: the uploads of step 1 read it
+    live(opt).uploaded = _FakeEvent("first", log)  # as the publish records it on CUDA
+    assert [e[0] for e in step(1)] == ["adam"] * len(opt.host_side.pieces)  # the other
+    live(opt).uploaded = _FakeEvent("second", log)
     third = step(2)
     assert third[0] == ("sync", "first", "host-grad-accumulate"), third[:2]
     lo, hi = first.data_ptr(), first.data_ptr() + first.numel() * first.element_size()
-    assert all(lo <= ptr < hi for kind, ptr in third[1:]) and len(third) == 1 + len(opt._pieces)
-    assert opt.param_staging is first
+    assert all(lo <= ptr < hi for kind, ptr in third[1:]) and len(third) == 1 + len(
+        opt.host_side.pieces
+    )
+    assert live(opt).hi is first
 
 
 def test_a_failing_speculative_step_is_raised_by_the_step_named():
@@ -224,7 +231,7 @@ def test_a_failing_speculative_step_is_raised_by_the_step_named():
     def broken(*a, **k):
         raise MemoryError("no room")
 
-    opt._adam = broken
+    wrap_adam(opt, lambda _: broken)
     t = _tokens(0)
     opt.zero_grad(lr=HP["lr"])
     opt.backward(model(t[:, :-1], t[:, 1:]).mean())
@@ -234,16 +241,20 @@ def test_a_failing_speculative_step_is_raised_by_the_step_named():
     assert isinstance(e.value.__cause__.__cause__, MemoryError)
 
 
-def test_the_step_needs_the_lr_before_backward_and_the_same_lr():
-    model, opt = _build(True)
-    t = _tokens(0)
-    opt.zero_grad()
-    with pytest.raises(RuntimeError, match=r"zero_grad\(lr=\.\.\.\)"):
+def test_an_lr_changed_after_the_speculation_replays_the_step_exactly():
+    """The speculation reads the groups' learning rate as backward runs; a step at another
+    rate is recomputed from the committed copy: the same params as the synchronous step."""
+    params = {}
+    for overlap in (True, False):
+        model, opt = _build(overlap)
+        t = _tokens(0)
+        opt.zero_grad(lr=1e-3)
         opt.backward(model(t[:, :-1], t[:, 1:]).mean())
-    opt.zero_grad(lr=1e-3)
-    opt.backward(model(t[:, :-1], t[:, 1:]).mean())
-    with pytest.raises(ValueError, match=r"step\(lr=0.002\) differs .* zero_grad\(lr=0.001\)"):
         opt.step(2e-3)
+        params[overlap] = opt.flat.clone()
+        if overlap:
+            assert opt.stats()["replayed"] == 1
+    assert torch.equal(params[True], params[False])
 
 
 # --------------------------------------------------------------- placement
@@ -268,9 +279,9 @@ def test_the_second_copy_is_placed_allocated_and_planned():
         # in place (bf16), and in fp32 the master itself goes up
         assert extra == dict(staging=0, master=4 * n, exp_avg=4 * n, exp_avg_sq=4 * n, grads=0)
         for name in ("master", "exp_avg", "exp_avg_sq"):
-            spare = getattr(opt.spare_state, name)
+            spare = host_tensor_of(opt.host_side.states[1], name)
             assert opt.placement.buffer(name).copies == 2
-            assert spare.numel() == n and spare.data_ptr() != getattr(opt, name).data_ptr()
+            assert spare.numel() == n and spare.data_ptr() != host_tensor(opt, name).data_ptr()
 
 
 # ------------------------------------------------------------------- flags
@@ -290,8 +301,11 @@ def test_the_flag_is_refused_where_it_cannot_apply(flags, line):
 
 
 def test_the_optimizer_refuses_it_without_offload_or_with_dpu():
-    for kw in (dict(cpu_offload=False), dict(dpu_warmup_steps=1)):
-        with pytest.raises(ValueError, match="--overlap-cpu-optimizer needs --cpu-offload"):
+    for kw, line in (
+        (dict(cpu_offload=False), "--overlap-cpu-optimizer needs --cpu-offload"),
+        (dict(dpu_warmup_steps=1), "--overlap-cpu-optimizer and --dpu-warmup-steps are exclusive"),
+    ):
+        with pytest.raises(ValueError, match=line):
             _build(True, **kw)
 
 

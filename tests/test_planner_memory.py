@@ -53,8 +53,8 @@ def _check_against_optimizer(opt, cfg, tp, dp, tp_rank, bucket, offload, dpu, dt
         )
         shapes = rank_shapes(named, dp, bucket, tp_rank=tp_rank)
         assert shapes.flat_numel == opt.flat.numel()
-        assert shapes.slice_numel == opt.layout.slice_numel == opt.master.numel()
-        assert shapes.max_bucket == opt.reducer.max_bucket
+        assert shapes.slice_numel == opt.layout.slice_numel == sum(side.numel for side in opt.sides)
+        assert shapes.max_bucket == opt.reducer.source.max_bucket
         device, host, _ = plan_rank(run, shapes, Hardware())
         for place, plan in (("device", device), ("host", host)):
             exact = {k: v for k, v in plan.items() if k in EXACT}

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 from planner_cases import HP, SMALL
-from zero_helpers import build_zero
+from zero_helpers import build_zero, host_tensor
 
 from mp_offload import parallel_state as ps
 from mp_offload.model.gpt import GPTConfig, GPTModel
@@ -88,14 +88,16 @@ def test_throughput_charges_the_bytes_of_the_real_adam_buffers(dtype, k, moments
     opt = _offload_optimizer(dtype=dtype, micro_batches=k, moments=moments)
     size = lambda t: 0 if t is None else t.element_size()  # noqa: E731
     real = adam_arrays(
-        size(opt._adam_grads()[0]),
-        size(opt.exp_avg),
-        size(opt.exp_avg_sq),
-        size(opt.param_staging),
+        size(opt.host_side.adam_grads),
+        size(host_tensor(opt, "exp_avg")),
+        size(host_tensor(opt, "exp_avg_sq")),
+        size(host_tensor(opt, "param_staging")),
     )
-    assert size(opt.master) == 4
+    assert size(host_tensor(opt, "master")) == 4
     e = torch.finfo(dtype).bits // 8
-    want = host_adam_bytes(e, e, k == 1, (size(opt.exp_avg), size(opt.exp_avg_sq)))
+    want = host_adam_bytes(
+        e, e, k == 1, (size(host_tensor(opt, "exp_avg")), size(host_tensor(opt, "exp_avg_sq")))
+    )
     assert bytes_per_element(real) == want
 
 
@@ -110,13 +112,16 @@ def test_throughput_charges_the_remainder_step_its_own_bytes():
     for moments, want in ((torch.float32, 26), (torch.bfloat16, 18)):
         opt = _offload_optimizer(torch.bfloat16, moments=moments, store_param_remainders=True)
         real = [
-            ("hi", opt.param_staging.element_size(), READ_WRITE),
-            ("lo", opt.master.element_size(), READ_WRITE),
-            ("grad", opt._adam_grads()[0].element_size(), READ),
-            ("exp_avg", opt.exp_avg.element_size(), READ_WRITE),
-            ("exp_avg_sq", opt.exp_avg_sq.element_size(), READ_WRITE),
+            ("hi", host_tensor(opt, "param_staging").element_size(), READ_WRITE),
+            ("lo", host_tensor(opt, "master").element_size(), READ_WRITE),
+            ("grad", opt.host_side.adam_grads.element_size(), READ),
+            ("exp_avg", host_tensor(opt, "exp_avg").element_size(), READ_WRITE),
+            ("exp_avg_sq", host_tensor(opt, "exp_avg_sq").element_size(), READ_WRITE),
         ]
-        m = (opt.exp_avg.element_size(), opt.exp_avg_sq.element_size())
+        m = (
+            host_tensor(opt, "exp_avg").element_size(),
+            host_tensor(opt, "exp_avg_sq").element_size(),
+        )
         assert bytes_per_element(real) == host_adam_bytes(2, 2, True, m, True) == want
         assert host_adam_bytes(2, 2, True, m) == want + 2
 

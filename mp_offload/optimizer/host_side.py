@@ -71,7 +71,7 @@ class HostSide(Side):
             else:
                 master = Fp32Master(lo, staging[i], split)
             m, v = (
-                make_moment(place, k, pieces, lambda k=k: moments[k][i])
+                make_moment(place, k, pieces, lambda k=k, i=i: moments[k][i])
                 for k in ("exp_avg", "exp_avg_sq")
             )
             out.append(HostState(master, m, v, master.kernel or torch_adam_step))

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .split import actual_fraction, split_buckets
 from .host_memory import host_empty
 from .options import OptimizerOptions
+from .split import actual_fraction, split_buckets
 
 BUCKET_BUFFERS = 2  # gradient bucket buffers on the device (double buffering)
 Q8_BLOCK = 256  # elements per scale of an 8-bit moment (the kernel's, ops.adam_args.Q8_BLOCK)

@@ -21,8 +21,8 @@ import torch
 
 from .. import parallel_state as ps
 from ..model.gpt import GPTConfig, layer_widths
-from ..optimizer.split import split_buckets
 from ..optimizer.layout import FlatLayout
+from ..optimizer.split import split_buckets
 
 
 def meta_named_params(
