@@ -11,7 +11,7 @@ import pytest
 from mp_offload.model.gpt import num_parameters
 from mp_offload.planner.memory import GiB
 
-RATE = ["--adam-rate-per-core", "8e7"]  # not measured: the same figures on every machine
+RATE = ["--adam-rate-per-core", "8e7"]  # the rate the tests' own counts use
 H100_REPORTED = 85_520_809_984  # bytes, torch.cuda.get_device_properties().total_memory
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from ..model.config import OPTION_FIELDS, GPTConfig, model_flags
 from .memory import MODES, GiB, Hardware, JobPlan, Run
 from .search import Found, max_model
-from .throughput import Machine, StepTime, step_time
+from .throughput import Machine, StepTime, step_time, streamed_state_bytes
 
 MODE_LABELS = {
     "offload": "ZeRO-Offload (--cpu-offload)",
@@ -168,7 +168,8 @@ def format_split_gain(st: StepTime, full: StepTime) -> str:
 
 def format_speed(st: StepTime, cfg: GPTConfig, machine: Machine, rate_source: str) -> str:
     host = (
-        f", PCIe {machine.pcie_gbs:g} GB/s, host {machine.host_mem_gbs:g} GB/s and "
+        f", PCIe {machine.pcie_gbs:g} GB/s one way ({machine.pcie_each_way_gbs:.3g} each way "
+        f"when both run), host {machine.host_mem_gbs:g} GB/s and "
         f"{machine.cpu_cores_per_node} cores per node, CPU Adam "
         f"{machine.adam_rate_per_core / 1e6:.0f} M elements/s per core ({rate_source})"
         if st.mode == "offload"
@@ -182,6 +183,22 @@ def format_speed(st: StepTime, cfg: GPTConfig, machine: Machine, rate_source: st
         f"  assumes {machine.device_tflops:g} TFLOPS sustained per device, DP links "
         f"{machine.intra_node_gbs:g} GB/s in a node / {machine.inter_node_gbs:g} GB/s per "
         f"GPU across nodes{host} (set --device-tflops, --pcie-gbs, ... for your machine)"
+    )
+
+
+def format_streamed(st: StepTime, run: Run, machine: Machine) -> str:
+    """This code's CPU Adam step beside a GPU step on the same state streamed from the
+    host and back, and which is faster on this machine."""
+    cpu = st.adam + st.copy_up
+    state = streamed_state_bytes(run.moment_bytes, run.remainders and run.elem_bytes == 2)
+    faster = "the CPU Adam" if cpu <= st.streamed else "the GPU step on streamed state"
+    ratio = max(cpu, st.streamed) / min(cpu, st.streamed) if min(cpu, st.streamed) else 1.0
+    return (
+        f"  CPU Adam or a GPU step on streamed state: the CPU Adam and the copy up take "
+        f"{cpu:.3f} s after backward; an Adam on the GPU over the host's state streamed up "
+        f"and back ({state} B an element each way at {machine.pcie_each_way_gbs:.3g} GB/s per "
+        f"direction, both at once) {st.streamed:.3f} s: step {st.step_sync:.2f} s vs "
+        f"{st.step_streamed:.2f} s; {faster} is {ratio:.2f}x faster on this machine"
     )
 
 

@@ -129,6 +129,8 @@ def main(argv=None) -> int:
         print(f"plan: error: {e}", file=sys.stderr)
         return 2
     hw = _hardware(opt)
+    if opt.global_batch_given:  # the command's global batch is what is priced
+        opt.batch_per_gpu = max(1, opt.global_batch_given // (world // _tp(args)))
     if _plans_the_flags_model(opt, ask_max):
         too_big = weights_problem(args, world, hw, _searches_layout(opt, world))
         if too_big:
@@ -150,6 +152,19 @@ def main(argv=None) -> int:
     if not (opt.paper_table or opt.throughput):
         _answer_plan(args, opt, run, hw, world)
     return 0
+
+
+def _tp(args: Args) -> int:
+    return args.parallel.tensor_model_parallel_size
+
+
+def _batched(args: Args, opt, run: Run) -> Run:
+    """``run`` with the step's micro-batches: --batch-per-gpu (or the global batch / DP)
+    in micro-batches of its size, as the launch line will run it (and the global batch set
+    to match, for the description)."""
+    k = max(1, opt.batch_per_gpu // run.micro_batch)
+    args.train.global_batch_size = k * run.micro_batch * run.dp
+    return replace(run, micro_batches=k)
 
 
 def _hardware(opt) -> Hardware:
@@ -203,6 +218,8 @@ def _answer_plan(args: Args, opt, run: Run, hw: Hardware, world: int) -> None:
     said = None
     if _searches_layout(opt, world):
         args, run, said = _choose_layout(args, opt, run, hw, world)
+    elif not opt.json:  # --json plans the command as it is, for the device proof
+        run = _batched(args, opt, run)
     run, note, plan = _fraction_and_plan(args, opt, run, hw)
     if not plan.fits and not opt.json and not _searches_layout(opt, world):
         args, run, note, plan, said = _retry(args, opt, run, note, plan, hw)
@@ -238,6 +255,7 @@ def _retry(args: Args, opt, run: Run, note, plan, hw: Hardware):
     more_args, more_run, turned = relaxed(args, run, sequence_parallel=run.tp > 1)
     if not turned:
         return args, run, note, plan, None
+    more_run = _batched(more_args, opt, more_run)
     more_run, more_note, more_plan = _fraction_and_plan(more_args, opt, more_run, hw)
     if not more_plan.fits:
         said = f"does not fit even with {' '.join(turned)}: {more_plan.shortfall()}"

@@ -16,7 +16,7 @@ from ..optimizer.options import OptimizerOptions
 from .memory import ALL_MODES, DEVICE_RESERVE_FRACTION, DEVICE_RESERVE_MIN_GB, Hardware, Run
 from .named_models import MACHINE_PRESETS, MODEL_PRESETS, NO_BF16
 from .search import FAMILIES
-from .throughput import Machine, measure_adam_rate
+from .throughput import PCIE_DUPLEX_SHARE, Machine
 
 
 def _planner_parser() -> argparse.ArgumentParser:
@@ -139,7 +139,12 @@ def _speed_flags(add) -> None:
         default=[1, 2, 4, 8, 16, 32, 64, 128],
         help="--throughput's GPU counts",
     )
-    add("--batch-per-gpu", type=int, default=16, help="sequences per GPU per step")
+    add(
+        "--batch-per-gpu",
+        type=int,
+        default=None,
+        help="sequences per GPU per step when --global-batch-size is not given (default 16)",
+    )
     add("--device-tflops", type=float, default=Machine.device_tflops, help="sustained, per GPU")
     add(
         "--intra-node-gbs",
@@ -154,6 +159,13 @@ def _speed_flags(add) -> None:
         help="GB/s per GPU in collectives across nodes",
     )
     add("--pcie-gbs", type=float, default=Machine.pcie_gbs, help="GB/s host<->device per GPU")
+    add(
+        "--pcie-duplex-gbs",
+        type=float,
+        default=None,
+        help="GB/s per direction while both directions copy at once (default: "
+        f"{PCIE_DUPLEX_SHARE:g} x --pcie-gbs, as measured on an H200)",
+    )
     add("--cpu-cores-per-node", type=int, default=Machine.cpu_cores_per_node, help="for CPU Adam")
     add(
         "--host-mem-gbs",
@@ -165,7 +177,8 @@ def _speed_flags(add) -> None:
         "--adam-rate-per-core",
         type=float,
         default=None,
-        help="elements/s (default: measured here, else 8e7)",
+        help="elements/s of one core of the C++ CPU Adam (default: the --machine's, else "
+        f"{Machine.adam_rate_per_core:g}; never measured here)",
     )
     add(
         "--tp-devices-per-node",
@@ -237,6 +250,7 @@ SHAPE_DESTS = (
     "model.ffn_hidden_size",
 )
 HEADROOM_FRACTION = 0.10
+DEFAULT_BATCH_PER_GPU = 16  # sequences per GPU per step when no global batch is given
 
 
 def _launch_defaults(parts: dict, opt: argparse.Namespace) -> list[str]:
@@ -309,6 +323,7 @@ PLAN_RANGES = {
     "intra_node_gbs": "0<..",
     "inter_node_gbs": "0<..",
     "pcie_gbs": "0<..",
+    "pcie_duplex_gbs": "0<..",
     "cpu_cores_per_node": "1..",
     "host_mem_gbs": "0<..",
     "adam_rate_per_core": "0<..",
@@ -377,6 +392,12 @@ def parse(argv=None) -> tuple[Args, argparse.Namespace]:
     # is kept by every layout searched.
     opt.tp_given = known.tensor_model_parallel_size is not None
     opt.global_batch_given = parts["train"]["global_batch_size"]
+    if opt.global_batch_given and opt.batch_per_gpu is not None:
+        raise ConfigError(
+            "--batch-per-gpu excludes --global-batch-size: the step's sequences are one or "
+            "the other (the global batch is the batch per GPU x DP)"
+        )
+    opt.batch_per_gpu = opt.batch_per_gpu or DEFAULT_BATCH_PER_GPU
     args = Args(**{n: cls(**parts[n]) for n, cls in CONFIG_CLASSES.items()})
     return args, opt
 
@@ -402,15 +423,15 @@ def run_from_args(args: Args, world: int, mode: str | None = None, cuda: bool = 
 
 
 def _machine(opt, hw: Hardware) -> tuple[Machine, str]:
-    if opt.adam_rate_per_core is None and not hasattr(opt, "measured_rate"):
-        opt.measured_rate = measure_adam_rate()  # once: the layout table and the time agree
-    measured = opt.measured_rate if opt.adam_rate_per_core is None else None
-    rate = opt.adam_rate_per_core or measured or Machine.adam_rate_per_core
+    """The throughput model's machine: the --machine preset's figures, flags given winning,
+    and where its CPU Adam rate comes from. Nothing is measured here: a plan is of the named
+    machine, the same on an idle and a busy one."""
+    rate = opt.adam_rate_per_core or Machine.adam_rate_per_core
     src = (
-        "measured here, 1 thread"
-        if measured
-        else "given"
+        "given"
         if opt.adam_rate_per_core
+        else f"stated for --machine {opt.machine}"
+        if opt.machine
         else "stated default"
     )
     return Machine(
@@ -423,4 +444,5 @@ def _machine(opt, hw: Hardware) -> tuple[Machine, str]:
         opt.host_mem_gbs,
         rate,
         opt.device_mem_gbs,
+        opt.pcie_duplex_gbs,
     ), src
