@@ -59,14 +59,14 @@ def test_no_flags_answers_for_the_launch_scripts_defaults(capsys, monkeypatch):
 
     base = dataclasses.replace(paper_base(seq=2048), recompute_activations=True)
     hw = Hardware(80, 256, 8, host_headroom_gb=25.6)
-    run = Run(base, micro_batch=4, micro_batches=4)  # 16 sequences per step: 4 micro-batches
+    run = Run(base, micro_batch=4).with_options(micro_batches=4)  # 16 sequences: 4 micro-batches
     found = max_model(run, hw, pick_fraction=True)
     assert found.limit == "host" and found.plan.host_node_peak <= 230.4 * 2**30
     more = dataclasses.replace(found.cfg, num_layers=found.cfg.num_layers + 1)
     assert not pick_offload_fraction(dataclasses.replace(run, cfg=more), hw)[1].fits
     assert 11.5e9 < max_model(run, hw).params < 12.5e9 < found.params < 16e9
     run = found.plan.run
-    assert f"--optimizer-offload-fraction {round(run.offload_fraction, 2):g}" in out
+    assert f"--optimizer-offload-fraction {round(run.options.offload_fraction, 2):g}" in out
     c = found.cfg
     assert (
         f"max model (gpt3), offload: {found.params / 1e9:.2f}B = --num-layers "
@@ -97,7 +97,7 @@ def test_no_flags_answers_for_the_launch_scripts_defaults(capsys, monkeypatch):
     )
     assert (
         f"--bf16 --cpu-offload --optimizer-offload-fraction "
-        f"{round(run.offload_fraction, 2):g} --recompute-activations"
+        f"{round(run.options.offload_fraction, 2):g} --recompute-activations"
     ) in launch
     assert f"--train-iters {-(-(10**9) // (16 * 2048))}" in launch
 
@@ -261,7 +261,7 @@ def test_plan_prints_the_overlapped_step_and_where_it_hides(micro, kept_up, caps
         vocab_size=50257, recompute_activations=True,
     )  # fmt: skip
     m = Machine(400, 8, 350, 40, 50, 112, 400, 8e7, 3350)  # the preset's, RATE's Adam
-    st = speed(cfg, Run(cfg, micro_batch=micro, micro_batches=4), m, 4 * micro)
+    st = speed(cfg, Run(cfg, micro_batch=micro).with_options(micro_batches=4), m, 4 * micro)
     assert f"{st.step_overlap:.2f} s per step" in line and st.step_overlap < st.step_sync
     assert (st.hide_tokens_per_step <= st.tokens_per_step) is kept_up
     if kept_up:
@@ -328,7 +328,7 @@ def test_the_overlap_is_advised_only_when_its_second_state_copy_fits(capsys, mon
     args.train.dry_run = True
     run, hw = run_from_args(resolve(args, 1), 1), _hardware(opt)
     assert plan_job(run, hw).fits and not overlap_fits(run, hw)
-    assert not plan_job(dataclasses.replace(run, overlap=True), hw).fits_host
+    assert not plan_job(run.with_options(overlap_cpu_optimizer=True), hw).fits_host
 
 
 def test_the_same_question_gets_the_same_answer_on_an_idle_and_a_busy_machine(capsys, monkeypatch):

@@ -101,7 +101,7 @@ def test_best_first_is_the_one_definition_of_best():
 
     def lay(tp, tokens, step, host, device):
         return Layout(
-            run=SimpleNamespace(tp=tp, overlap=False),
+            run=SimpleNamespace(tp=tp, options=SimpleNamespace(overlap_cpu_optimizer=False)),
             plan=SimpleNamespace(host_node_peak=host, device_peak=device),
             speed=SimpleNamespace(tokens_per_step=tokens, step_sync=step),
             batch_per_rank=1,

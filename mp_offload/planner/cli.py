@@ -164,7 +164,7 @@ def _batched(args: Args, opt, run: Run) -> Run:
     to match, for the description)."""
     k = max(1, opt.batch_per_gpu // run.micro_batch)
     args.train.global_batch_size = k * run.micro_batch * run.dp
-    return replace(run, micro_batches=k)
+    return run.with_options(micro_batches=k)
 
 
 def _hardware(opt) -> Hardware:
@@ -244,7 +244,7 @@ def _fraction_and_plan(args: Args, opt, run: Run, hw: Hardware):
     the device keeps what fits there (with the overlap, what hides best)."""
     note = None
     if run.mode == "offload" and args.optim.optimizer_offload_fraction is None:
-        machine = _machine(opt, hw)[0] if run.overlap else None
+        machine = _machine(opt, hw)[0] if run.options.overlap_cpu_optimizer else None
         run, note = _fraction_line(run, hw, machine, opt.batch_per_gpu)
     return run, note, plan_job(run, hw, source="meta")
 

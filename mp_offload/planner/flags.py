@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import replace
 
 from ..config import CONFIG_CLASSES, Args, ConfigError, build_parser, parse_with_config
 from ..fields import range_problem
@@ -403,7 +402,8 @@ def parse(argv=None) -> tuple[Args, argparse.Namespace]:
 
 
 def run_from_args(args: Args, world: int, mode: str | None = None, cuda: bool = True) -> Run:
-    """The plan's view of a training command line (its resolved ``Args``)."""
+    """The plan's view of a training command line (its resolved ``Args``): the optimizer
+    options the optimizer itself is built with (``OptimizerOptions.from_args``)."""
     tp = args.parallel.tensor_model_parallel_size
     if mode is None:
         mode = (
@@ -413,13 +413,15 @@ def run_from_args(args: Args, world: int, mode: str | None = None, cuda: bool = 
             if args.optim.cpu_offload
             else "zero2"
         )
-    o = OptimizerOptions.from_args(args)  # the flags as the optimizer reads them
-    t = args.train
-    run = Run.from_options(
-        args.model, o, tp=tp, dp=world // tp, mode=mode, micro_batch=t.micro_batch_size, cuda=cuda
+    return Run(
+        args.model,
+        tp=tp,
+        dp=world // tp,
+        mode=mode,
+        micro_batch=args.train.micro_batch_size,
+        options=OptimizerOptions.from_args(args),
+        cuda=cuda,
     )
-    offload = mode == "offload"
-    return replace(run, dpu=run.dpu and offload, overlap=run.overlap and offload)
 
 
 def _machine(opt, hw: Hardware) -> tuple[Machine, str]:

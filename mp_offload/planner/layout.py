@@ -30,7 +30,8 @@ class Layout:
 
     @property
     def tokens_per_second(self) -> float:
-        step = self.speed.step_overlap if self.run.overlap else self.speed.step_sync
+        overlap = self.run.options.overlap_cpu_optimizer
+        step = self.speed.step_overlap if overlap else self.speed.step_sync
         return self.speed.tokens_per_step / step
 
 
@@ -76,12 +77,13 @@ def plan_layout(
     """``run`` laid out as TP=tp x DP=world/tp, with ``batch_per_rank`` sequences per DP
     rank per step in micro-batches of ``run.micro_batch``."""
     k = max(1, batch_per_rank // run.micro_batch)
-    r = replace(run, tp=tp, dp=world // tp, micro_batches=k)
+    r = replace(run, tp=tp, dp=world // tp).with_options(micro_batches=k)
     if pick_fraction and r.mode == "offload":
         # with the overlap: the share of the least exposed optimizer time, of those that fit
-        cost = overlap_exposed(r.cfg, r, machine, batch_per_rank) if r.overlap else None
+        overlap = r.options.overlap_cpu_optimizer
+        cost = overlap_exposed(r.cfg, r, machine, batch_per_rank) if overlap else None
         f, plan = pick_offload_fraction(r, hw, cost)
-        r = replace(r, offload_fraction=f)
+        r = r.at_fraction(f)
     else:
         plan = plan_job(r, hw)
     return Layout(r, plan, speed(r.cfg, r, machine, batch_per_rank), batch_per_rank)
@@ -158,7 +160,7 @@ def format_layouts(found: Search, world: int) -> str:
     ]
     for i, lay in enumerate(layouts):
         r, p = lay.run, lay.plan
-        f = f"{r.offload_fraction:.2f}" if r.mode == "offload" else "-"
+        f = f"{r.options.offload_fraction:.2f}" if r.mode == "offload" else "-"
         lines.append(
             f"  {'*' if i == 0 else ' ':2}{f'{r.tp}x{r.dp}':>6}{f:>11}"
             f"{p.device_peak / GiB:12.1f}{p.host_node_peak / GiB:15.1f}"

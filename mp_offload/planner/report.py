@@ -29,7 +29,7 @@ from .answer import (
 from .flags import _machine, parse, run_from_args
 from .fraction import pick_offload_fraction
 from .host_forms import format_host_form_gains, host_form_gains
-from .memory import EXACT, GiB, Hardware, JobPlan, Run, format_job, plan_job
+from .memory import EXACT, GiB, Hardware, JobPlan, Run, format_job, moment_bytes, plan_job
 from .named_models import MACHINE_GPUS, RECIPES, recipe_label
 from .throughput import format_scaling, plot_scaling, scaling, ten_b
 
@@ -81,13 +81,13 @@ def _fraction_line(run: Run, hw: Hardware, machine=None, batch_per_gpu=16) -> tu
     if f == 1.0:
         if not plan.fits_device:
             why = "it does not fit even so"
-        elif 1 in run.moment_bytes:
+        elif 1 in moment_bytes(run.options):
             why = "8-bit moments live on the host only"
         else:
             why = f"the {which}" if cost is not None else "nothing more fits the device"
         return run, f"offload fraction: 1 (all of the optimizer state on the host: {why})"
     zero2 = ", = ZeRO-2 without offload" if f == 0 else ""
-    return replace(run, offload_fraction=f), (
+    return run.at_fraction(f), (
         f"offload fraction: --optimizer-offload-fraction {f:g}{zero2} (the {which} "
         f"{hw.device_usable_gb:.1f} GiB: the first {kept:,} of each rank's "
         f"{s.slice_numel:,} elements, {kept / s.slice_numel:.1%} of its optimizer state, stay on "
@@ -99,10 +99,10 @@ def _fraction_line(run: Run, hw: Hardware, machine=None, batch_per_gpu=16) -> tu
 def overlap_fits(run: Run, hw: Hardware) -> bool:
     """--overlap-cpu-optimizer is allowed with this run and its second copy of the host
     state fits: only then is it advice."""
-    if run.overlap:
+    if run.options.overlap_cpu_optimizer:
         return True  # planned with it
     try:
-        return plan_job(replace(run, overlap=True), hw).fits
+        return plan_job(run.with_options(overlap_cpu_optimizer=True), hw).fits
     except ValueError:  # DPU or 8-bit moments: not with the overlap
         return False
 
@@ -142,7 +142,7 @@ def format_recipe_table() -> str:
             )
             + ")"
         )
-        label = f"{recipe_label(recipe)}, k={run.micro_batches}"
+        label = f"{recipe_label(recipe)}, k={run.options.micro_batches}"
         lines.append(
             f"{recipe.model:<12}{recipe.hardware:<32}{label:<46}{dev:>14}{host:>16}  {why}"
         )
@@ -157,7 +157,7 @@ def _print_json(args: Args, run: Run, plan: JobPlan) -> None:
                 mode=run.mode,
                 tp=run.tp,
                 dp=run.dp,
-                offload_fraction=run.offload_fraction,
+                offload_fraction=run.options.offload_fraction,
                 device=rp.device,
                 host=rp.host,
                 device_total=plan.device_peak,
@@ -204,10 +204,11 @@ def _print_speed_and_launch(
         machine, rate_src = _machine(opt, plan.hw)
     st = speed(cfg, run, machine, opt.batch_per_gpu)
     print(format_speed(st, cfg, machine, rate_src))
-    if run.mode == "offload" and run.offload_fraction < 1:
-        full = speed(cfg, replace(run, offload_fraction=1.0), machine, opt.batch_per_gpu)
+    f = run.options.offload_fraction
+    if run.mode == "offload" and f < 1:
+        full = speed(cfg, run.at_fraction(1.0), machine, opt.batch_per_gpu)
         print(format_split_gain(st, full))
-    if run.mode == "offload" and run.offload_fraction > 0:  # some state on the host
+    if run.mode == "offload" and f > 0:  # some state on the host
         print(format_streamed(st, run, machine))
         if overlap_fits(run, plan.hw):
             print(format_overlap(st, run.micro_batch))
@@ -287,7 +288,7 @@ def _answer_max_model(args: Args, opt, run: Run, hw: Hardware) -> int:
         print(note)
     if run.mode == "offload":  # the host-state forms, with the table's micro-batches
         k = max(1, opt.batch_per_gpu // run.micro_batch)
-        gains = host_form_gains(replace(run, micro_batches=k), hw, opt.family, pick)
+        gains = host_form_gains(run.with_options(micro_batches=k), hw, opt.family, pick)
         print(format_host_form_gains(*gains))
     if mine.cfg is None:
         print(f"max model ({opt.family}): nothing fits with {run.mode}")
