@@ -518,7 +518,7 @@ def pretrain(argv=None) -> dict:
     """The whole run for ``pretrain_gpt.py``'s flags; returns the last iteration's record."""
     args, world = _checked_args(argv)
     if args.train.dry_run:
-        from .dry_run import dry_run  # deferred: only the planner needs it
+        from .planner.dry_run import dry_run  # deferred: only the planner needs it
 
         try:
             dry_run(args, world)

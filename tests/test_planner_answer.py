@@ -308,7 +308,7 @@ def test_a_global_batch_and_a_batch_per_gpu_exclude_each_other(capsys, monkeypat
 def test_the_overlap_is_advised_only_when_its_second_state_copy_fits(capsys, monkeypatch):
     """All of 7B's optimizer state on the host: 128 GiB holds one copy, not the overlap's
     two; 512 GiB holds both."""
-    from mp_offload.planner.flags import parse
+    from mp_offload.planner.arguments import parse
     from mp_offload.planner.memory import plan_job
     from mp_offload.planner.report import overlap_fits
 
@@ -321,8 +321,8 @@ def test_the_overlap_is_advised_only_when_its_second_state_copy_fits(capsys, mon
     assert code == 0 and "  with --overlap-cpu-optimizer: " in out
     # the reason, from the plan itself: the overlap's host state does not fit 128 GiB
     from mp_offload.config import resolve
+    from mp_offload.planner.arguments import run_from_args
     from mp_offload.planner.cli import _hardware
-    from mp_offload.planner.flags import run_from_args
 
     args, opt = parse(["--machine", "h200", *H200_7B, *whole])
     args.train.dry_run = True
@@ -334,11 +334,11 @@ def test_the_overlap_is_advised_only_when_its_second_state_copy_fits(capsys, mon
 def test_the_same_question_gets_the_same_answer_on_an_idle_and_a_busy_machine(capsys, monkeypatch):
     """The CPU Adam is priced at the named machine's rate: whatever this machine measures
     (an idle one fast, a busy one slow) changes nothing."""
-    from mp_offload.planner import flags, report, throughput
+    from mp_offload.planner import arguments, report, throughput
 
     outs = []
     for here in (5e9, 1e7):  # elements/s this machine would measure, idle and busy
-        for module in (throughput, flags, report):
+        for module in (throughput, arguments, report):
             monkeypatch.setattr(
                 module, "measure_adam_rate", lambda *a, here=here, **k: here, raising=False
             )

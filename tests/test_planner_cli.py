@@ -270,7 +270,7 @@ def test_the_precision_follows_the_machine(capsys, monkeypatch):
 )
 def test_the_dry_runs_hardware_variables_are_range_checked(monkeypatch, name, value, says):
     from mp_offload.config import ConfigError
-    from mp_offload.planner.cli import hardware_from_env
+    from mp_offload.planner.dry_run import hardware_from_env
 
     for var in ("PLAN_DEVICE_MEMORY_GB", "PLAN_HOST_MEMORY_GB", "PLAN_DEVICES_PER_NODE"):
         monkeypatch.delenv(var, raising=False)
@@ -279,3 +279,30 @@ def test_the_dry_runs_hardware_variables_are_range_checked(monkeypatch, name, va
     with pytest.raises(ConfigError) as e:
         hardware_from_env(8)
     assert str(e.value) == says or str(e.value).startswith(says)
+
+
+def test_rank_bytes_are_the_dry_runs_totals_without_building_the_model(capsys, monkeypatch):
+    """What a memory preflight compares with the machine: one rank's host and device sums,
+    from the written-down shapes (no model built), equal to the dry run's meta-built plan."""
+    import re
+
+    from mp_offload.config import parse_args, resolve
+    from mp_offload.model.gpt import GPTModel
+    from mp_offload.planner import dry_run, rank_bytes
+
+    argv = [*TEN_B, "--tensor-model-parallel-size", "2", "--global-batch-size", "16"]
+    args = resolve(parse_args([*argv, "--mock-data", "--dry-run", "--world-size", "8"]), 8)
+    for var in ("PLAN_DEVICE_MEMORY_GB", "PLAN_HOST_MEMORY_GB", "PLAN_DEVICES_PER_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    dry_run(args, 8)
+    out = capsys.readouterr().out
+    dev, host = (float(x) for x in re.search(r"    total +([\d.]+) +total +([\d.]+)", out).groups())
+
+    def no_model(*a, **kw):
+        raise AssertionError("rank_bytes built the model")
+
+    monkeypatch.setattr(GPTModel, "__init__", no_model)
+    host_bytes, device_bytes = rank_bytes(args, 8, cuda=True)
+    assert round(host_bytes / 2**30, 2) == host and round(device_bytes / 2**30, 2) == dev
+    assert host_bytes > 12 * 10.27e9 / 8  # fp32 master and moments of its eighth at least

@@ -87,7 +87,7 @@ def test_plan_with_the_overlap_picks_the_fraction_of_least_exposed_time(capsys, 
 
     from mp_offload.optimizer.device_share import split_buckets
     from mp_offload.planner.answer import overlap_exposed
-    from mp_offload.planner.flags import _machine, parse, run_from_args
+    from mp_offload.planner.arguments import _machine, parse, run_from_args
     from mp_offload.planner.fraction import fraction_for, pick_offload_fraction
     from mp_offload.planner.memory import Hardware
 
@@ -133,8 +133,8 @@ def test_layout_search_weighs_the_overlap():
     from mp_offload.model.gpt import GPTConfig
     from mp_offload.planner.answer import overlap_exposed
     from mp_offload.planner.fraction import pick_offload_fraction
-    from mp_offload.planner.layout import plan_layout
     from mp_offload.planner.memory import Hardware, Run
+    from mp_offload.planner.parallel_layout import plan_layout
     from mp_offload.planner.throughput import Machine
 
     cfg = GPTConfig(

@@ -1,11 +1,11 @@
-"""``python -m mp_offload.plan`` (and the pieces ``pretrain_gpt.py --dry-run`` uses:
-``mp_offload/dry_run.py``).
+"""``python -m mp_offload.plan`` (``mp_offload/plan.py``) and ``python -m
+mp_offload.planner``: the planner's command line.
 
-The planner takes pretrain_gpt.py's own flags (the generated parser of config.py), so
-a training command line can be planned by adding ``--dry-run`` (hardware from the
-environment, see ``hardware_from_env``) or by handing it to ``python -m
-mp_offload.plan`` with hardware flags. The flags and presets are ``flags.py``'s, what
-is printed is ``report.py``'s; this module decides what to answer.
+The planner takes pretrain_gpt.py's own flags (the generated parser of config.py), so a
+training command line can be planned by handing it to ``python -m mp_offload.plan`` with
+hardware flags, or by adding ``--dry-run`` to it (``dry_run.py``: hardware from the
+environment). The flags and presets are ``arguments.py``'s, what is printed is
+``report.py``'s; this module decides what to answer.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from dataclasses import replace
 
 from ..config import Args, ConfigError, resolve
 from ..model.gpt import num_parameters
-from .flags import HEADROOM_FRACTION, _machine, number_problem, parse, run_from_args
-from .layout import format_layouts, relaxed, search_layouts, without_sequence_parallel
+from .arguments import HEADROOM_FRACTION, _machine, parse, run_from_args
 from .memory import GiB, Hardware, Run, compare_modes, format_comparison, format_job, plan_job
+from .parallel_layout import format_layouts, relaxed, search_layouts, without_sequence_parallel
 from .report import (
     _answer_max_model,
     _fraction_line,
@@ -31,84 +31,6 @@ from .report import (
     format_recipe_table,
 )
 from .search import bytes_per_param_note, format_paper_table, paper_table
-
-
-def _host_memory_gib() -> float | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _env(name: str, kind, spec: str):
-    """The environment variable ``name`` as a ``kind`` in ``spec``; None when unset."""
-    raw = os.environ.get(name)
-    if not raw:
-        return None
-    try:
-        value = kind(raw)
-    except ValueError:
-        what = "an integer" if kind is int else "a number"
-        raise ConfigError(f"{name} must be {what}, got {raw!r}") from None
-    problem = number_problem(name, value, spec)
-    if problem:
-        raise ConfigError(problem)
-    return value
-
-
-def hardware_from_env(world: int) -> tuple[Hardware, list[str]]:
-    """Hardware for --dry-run: PLAN_DEVICE_MEMORY_GB / PLAN_DEVICE_MEMORY_RESERVE_GB /
-    PLAN_HOST_MEMORY_GB / PLAN_DEVICES_PER_NODE / PLAN_HOST_HEADROOM_GB win; else what a
-    CUDA machine reports about itself; else defaults (an 80 GiB GPU of which the larger of
-    5% and 2 GiB is kept free, 256 GiB host of which 10% is, min(world, 8) per node).
-    Returns the notes saying where each number came from. A variable out of range (or not
-    a number) is a ``ConfigError`` naming it."""
-    import torch
-
-    notes, hw = [], Hardware()
-    cuda = torch.cuda.is_available()
-    device = _env("PLAN_DEVICE_MEMORY_GB", float, "0<..")
-    if device:
-        hw.device_memory_gb, src = device, "PLAN_DEVICE_MEMORY_GB"
-    elif cuda:
-        hw.device_memory_gb = torch.cuda.get_device_properties(0).total_memory / GiB
-        src = f"this machine's {torch.cuda.get_device_name(0)}"
-    else:
-        src = "default; set PLAN_DEVICE_MEMORY_GB"
-    notes.append(f"device memory {hw.device_memory_gb:.1f} GiB ({src})")
-    reserve = _env("PLAN_DEVICE_MEMORY_RESERVE_GB", float, "0..")
-    if reserve is not None:
-        hw.device_memory_reserve_gb, src = reserve, "PLAN_DEVICE_MEMORY_RESERVE_GB"
-    else:
-        src = "default; set PLAN_DEVICE_MEMORY_RESERVE_GB"
-    notes.append(f"of which {hw.device_reserve_gb:.1f} GiB kept free ({src})")
-    host = _env("PLAN_HOST_MEMORY_GB", float, "0<..")
-    if host:
-        hw.host_memory_gb, src = host, "PLAN_HOST_MEMORY_GB"
-    elif cuda and _host_memory_gib():
-        hw.host_memory_gb, src = _host_memory_gib(), "this machine"
-    else:
-        src = "default; set PLAN_HOST_MEMORY_GB"
-    notes.append(f"host memory per node {hw.host_memory_gb:.1f} GiB ({src})")
-    headroom = _env("PLAN_HOST_HEADROOM_GB", float, f"0..{hw.host_memory_gb})")
-    if headroom is not None:
-        hw.host_headroom_gb, src = headroom, "PLAN_HOST_HEADROOM_GB"
-    else:
-        hw.host_headroom_gb = HEADROOM_FRACTION * hw.host_memory_gb
-        src = f"default {HEADROOM_FRACTION * 100:g}%; set PLAN_HOST_HEADROOM_GB"
-    notes.append(f"of which {hw.host_headroom_gb:.1f} GiB kept free ({src})")
-    hw.devices_per_node, src = _devices_per_node(world)
-    notes.append(f"{hw.devices_per_node} ranks per node ({src})")
-    return hw, notes
-
-
-def _devices_per_node(world: int) -> tuple[int, str]:
-    for name in ("PLAN_DEVICES_PER_NODE", "LOCAL_WORLD_SIZE"):
-        value = _env(name, int, "1..")
-        if value:
-            return value, name
-    return min(world, 8), "default min(world, 8)"
-
 
 MAX_WORLD = 1 << 20  # GPUs: beyond any machine built, and the node lists stay small
 

@@ -26,7 +26,7 @@ from .answer import (
     overlap_exposed,
     speed,
 )
-from .flags import _machine, parse, run_from_args
+from .arguments import _machine, parse, run_from_args
 from .fraction import pick_offload_fraction
 from .host_forms import format_host_form_gains, host_form_gains
 from .memory import EXACT, GiB, Hardware, JobPlan, Run, format_job, moment_bytes, plan_job

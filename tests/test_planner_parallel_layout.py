@@ -97,7 +97,7 @@ def test_hgx_h100_llama2_70b_keeps_the_device_below_97_percent(hgx_70b):
 
 
 def test_best_first_is_the_one_definition_of_best():
-    from mp_offload.planner.layout import Layout, best_first
+    from mp_offload.planner.parallel_layout import Layout, best_first
 
     def lay(tp, tokens, step, host, device):
         return Layout(
@@ -117,7 +117,7 @@ def test_best_first_is_the_one_definition_of_best():
 
 def test_tp_choices_divide_heads_and_kv_groups_within_a_node():
     from mp_offload.planner.cli import parse
-    from mp_offload.planner.layout import tp_choices
+    from mp_offload.planner.parallel_layout import tp_choices
 
     args, _ = parse(["--model", "llama2-70b"])
     why = tp_choices(args, 16, 8)
@@ -225,7 +225,7 @@ def test_paper_table_targets_plan_the_reported_memory():
 
 
 def test_help_is_grouped_and_every_planner_flag_has_help(capsys):
-    from mp_offload.planner.flags import _planner_parser
+    from mp_offload.planner.arguments import _planner_parser
 
     p = _planner_parser()
     text = p.format_help()
