@@ -232,13 +232,18 @@ def test_an_impossible_model_is_answered_before_any_layout(capsys, monkeypatch):
         raise AssertionError("a bucket layout was made for an impossible model")
 
     monkeypatch.setattr(layout.FlatLayout, "__init__", no_layout)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    from mp_offload.plan import main
+
     big = ["--num-layers", "100000", "--hidden-size", "1000000", "--num-attention-heads", "8"]
-    code, out = plan_out(capsys, monkeypatch, *big, "--machine", "hgx-h100")
-    assert code == 1 and len(out.splitlines()) == 1
-    assert out.startswith("plan: nothing fits: 1,200,001,353,250,000,000 parameters")
-    assert "at TP=8 (the most on 8 GPU(s), 8 per node)" in out and "usable" in out
-    code, out = plan_out(capsys, monkeypatch, "--num-layers", "100000")
-    assert code == 1 and len(out.splitlines()) == 1 and "at TP=1" in out
+    code = main([*big, "--machine", "hgx-h100"])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert err.startswith("plan: nothing fits: 1,200,001,353,250,000,000 parameters (1.2e+18)")
+    assert "at TP=8 (the most on 8 GPU(s), 8 per node)" in err and "usable" in err
+    code = main(["--num-layers", "100000"])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "" and err.count("\n") == 1 and "(78.99B)" in err
 
 
 def test_the_precision_follows_the_machine(capsys, monkeypatch):

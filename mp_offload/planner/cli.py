@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     if _plans_the_flags_model(opt, ask_max):
         too_big = weights_problem(args, world, hw, _searches_layout(opt, world))
         if too_big:
-            print(f"plan: nothing fits: {too_big}")
+            print(f"plan: nothing fits: {too_big}", file=sys.stderr)
             return 1
     run = run_from_args(args, world, opt.mode, cuda=not opt.plan_cpu)
     if opt.paper_table:
@@ -126,8 +126,9 @@ def weights_problem(args: Args, world: int, hw: Hardware, search: bool) -> str |
     need = e * n / tp
     if need <= hw.device_usable_gb * GiB:
         return None
+    size = f"{n / 1e9:.2f}B" if n < 1e12 else f"{n:.3g}"
     return (
-        f"{n:,} parameters ({n / 1e9:,.4g}B) need {need / GiB:,.1f} GiB per GPU for their "
+        f"{n:,} parameters ({size}) need {need / GiB:,.1f} GiB per GPU for their "
         f"{e}-byte weights alone at TP={tp} (the most on {world} GPU(s), "
         f"{hw.devices_per_node} per node), more than the {hw.device_usable_gb:.1f} GiB "
         f"usable of --device-memory-gb {hw.device_memory_gb:g}"
