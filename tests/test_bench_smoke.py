@@ -172,3 +172,10 @@ def test_bench_overlap_tiny(tmp_path):
     assert all(row["replayed"] == 0 for row in rep["overlap"])  # no clipping: all commit
     assert all(row["worker"] > 0 and "adam" not in row for row in rep["overlap"])
     assert all(row["adam"] > 0 and row["upload"] > 0 for row in rep["sync"])
+
+
+def test_bench_planner_cli_tiny():
+    out = run_bench("bench_planner_cli.py", "--repeats", 1, "--only", "7B")
+    lines = out.splitlines()
+    assert lines[1].split()[:2] == ["question", "this"]
+    assert lines[2].startswith("one H200, 7B, global batch 4") and float(lines[2].split()[-1]) > 0
