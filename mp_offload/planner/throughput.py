@@ -43,6 +43,11 @@ FLOPs per token (flops_per_token, recomputation counted), C = sustained device F
   round the master into the parameters), launched before the CPU Adam and running
   beside it: the step's optimizer time is the larger of the two. With DPU the device
   Adam sits in the device's stream before the next forward, so it counts in full.
+  PCIe: ``pcie_gbs`` one way; ``pcie_each_way_gbs`` per direction while both run at once.
+  Beside the CPU Adam (``streamed``, ``step_streamed``): an Adam on the GPU over the host
+  part's state streamed up and back (``streamed_gpu_step``: master and moments each way at
+  the both-ways PCIe speed, through host memory, at device memory bandwidth; pipelined,
+  the slowest counts), after the device share's Adam: the other design, priced alike.
 
 Without offload (``mode``): "zero2" keeps the fp32 slice on the device, so the host
 terms go (no PCIe, no host accumulation) and the fused AdamW and the publish are one
@@ -105,7 +110,9 @@ PCIE_DUPLEX_SHARE = 0.54
 
 
 def measure_adam_rate(numel: int = 1 << 22, repeats: int = 3) -> float | None:
-    """Elements/s of one thread of the C++ CPU Adam here, or None without the extension."""
+    """Elements/s of one thread of the C++ CPU Adam here, or None without the extension.
+    For a calibration on the machine being measured (the device proof); the planner never
+    calls it: its answers are of the named machine."""
     try:
         import torch
 
