@@ -54,9 +54,9 @@ from .distributed import (
     env_int,
     fail,
     first_error,
+    host_threads,
     init_distributed,
     set_phase,
-    threads_per_rank,
 )
 from .divergence import Skips, TrainingError, check_loss
 from .generation import TextSampler
@@ -492,7 +492,10 @@ def _start(args: Args):
         p.tensor_model_parallel_size, timedelta(minutes=p.distributed_timeout_minutes)
     )
     gpu = device.type == "cuda"
-    log.info(apply_cpu_threads(threads_per_rank(p.cpu_threads_per_rank, gpu=gpu)))
+    threads, busy = host_threads(p.cpu_threads_per_rank, gpu=gpu)
+    if busy:
+        log.info(busy)
+    log.info(apply_cpu_threads(threads))
     for line in config_warnings(args):
         log.info(line)
     return device, tokenizer
