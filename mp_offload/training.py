@@ -523,7 +523,10 @@ def pretrain(argv=None) -> dict:
     if args.train.dry_run:
         from .dry_run import dry_run  # deferred: only the planner needs it
 
-        dry_run(args, world)
+        try:
+            dry_run(args, world)
+        except ConfigError as e:  # a PLAN_* variable out of range
+            fail(str(e))
         return {}
     device, tokenizer = _start(args)
     logger, lock = None, None

@@ -6,13 +6,15 @@ scripts' defaults for flags not given, and what the flags say: ``Args``, ``Run``
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import replace
 
 from ..config import CONFIG_CLASSES, Args, ConfigError, build_parser, parse_with_config
+from ..fields import range_problem
 from ..optimizer.options import OptimizerOptions
 from .memory import ALL_MODES, DEVICE_RESERVE_FRACTION, DEVICE_RESERVE_MIN_GB, Hardware, Run
-from .named_models import MACHINE_PRESETS, MODEL_PRESETS
+from .named_models import MACHINE_PRESETS, MODEL_PRESETS, NO_BF16
 from .search import FAMILIES
 from .throughput import Machine, measure_adam_rate
 
@@ -257,6 +259,7 @@ def _launch_defaults(parts: dict, opt: argparse.Namespace) -> list[str]:
         o["cpu_offload"] or opt.no_cpu_offload or opt.mode or o["optimizer"] != "adam"
     )
     opt.shape_given = any(parts[g][f] is not None for g, f in (d.split(".") for d in SHAPE_DESTS))
+    assumed = _machine_precision(t, opt)
     filled = {
         "train.bf16": not (t["fp16"] or opt.fp32),
         "optim.cpu_offload": not opt.mode_given,
@@ -264,7 +267,6 @@ def _launch_defaults(parts: dict, opt: argparse.Namespace) -> list[str]:
         "model.seq_length": 2048,
         "model.vocab_size": 50257,
     }
-    assumed = []
     for dest, value in filled.items():
         group, name = dest.split(".")
         if parts[group][name] is None:
@@ -276,6 +278,75 @@ def _launch_defaults(parts: dict, opt: argparse.Namespace) -> list[str]:
         if parts[group][name] is None:
             del parts[group][name]  # GPTConfig's own default
     return assumed
+
+
+def _machine_precision(t: dict, opt: argparse.Namespace) -> list[str]:
+    """A machine whose GPUs have no bf16 (V100s) plans fp16 when no precision is given, as
+    its launch scripts run it, and refuses --bf16. Returns the flag so assumed, if any."""
+    if opt.machine not in NO_BF16:
+        return []
+    if t["bf16"]:
+        raise ConfigError(
+            f"--bf16: --machine {opt.machine}'s {NO_BF16[opt.machine]} have no bf16; plan --fp16"
+        )
+    if t["bf16"] is None and not (t["fp16"] or opt.fp32):
+        t["fp16"], t["bf16"] = True, False
+        return [f"--fp16 ({NO_BF16[opt.machine]}: no bf16)"]
+    return []
+
+
+# The planner's numeric flags and their ranges (``fields.range_problem``'s notation).
+PLAN_RANGES = {
+    "device_memory_gb": "0<..",
+    "host_memory_gb": "0<..",
+    "host_headroom_gb": "0..",
+    "devices_per_node": "1..",
+    "device_reserved_gb": "0..",
+    "device_memory_reserve_gb": "0..",
+    "host_process_gb": "0..",
+    "batch_per_gpu": "1..",
+    "device_tflops": "0<..",
+    "intra_node_gbs": "0<..",
+    "inter_node_gbs": "0<..",
+    "pcie_gbs": "0<..",
+    "cpu_cores_per_node": "1..",
+    "host_mem_gbs": "0<..",
+    "adam_rate_per_core": "0<..",
+    "tp_devices_per_node": "1..",
+    "device_mem_gbs": "0<..",
+}
+
+
+def number_problem(name: str, value, spec: str) -> str | None:
+    """The line naming ``name`` (a flag or a variable) when ``value`` is not a finite
+    number in ``spec``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{name} must be a finite number, got {value}"
+    problem = range_problem("x", value, spec)  # "--x must be ..."
+    return problem and name + problem[len("--x") :]
+
+
+def hardware_problems(opt: argparse.Namespace) -> list[str]:
+    """Every planner flag outside its range, one line each (as pretrain_gpt.py's flags)."""
+    found = [
+        number_problem("--" + name.replace("_", "-"), getattr(opt, name), spec)
+        for name, spec in PLAN_RANGES.items()
+        if getattr(opt, name) is not None
+    ]
+    found += [number_problem("--gpus", g, "1..") for g in opt.gpus]
+    if opt.host_headroom_gb is not None and opt.host_headroom_gb >= opt.host_memory_gb:
+        found.append(
+            f"--host-headroom-gb {opt.host_headroom_gb:g} leaves nothing of --host-memory-gb "
+            f"{opt.host_memory_gb:g}"
+        )
+    reserve = opt.device_memory_reserve_gb
+    if reserve is not None and reserve + opt.device_reserved_gb >= opt.device_memory_gb:
+        found.append(
+            f"--device-memory-reserve-gb {reserve:g} and --device-reserved-gb "
+            f"{opt.device_reserved_gb:g} leave nothing of --device-memory-gb "
+            f"{opt.device_memory_gb:g}"
+        )
+    return [p for p in found if p]
 
 
 def parse(argv=None) -> tuple[Args, argparse.Namespace]:
@@ -298,6 +369,9 @@ def parse(argv=None) -> tuple[Args, argparse.Namespace]:
         group, name = key.split(".", 1)
         parts[group][name] = value
     opt = argparse.Namespace(**parts["plan"])
+    problems = hardware_problems(opt)
+    if problems:
+        raise ConfigError(problems[0])
     opt.assumed = _launch_defaults(parts, opt)
     # Given on the command line (not the defaults): TP pins the layout, a global batch
     # is kept by every layout searched.

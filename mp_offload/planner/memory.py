@@ -225,6 +225,19 @@ class JobPlan:
     def fits(self) -> bool:
         return self.fits_device and self.fits_host
 
+    def shortfall(self) -> str:
+        """What does not fit and by how much ("" when it all fits)."""
+        short = [
+            f"{where} short {(need - have * GiB) / GiB:.2f} GiB{per} ({need / GiB:.2f} of "
+            f"{have:.1f} usable)"
+            for where, need, have, per in (
+                ("device", self.device_peak, self.hw.device_usable_gb, " per GPU"),
+                ("host", self.host_node_peak, self.hw.host_usable_gb, " per node"),
+            )
+            if need > have * GiB
+        ]
+        return ", ".join(short)
+
 
 def _zero_buffers(run: Run, shapes: RankShapes) -> tuple[dict, dict, int]:
     """(device bytes, host bytes, reduce-scatter outputs) of this code's buffers: the sums

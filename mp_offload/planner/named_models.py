@@ -270,6 +270,9 @@ MACHINE_PRESETS.update(
         "rtx4090": _one_gpu("RTX4090-24GB", 33, 1008, 25, 16),
     }
 )
+# Machines whose GPUs have no bf16 (compute capability below 8.0): planned in fp16, as
+# their launch scripts run them (scripts/pretrain_llama2_70b_dgx2.sh).
+NO_BF16 = {"dgx2": "V100s"}
 # The GPU each machine's speed is priced for, as the output names it.
 MACHINE_GPUS = {
     "h100": "1x H100-80GB",
