@@ -62,6 +62,7 @@ from .divergence import Skips, TrainingError, check_loss
 from .generation import TextSampler
 from .logger import Logger, log, run_summary
 from .lr_scheduler import LRScheduler
+from .memory_check import check_memory
 from .model.gpt import GPTModel, flops_per_token, num_parameters
 from .optimizer import Optimizer, StepResult, build_optimizer
 from .phase_timer import PhaseTimer
@@ -488,6 +489,7 @@ def _start(args: Args):
         fail(str(e), everywhere=False)  # this rank's own (its LOCAL_RANK has no GPU)
     except RendezvousError as e:
         fail(str(e), code=1, everywhere=False)
+    check_memory(args, device, tokenizer)  # before anything is allocated
     ps.initialize_model_parallel(
         p.tensor_model_parallel_size, timedelta(minutes=p.distributed_timeout_minutes)
     )
