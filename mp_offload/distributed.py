@@ -21,7 +21,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .cpu_threads import default_threads_per_rank
+from .cpu_threads import (
+    available_cores,
+    busy_machine,
+    default_threads_per_rank,
+    openmp_wait,
+    other_runnable,
+)
 
 PROG = "pretrain_gpt.py"
 
@@ -169,6 +175,18 @@ def threads_per_rank(requested: int | None = None, gpu: bool = False) -> int:
     return default_threads_per_rank(gpu)
 
 
+def host_threads(requested: int | None = None, gpu: bool = False) -> tuple[int, str | None]:
+    """``threads_per_rank``, and a warning when the machine is busy (``busy_machine``):
+    then one thread, unless ``--cpu-threads-per-rank`` (``requested``) chose. Every rank
+    of the node calls it at once, just after the process groups are made, so the job's
+    own ranks sleep while it counts the other jobs' runnable tasks."""
+    n = threads_per_rank(requested, gpu)
+    ranks = max(1, env_int("LOCAL_WORLD_SIZE", 1))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    warning = busy_machine(ranks, n, available_cores(), other_runnable(), load)
+    return (n if warning is None or requested is not None else 1), warning
+
+
 def apply_cpu_threads(n: int) -> str:
     """Give the C++ Adam and torch's intra-op pool ``n`` threads; returns a one-line report."""
     torch.set_num_threads(n)
@@ -183,7 +201,7 @@ def apply_cpu_threads(n: int) -> str:
     from .ops import host_ops
 
     host_ops.set_num_threads(n)
-    return f"host threads {n}; CPU Adam {simd_level()}"
+    return f"host threads {n}; CPU Adam {simd_level()}; {openmp_wait()}"
 
 
 class RendezvousError(RuntimeError):
