@@ -55,6 +55,7 @@ from .distributed import (
     fail,
     first_error,
     init_distributed,
+    numa_report,
     set_phase,
     threads_per_rank,
 )
@@ -493,6 +494,8 @@ def _start(args: Args):
     )
     gpu = device.type == "cuda"
     log.info(apply_cpu_threads(threads_per_rank(p.cpu_threads_per_rank, gpu=gpu)))
+    if gpu:  # each rank's NUMA node and cores (numa.py); CPU runs are not bound
+        log.info(numa_report(device))
     for line in config_warnings(args):
         log.info(line)
     return device, tokenizer
