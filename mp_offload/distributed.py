@@ -172,6 +172,11 @@ def threads_per_rank(requested: int | None = None, gpu: bool = False) -> int:
     return default_threads_per_rank(gpu, ranks=_BINDING.ranks)
 
 
+def collective_timeout_minutes() -> float:
+    """``--distributed-timeout-minutes`` as ``init_distributed`` was given it."""
+    return _TIMEOUT_MINUTES
+
+
 def numa_binding() -> Binding:
     """This rank's NUMA binding, made by ``init_distributed`` (unbound off the GPU)."""
     return _BINDING

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from .. import faults
 from .. import parallel_state as ps
 from . import on_disk as fmt
+from .save_group import planned_bytes, save_group
 
 
 def _rank_files(tmp: str, model, optimizer, tp_rank: int, dp_rank: int) -> dict:
@@ -54,13 +55,14 @@ def save_checkpoint(
     tmp = fmt.tmp_dir(root, iteration)
     if dist.get_rank() == 0:
         fmt.start_save(root, iteration)
-    dist.barrier()
+    # The ranks meet (the save is open) and agree on the save's wait before the slow part.
+    group = save_group(planned_bytes(model, optimizer, ps.get_data_parallel_rank()))
     files = _rank_files(
         tmp, model, optimizer, ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
     )
     faults.checkpoint_point("after_rank_files", iteration)
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, files)
+    dist.all_gather_object(gathered, files, group=group)
     final = fmt.iter_dir(root, iteration)
     if dist.get_rank() == 0:
         all_files = {k: v for f in gathered for k, v in f.items()}
@@ -86,5 +88,5 @@ def save_checkpoint(
         fmt.commit(root, iteration, manifest)
         if keep:
             fmt.prune(root, keep, iteration, protect)
-    dist.barrier()
+    dist.barrier(group=group)
     return final
