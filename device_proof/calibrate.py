@@ -96,12 +96,16 @@ def copies(calib: dict, device: torch.device, mb: int, repeats: int = 5):
 
 def host_dram(calib: dict, mb: int, repeats: int = 5):
     """Host memory streamed by torch's copy on every usable core (read + write)."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(available_cores())
-    a = torch.empty(mb * (1 << 18), dtype=torch.float32)
-    b = torch.empty_like(a)
-    a.fill_(1.0)  # first touch: the pages exist before they are timed
-    b.fill_(0.0)
-    seconds = timed(lambda: b.copy_(a), torch.device("cpu"), repeats)
+    try:
+        a = torch.empty(mb * (1 << 18), dtype=torch.float32)
+        b = torch.empty_like(a)
+        a.fill_(1.0)  # first touch: the pages exist before they are timed
+        b.fill_(0.0)
+        seconds = timed(lambda: b.copy_(a), torch.device("cpu"), repeats)
+    finally:
+        torch.set_num_threads(threads)  # the run's own rule for what follows
     calib["host_stream_gbs"] = 2 * a.numel() * 4 / seconds / GB
     yield fig("calib.host_dram_gbs", calib["host_stream_gbs"], f"GB/s, {available_cores()} threads")
 

@@ -83,6 +83,7 @@ class CopyLedger(TorchDispatchMode):
         self.copies: list[Copy] = []
         self.violations: list[str] = []
         self.records = self.waits = 0
+        self._events: list = []  # kept alive: an event's id must not be reused by another
         self._lock = threading.Lock()
         self._burst = False  # uploads issued since the last event record
         self._saved: list = []
@@ -134,6 +135,7 @@ class CopyLedger(TorchDispatchMode):
     def recorded(self, event, stream: int) -> None:
         with self._lock:
             self.records += 1
+            self._events.append(event)
             self._burst = False
             for c in self.copies:
                 if c.direction == "h2d" and not c.retired and (not self.cuda or c.stream == stream):
