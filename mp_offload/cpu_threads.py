@@ -1,9 +1,10 @@
 """The one CPU-thread rule of a rank (C++ Adam, host gradient sums, torch intra-op).
 
 Threads = the cores this process may use, shared among the ranks of the node
-(LOCAL_WORLD_SIZE), less one per rank on a GPU, kept for the threads that launch kernels
-and run autograd (with DPU and host accumulation the C++ teams would otherwise take every
-core and the launches would queue behind them); at least one. The cores are the affinity
+(LOCAL_WORLD_SIZE; a rank bound to its GPU's NUMA node, ``numa.py``: that node's cores
+among the ranks bound there), less one per rank on a GPU, kept for the threads that launch
+kernels and run autograd (with DPU and host accumulation the C++ teams would otherwise take
+every core and the launches would queue behind them); at least one. The cores are the affinity
 mask, capped by a cgroup CPU quota (a container limited to 4 CPUs on a 64-core host sees
 all 64 in its mask). ``OMP_NUM_THREADS`` is ignored on purpose: torchrun sets it to 1 for
 every multi-process job, which would leave the CPU Adam on one core per rank.
@@ -62,13 +63,15 @@ def available_cores(root: str | None = None) -> int:
     return cores if limit is None else min(cores, limit)
 
 
-def default_threads_per_rank(gpu: bool, root: str | None = None) -> int:
-    """The rule above, for a rank on a GPU (``gpu``) or on the CPU."""
-    try:
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        ranks = 1
-    return max(1, available_cores(root) // ranks - (1 if gpu else 0))
+def default_threads_per_rank(gpu: bool, root: str | None = None, ranks: int | None = None) -> int:
+    """The rule above, for a rank on a GPU (``gpu``) or on the CPU. ``ranks``: the ranks
+    sharing this process's mask (a NUMA-bound rank: those on its node); else the node's."""
+    if ranks is None:
+        try:
+            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        except ValueError:
+            ranks = 1
+    return max(1, available_cores(root) // max(1, ranks) - (1 if gpu else 0))
 
 
 # The runtimes read their wait policy once, when they load (libgomp, which torch and the C++

@@ -56,6 +56,7 @@ from .distributed import (
     first_error,
     host_threads,
     init_distributed,
+    numa_report,
     set_phase,
 )
 from .divergence import Skips, TrainingError, check_loss
@@ -498,6 +499,8 @@ def _start(args: Args):
     if busy:
         log.info(busy)
     log.info(apply_cpu_threads(threads))
+    if gpu:  # each rank's NUMA node and cores (numa.py); CPU runs are not bound
+        log.info(numa_report(device))
     for line in config_warnings(args):
         log.info(line)
     return device, tokenizer

@@ -15,6 +15,8 @@ import torch  # noqa: E402
 # the CUDA tests ask for the device explicitly (--device cuda).
 os.environ.setdefault("MP_OFFLOAD_DEVICE", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))
+# The device proof (device_proof/, beside bench/) is not part of the installed package.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def pytest_collection_modifyitems(config, items):
