@@ -71,6 +71,12 @@ class TrainingConfig:
     )
     exit_interval: int | None = _f(None, "stop after this iteration (for tests)", range="1..")
     dry_run: bool = _f(False, "build the model on the meta device, print the plan, exit")
+    skip_memory_check: bool = _f(
+        False,
+        "start even when the planner's memory figures for this run (as --dry-run prints "
+        "them) exceed what this machine has free: MemAvailable or the cgroup limit per "
+        "node, CUDA free memory per GPU",
+    )
     num_micro_batches: int | None = derived_field(
         "forward/backward passes per step on each rank: global batch / (micro-batch x DP)"
     )

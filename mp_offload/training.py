@@ -54,14 +54,16 @@ from .distributed import (
     env_int,
     fail,
     first_error,
+    host_threads,
     init_distributed,
+    numa_report,
     set_phase,
-    threads_per_rank,
 )
 from .divergence import Skips, TrainingError, check_loss
 from .generation import TextSampler
 from .logger import Logger, log, run_summary
 from .lr_scheduler import LRScheduler
+from .memory_check import check_memory
 from .model.gpt import GPTModel, flops_per_token, num_parameters
 from .optimizer import Optimizer, StepResult, build_optimizer
 from .phase_timer import PhaseTimer
@@ -488,11 +490,17 @@ def _start(args: Args):
         fail(str(e), everywhere=False)  # this rank's own (its LOCAL_RANK has no GPU)
     except RendezvousError as e:
         fail(str(e), code=1, everywhere=False)
+    check_memory(args, device, tokenizer)  # before anything is allocated
     ps.initialize_model_parallel(
         p.tensor_model_parallel_size, timedelta(minutes=p.distributed_timeout_minutes)
     )
     gpu = device.type == "cuda"
-    log.info(apply_cpu_threads(threads_per_rank(p.cpu_threads_per_rank, gpu=gpu)))
+    threads, busy = host_threads(p.cpu_threads_per_rank, gpu=gpu)
+    if busy:
+        log.info(busy)
+    log.info(apply_cpu_threads(threads))
+    if gpu:  # each rank's NUMA node and cores (numa.py); CPU runs are not bound
+        log.info(numa_report(device))
     for line in config_warnings(args):
         log.info(line)
     return device, tokenizer
@@ -518,9 +526,12 @@ def pretrain(argv=None) -> dict:
     """The whole run for ``pretrain_gpt.py``'s flags; returns the last iteration's record."""
     args, world = _checked_args(argv)
     if args.train.dry_run:
-        from .dry_run import dry_run  # deferred: only the planner needs it
+        from .planner.dry_run import dry_run  # deferred: only the planner needs it
 
-        dry_run(args, world)
+        try:
+            dry_run(args, world)
+        except ConfigError as e:  # a PLAN_* variable out of range
+            fail(str(e))
         return {}
     device, tokenizer = _start(args)
     logger, lock = None, None

@@ -487,3 +487,49 @@ def test_model_shape_check_names_a_different_norm_epsilon():
         }
     }
     check_model_shape(old, "ckpt", here)
+
+
+# ------------------------------------------------------------- nothing non-finite saved
+def test_all_finite_finds_any_inf_or_nan_in_any_dtype():
+    from mp_offload.checkpoint.save import all_finite
+
+    ok = [torch.zeros(0), torch.randn(1000), torch.ones(7, dtype=torch.bfloat16)]
+    assert all_finite(ok) and all_finite([])
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            t = torch.randn(10_007).to(dtype)
+            t[5003] = bad
+            assert not all_finite([*ok, t]), (dtype, bad)
+
+
+def _non_finite_master_worker(rank, world, root):
+    """DP=2: rank 1's fp32 master holds a NaN. Both ranks refuse the save with the same
+    line naming rank 1; iteration 1 stays the latest, nothing else is left."""
+    from mp_offload.checkpoint.save import NonFiniteStateError
+
+    args = resolve(parse_args(CKPT_RUN), world)
+    ps.initialize_model_parallel(1)
+    torch.manual_seed(0)
+    model = GPTModel(args.model)
+    opt = build_optimizer(model, args, torch.device("cpu"))
+    save_checkpoint(root, 1, 8, model, opt, args, keep=1)
+    if rank == 1:
+        master = opt.state_dict()["master"]  # the live slice
+        (master if isinstance(master, torch.Tensor) else master[-1])[3] = float("nan")
+    with pytest.raises(NonFiniteStateError) as e:
+        save_checkpoint(root, 2, 16, model, opt, args, keep=1)
+    assert str(e.value) == (
+        "the checkpoint of iteration 2 was not saved: the fp32 master weights (TP rank 0, "
+        "DP rank 1) hold inf or NaN, the run diverged in its last steps; iteration 1 stays "
+        f"the latest checkpoint in --save {root} (lower --lr, check the data, or use --bf16)"
+    )
+    torch.distributed.barrier()
+    assert read_latest(root) == 1
+    assert sorted(n for n in os.listdir(root) if n != "iter_0000001") == [
+        "latest_checkpointed_iteration.txt"
+    ]
+
+
+@pytest.mark.slow
+def test_a_non_finite_master_on_one_rank_stops_the_save_on_every_rank(tmp_path):
+    run_distributed(_non_finite_master_worker, 2, str(tmp_path / "ck"))

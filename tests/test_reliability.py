@@ -9,7 +9,6 @@ wait, stall or lose their launcher in test_reliability_ranks.py);
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -172,37 +171,101 @@ def test_fp16_divergence_stops_before_saving(tmp_path):
     assert not os.path.exists(tmp_path / "ck" / "latest_checkpointed_iteration.txt")
 
 
-@pytest.mark.slow
-def test_fp16_divergence_after_resuming_keeps_the_last_good_checkpoint(tmp_path):
-    """--save-interval 1 --keep-checkpoints 2 after good checkpoints 2 and 3: a NaN loss
-    stops an fp16 run before its save and 3 resumes; the checkpoints of a run of skipped
-    steps spare the last one before it."""
-    d, skip = str(tmp_path / "ck"), str(tmp_path / "skip")
-    fp16 = [*TINY, "--mock-data", "--fp16", "--save-interval", "1", "--keep-checkpoints", "2"]
-    assert run_pretrain(*fp16, "--save", d, "--train-iters", "3").returncode == 0
-    shutil.copytree(d, skip)
-    res = run_pretrain(*fp16, "--save", d, "--load", d, "--train-iters", "12", "--lr", "1e10")
-    line = assert_one_line(res, "at iteration 5: the run is diverging; stopping without", 1)
-    assert line.startswith(f"{ERROR}loss is "), line
-    assert sorted(n for n in os.listdir(d) if n.startswith("iter_")) == [
-        "iter_0000003",
-        "iter_0000004",
-    ]
-    res = run_pretrain(
-        *fp16, "--load", f"{d}/iter_0000003", "--save", skip + "2", "--train-iters", "5"
+def snapshot(root) -> dict:
+    """Every file under ``root`` and its sha256."""
+    import hashlib
+
+    out = {}
+    for where, _, names in os.walk(root):
+        for n in names:
+            with open(os.path.join(where, n), "rb") as f:
+                out[os.path.relpath(os.path.join(where, n), root)] = hashlib.sha256(
+                    f.read()
+                ).hexdigest()
+    return out
+
+
+def _iterations(d) -> list[str]:
+    return sorted(n for n in os.listdir(d) if n.startswith("iter_"))
+
+
+def _finite_checkpoint(ckpt) -> bool:
+    """Every tensor of every file of an iteration directory is finite."""
+    import torch
+
+    def tensors(obj):
+        if isinstance(obj, torch.Tensor):
+            yield obj
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                yield from tensors(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                yield from tensors(v)
+
+    files = [os.path.join(w, n) for w, _, ns in os.walk(ckpt) for n in ns if n.endswith(".pt")]
+    assert files, ckpt
+    return all(
+        bool(t.isfinite().all())
+        for f in files
+        for t in tensors(torch.load(f, weights_only=True))
+        if t.is_floating_point()
     )
-    assert res.returncode == 0 and "at iteration 3" in res.stderr + res.stdout, res.stderr
+
+
+@pytest.mark.slow
+def test_a_diverged_fp16_step_is_never_published_and_the_good_checkpoint_resumes(tmp_path):
+    """--save-interval 1 --keep-checkpoints 1: iteration 3 is good; resumed with a huge
+    --lr, the step of iteration 4 blows the fp16 weights up while its loss (computed
+    before the step) is still finite. That save is refused before it is published or
+    rotates 3 out: every checkpoint left is finite, 3 is the latest, byte for byte as
+    it was, and resumes to the same weights as a run that never broke."""
+    from mp_offload.checkpoint.on_disk import iter_dir, model_file
+
+    d, unbroken = str(tmp_path / "ck"), str(tmp_path / "unbroken")
+    fp16 = [*TINY, "--mock-data", "--fp16", "--save-interval", "1", "--train-iters", "5"]
+    res = run_pretrain(*fp16, "--keep-checkpoints", "1", "--save", d, "--exit-interval", "3")
+    assert res.returncode == 0, res.stderr[-3000:]
+    good = snapshot(iter_dir(d, 3))
+    res = run_pretrain(*fp16, "--keep-checkpoints", "1", "--save", d, "--load", d, "--lr", "1e10")
+    assert_one_line(
+        res,
+        "the checkpoint of iteration 4 was not saved: the weights (TP rank 0, DP rank 0) "
+        f"hold inf or NaN, the run diverged in its last steps; iteration 3 stays the latest "
+        f"checkpoint in --save {d}",
+        code=1,
+    )
+    assert _iterations(d) == ["iter_0000003"] and not [
+        n for n in os.listdir(d) if n.startswith(".tmp")
+    ]
+    with open(os.path.join(d, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == "3"
+    assert snapshot(iter_dir(d, 3)) == good and _finite_checkpoint(iter_dir(d, 3))
+    assert run_pretrain(*fp16, "--save", d, "--load", d).returncode == 0
+    assert run_pretrain(*fp16, "--save", unbroken).returncode == 0
+    import torch
+
+    resumed, want = (
+        torch.load(os.path.join(iter_dir(r, 5), model_file(0)), weights_only=True)
+        for r in (d, unbroken)
+    )
+    assert all(torch.equal(resumed[k], want[k]) for k in want)
+
+
+@pytest.mark.slow
+def test_checkpoints_during_skipped_fp16_steps_spare_the_last_one_before_them(tmp_path):
+    """--keep-checkpoints 2 while every step overflows: the checkpoints taken during the
+    run of skipped steps never rotate out the last one taken before it."""
+    skip = str(tmp_path / "skip")
+    fp16 = [*TINY, "--mock-data", "--fp16", "--save-interval", "1", "--keep-checkpoints", "2"]
+    assert run_pretrain(*fp16, "--save", skip, "--train-iters", "3").returncode == 0
     every_step_overflows = ["--initial-loss-scale", "1e30", "--min-loss-scale", "1e30"]
     res = run_pretrain(
         *fp16, "--save", skip, "--load", skip, "--train-iters", "20", "--no-load-optim",
         *every_step_overflows, "--max-consecutive-skipped-steps", "4",
     )  # fmt: skip
     assert_one_line(res, "4 consecutive steps skipped", code=1)
-    assert sorted(n for n in os.listdir(skip) if n.startswith("iter_")) == [
-        "iter_0000003",
-        "iter_0000005",
-        "iter_0000006",
-    ]
+    assert _iterations(skip) == ["iter_0000003", "iter_0000005", "iter_0000006"]
 
 
 @pytest.mark.slow

@@ -4,24 +4,59 @@ Each (TP, DP) rank writes its optimizer slice (and DP rank 0 its TP shard of the
 weights) into the save's temporary directory; the file sizes and checksums are
 gathered, and global rank 0 writes ``common.pt`` and the manifest and commits
 (``on_disk.commit``: crash-safe, the previous checkpoint stays loadable until the end).
+
+Nothing non-finite is published: each rank checks the weights and fp32 master it is
+about to write (``all_finite``: one inf-norm reduction per tensor) and sends the verdict
+with its file list; if any rank found inf or NaN, the temporary directory is removed
+and every rank raises ``NonFiniteStateError`` before the commit and the rotation, so the
+last good checkpoint stays the latest. (A diverging step blows up the weights before
+the loss shows it: the loss of a step is computed from the weights before it.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 
+import torch
 import torch.distributed as dist
 
 from .. import faults
 from .. import parallel_state as ps
 from . import on_disk as fmt
+from .errors import CheckpointError
+from .save_group import planned_bytes, save_group
 
 
-def _rank_files(tmp: str, model, optimizer, tp_rank: int, dp_rank: int) -> dict:
-    """Write this rank's files; returns their manifest entries."""
-    files = {}
+class NonFiniteStateError(CheckpointError):
+    """The state a save was about to publish holds inf or NaN; nothing was published."""
+
+
+def all_finite(tensors) -> bool:
+    """No inf or NaN in any of ``tensors``: the inf-norm (the largest |x|, a reduction
+    with no temporary the size of the data) is finite exactly when every element is. One
+    host sync per device, however many tensors."""
+    norms = {}
+    for t in tensors:
+        if t.numel():
+            norm = torch.linalg.vector_norm(t.detach(), float("inf"))
+            norms.setdefault(norm.device, []).append(norm.float())
+    return all(bool(torch.stack(n).isfinite().all()) for n in norms.values())
+
+
+def _parts(value) -> list:
+    """A saved optimizer slice as its tensors (one tensor, or its parts in order)."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _rank_files(tmp: str, model, optimizer, tp_rank: int, dp_rank: int) -> tuple[dict, str]:
+    """Write this rank's files: (their manifest entries, "" or what of them is not finite,
+    in which case nothing more is written)."""
+    files, where = {}, f"TP rank {tp_rank}, DP rank {dp_rank}"
     if dp_rank == 0:  # the DP replicas hold the same weights: one copy per TP rank
+        if not all_finite(p for _, p in model.named_parameters()):
+            return files, f"the weights ({where})"
         rel = fmt.model_file(tp_rank)
         # A temporary: the weights' host copies (on CUDA) are freed before the optimizer
         # file is written, so a save's peak is the larger of the two, not their sum.
@@ -30,12 +65,46 @@ def _rank_files(tmp: str, model, optimizer, tp_rank: int, dp_rank: int) -> dict:
         )
     if optimizer.checkpoint_kind == "zero":
         shard = optimizer.state_dict()
-    else:
+        if not all_finite(_parts(shard["master"])):
+            return files, f"the fp32 master weights ({where})"
+    else:  # torch-adamw: the (fp32) weights are the master, checked above
         shard = {"torch_adamw": optimizer.state_dict()}
     shard["rng"] = fmt.rng_state()
     rel = fmt.optim_file(tp_rank, dp_rank)
     files[rel] = fmt.write_file(shard, os.path.join(tmp, rel))
-    return files
+    return files, ""
+
+
+def _latest(root: str) -> int | None:
+    """The latest iteration under ``root``, or None (also when its pointer is unreadable:
+    this runs on rank 0 alone, between collectives, so it must not raise)."""
+    try:
+        return fmt.read_latest(root)
+    except (CheckpointError, OSError):
+        return None
+
+
+def _refuse_non_finite(root: str, iteration: int, gathered: list) -> None:
+    """Collective outcome of the finiteness checks (``gathered``: every rank's (files,
+    problem, latest)): if any rank found inf or NaN, rank 0 removes the temporary
+    directory and every rank raises the same NonFiniteStateError."""
+    problems = [p for _, p, _ in gathered if p]
+    if not problems:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(fmt.tmp_dir(root, iteration), ignore_errors=True)
+    latest = gathered[0][2]  # rank 0's view of the save directory: one message everywhere
+    kept = (
+        f"iteration {latest} stays the latest checkpoint in --save {root}"
+        if latest is not None
+        else f"--save {root} holds no earlier checkpoint"
+    )
+    more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+    raise NonFiniteStateError(
+        f"the checkpoint of iteration {iteration} was not saved: {problems[0]}{more} "
+        f"hold inf or NaN, the run diverged in its last steps; {kept} (lower --lr, "
+        f"check the data, or use --bf16)"
+    )
 
 
 def save_checkpoint(
@@ -54,16 +123,19 @@ def save_checkpoint(
     tmp = fmt.tmp_dir(root, iteration)
     if dist.get_rank() == 0:
         fmt.start_save(root, iteration)
-    dist.barrier()
-    files = _rank_files(
+    # The ranks meet (the save is open) and agree on the save's wait before the slow part.
+    group = save_group(planned_bytes(model, optimizer, ps.get_data_parallel_rank()))
+    files, problem = _rank_files(
         tmp, model, optimizer, ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
     )
     faults.checkpoint_point("after_rank_files", iteration)
+    latest = _latest(root) if dist.get_rank() == 0 else None
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, files)
+    dist.all_gather_object(gathered, (files, problem, latest), group=group)
+    _refuse_non_finite(root, iteration, gathered)  # before the commit and the rotation
     final = fmt.iter_dir(root, iteration)
     if dist.get_rank() == 0:
-        all_files = {k: v for f in gathered for k, v in f.items()}
+        all_files = {k: v for f, _, _ in gathered for k, v in f.items()}
         run_args = {k: dataclasses.asdict(v) for k, v in vars(args).items()}
         tok_entries, tok_stored = fmt.copy_tokenizer(run_args.get("data", {}), tmp)
         all_files.update(tok_entries)
@@ -86,5 +158,5 @@ def save_checkpoint(
         fmt.commit(root, iteration, manifest)
         if keep:
             fmt.prune(root, keep, iteration, protect)
-    dist.barrier()
+    dist.barrier(group=group)
     return final
