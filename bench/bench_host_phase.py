@@ -29,6 +29,7 @@ reach less bandwidth per byte than Adam's five on some machines).
 """
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
@@ -69,15 +70,26 @@ import torch  # noqa: E402
 from mp_offload import parallel_state as ps  # noqa: E402
 from mp_offload.model.gpt import GPTConfig, GPTModel  # noqa: E402
 from mp_offload.ops import cpu_adam, host_ops  # noqa: E402
-from mp_offload.optimizer import reducer as reducer_mod  # noqa: E402
+from mp_offload.optimizer.options import OptimizerOptions  # noqa: E402
 from mp_offload.optimizer.zero import ZeroOptimizer  # noqa: E402
 
 HP = dict(lr=1e-4, weight_decay=0.01, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0)
 
 
+_NULL = contextlib.nullcontext()
+
+
 class Timer:
     def __init__(self):
         self.total = 0.0
+
+    @contextlib.contextmanager
+    def section(self):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.total += time.perf_counter() - t0
 
     def wrap(self, fn):
         def timed(*a, **k):
@@ -109,11 +121,13 @@ def build(k: int, on_device: bool, remainders: bool = False):
         dp=single,
         tp=single,
         device="cpu",
-        dtype=torch.bfloat16,
-        cpu_offload=True,
-        micro_batches=k,
-        accumulate_on_device=on_device,
-        store_param_remainders=remainders,
+        options=OptimizerOptions(
+            dtype=torch.bfloat16,
+            cpu_offload=True,
+            micro_batches=k,
+            accumulate_on_device=on_device,
+            store_param_remainders=remainders,
+        ),
     )
     params = list(model.parameters())
     consts = [torch.randn(p.shape).mul_(1e-3).to(torch.bfloat16) for p in params]
@@ -134,16 +148,11 @@ def bench_row(row: str) -> int:
     """One table row ("4" or "4d"); returns the slice's element count."""
     k, on_device = int(row.rstrip("d")), row.endswith("d")
     host_acc, step_t = Timer(), Timer()
-    orig_acc = reducer_mod.GradientReducer._host_accumulate
-
-    def timed_acc(self, *a, _orig=orig_acc, _timer=host_acc):
-        return _timer.wrap(_orig(self, *a))
-
-    reducer_mod.GradientReducer._host_accumulate = timed_acc
     opt, params, consts = build(k, on_device)
+    opt.set_phase_timer(lambda name: host_acc.section() if name.startswith("copy down") else _NULL)
     opt.step = step_t.wrap(opt.step)
     n = opt.layout.slice_numel
-    grad_dtype = torch.bfloat16 if opt.reducer.adam_reads_staging else torch.float32
+    grad_dtype = torch.bfloat16 if opt.placement.adam_reads_staging else torch.float32
     p, m, v = (torch.rand(n) for _ in range(3))
     g = torch.randn(n).to(grad_dtype)
     out = torch.empty(n, dtype=torch.bfloat16)
@@ -170,7 +179,6 @@ def bench_row(row: str) -> int:
             param_out=out,
         )
         alone.append((time.perf_counter() - t0) * 1e3)
-    reducer_mod.GradientReducer._host_accumulate = orig_acc
     med = statistics.median
     paired = med([h / a for h, a in zip(host, alone)])  # same round: robust to drift
     print(

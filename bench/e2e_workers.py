@@ -62,40 +62,14 @@ class Phases:
         return out
 
 
-def instrument_zero(ph: Phases) -> None:
-    """Wrap the ZeRO optimizer's pieces (class level: the backward hooks bind at construction)."""
-    import mp_offload.optimizer.reducer as reducer
-    import mp_offload.optimizer.zero as zero
-    from mp_offload.model.gpt import GPTModel
-
-    Z, R = zero.ZeroOptimizer, reducer.GradientReducer
-    Z.backward = ph.wrap("backward: autograd compute", Z.backward)
-    R._grad_ready = ph.wrap("backward hook: grad -> bucket copy", R._grad_ready)
-    R._launch = ph.wrap("reduce-scatter: divide + launch", R._launch)
-    R._copy_down = ph.wrap("copy down (queued at launch; + host add)", R._copy_down)
-    R._drain_one = ph.wrap("drain chunk: wait + device part (+ norm)", R._drain_one)
-    R.finish = ph.wrap("finish backward", R.finish)
-    R.norm_squared = ph.wrap("grad norm (sum of chunk parts)", R.norm_squared)
-    Z._adam_pass = ph.wrap("Adam (C++ CPU Adam, own slice)", Z._adam_pass)
-    Z._publish = ph.wrap("publish: copy up + clone", Z._publish)
-    Z.step = ph.wrap("step: other", Z.step)
-    zero.reduce_norm_squared = ph.wrap("grad norm all-reduce", zero.reduce_norm_squared)
-    zero._all_gather = ph.wrap("all-gather params", zero._all_gather)
-    rs, wait = reducer._reduce_scatter, ph.wrap("reduce-scatter: wait", lambda w: w.wait())
-
-    class _TimedWork:
-        def __init__(self, work):
-            self._work = work
-
-        def wait(self):
-            return wait(self._work)
-
-    def reduce_scatter(*args, **kwargs):
-        work = rs(*args, **kwargs)
-        return _TimedWork(work) if work is not None else None
-
-    reducer._reduce_scatter = reduce_scatter
-    GPTModel.forward = ph.wrap("forward", GPTModel.forward)
+def instrument(ph: Phases, model, opt) -> None:
+    """Time our run's pieces through the optimizer's own phase hook (no method patched) and
+    the model's forward through module hooks."""
+    opt.set_phase_timer(ph.section)
+    open_sections = []
+    model.register_forward_pre_hook(lambda *_: open_sections.append(ph.section("forward")))
+    model.register_forward_pre_hook(lambda *_: open_sections[-1].__enter__())
+    model.register_forward_hook(lambda *_: open_sections.pop().__exit__(None, None, None))
 
 
 def _split_worker_argv(argv):
@@ -280,12 +254,12 @@ def worker_pair(pretrain_argv, out_path):
     from mp_offload.tensor_parallel import get_rng_tracker
 
     ph = Phases()
-    instrument_zero(ph)
     args, device, train_ds = _setup(pretrain_argv)
     model_b, rng_b = _build_model(args, device)
     ddp = DDPTrainer(args, device, model_b, train_ds, ph)
     model_a, rng_a = _build_model(args, device)
     ours = OursTrainer(args, device, model_a, train_ds)
+    instrument(ph, model_a, ours.opt)
     trainers = {"ddp": (ddp, rng_b), "offload": (ours, rng_a)}
     ph.cut()
     records = []

@@ -154,8 +154,9 @@ def fraction(sec: Section):
     steps = STEPS if cpu else 1
     a = train(sec, steps, dtype=torch.float32, offload_fraction=0.5)
     b = train(sec, steps, dtype=torch.float32)
-    share = a["opt"].share is not None and a["opt"].share_numel > 0
-    yield check("equiv.fraction_half_vs_one.split", share, a["opt"].share_numel, "> 0 kept")
+    kept = a["opt"].placement.share_numel
+    share = a["opt"].device_side is not None and kept > 0
+    yield check("equiv.fraction_half_vs_one.split", share, kept, "> 0 kept")
     why = " (the same C++ Adam)" if cpu else " (the device share's fused AdamW)"
     yield from compare("equiv.fraction_half_vs_one", a, b, exact=cpu, why=why)
 

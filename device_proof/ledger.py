@@ -3,16 +3,15 @@ and the order of the host-side events: copy issued, event recorded, event waited
 Adam writing a buffer. The traffic figures and the upload-ordering check read this, never
 the optimizer's own byte counters.
 
-A copy is one ``aten::copy_`` (seen by a ``TorchDispatchMode``, which autograd's threads
-inherit: the gradient hooks issue the copies down) between a device tensor and one of the
-optimizer's host buffers: into a grad staging it is down (d2h); from a param staging or a
-host master into the parameters' flat buffer it is up (h2d).
+``CopyLedger`` is a ``streams`` object (``mp_offload/optimizer/streams.py``): the
+optimizer is built with it, so every copy down and up, every event recorded and waited
+on, and every host Adam write (the ``host_access`` hook before its raw-pointer kernel)
+passes through it. It wraps the device's real streams; on the CPU it also takes the
+GPU's asynchronous path with fake events that only record their order.
 
-An upload is *retired* once the host waited on an event recorded after it on its stream
-(or synchronized the device). A host Adam write into a byte range that an unretired
-upload reads is a violation: on a GPU the copy may still be reading while the host
-overwrites it. The rule is stricter than CUDA's (another sync, an ``.item()``, would also
-retire it): the optimizer's own wait must do it.
+An upload is *retired* once the host waited on an event recorded after it. A host Adam
+write into a byte range that an unretired upload reads is a violation: on a GPU the copy
+may still be reading while the host overwrites it.
 """
 
 from __future__ import annotations
@@ -22,9 +21,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-_COPY = torch.ops.aten.copy_.default
+from mp_offload.optimizer.streams import HostStreams, streams_for
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -42,193 +40,118 @@ class Copy:
     nbytes: int
     storage: int  # the host buffer's storage
     span: tuple[int, int]  # its byte range there
-    stream: int
     timing: tuple = ()  # (start, end) events on CUDA, perf_counter seconds on the CPU
     retired: bool = False
     events: list = field(default_factory=list)
 
 
 class FakeEvent:
-    """``torch.cuda.Event`` on the CPU, where copies are synchronous: it records the order
-    of ``record`` and ``synchronize`` for the ledger, nothing more."""
-
-    ledger = None  # set by the ledger that installs the class
-
-    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
-        del enable_timing, blocking, interprocess
-
-    def record(self, stream=None):
-        self.ledger.recorded(self, 0)
+    """An event on the CPU, where copies are synchronous: only its identity matters."""
 
     def synchronize(self):
-        self.ledger.waited(self)
-
-    def wait(self, stream=None):  # a stream's wait: the device waits, not the host
         pass
 
     def query(self):
         return True
 
 
-class CopyLedger(TorchDispatchMode):
-    """Use as ``with CopyLedger(opt):`` around the steps to observe (see the module).
-    ``timed``: time each copy (CUDA events around it); ``delay_s`` (CUDA): before each
-    burst of uploads the stream sleeps that long, so a copy still runs when a host that
-    did not wait would write its source."""
+class CopyLedger(HostStreams):
+    """Build the optimizer with ``streams=CopyLedger(device)`` (see the module).
+    ``timed``: time each copy; ``delay_s`` (CUDA): before each burst of uploads the
+    stream sleeps that long, so a copy still runs when a host that did not wait writes
+    its source; ``drop_upload_events``: the deliberately broken optimizer, whose upload
+    events are lost (the host then never waits for its copies up)."""
 
-    def __init__(self, opt, timed: bool = False, delay_s: float = 0.0):
-        super().__init__()
-        self.opt, self.timed, self.delay_s = opt, timed, delay_s
-        self.cuda = opt.device.type == "cuda"
+    asynchronous = True
+
+    def __init__(self, device, timed=False, delay_s=0.0, drop_upload_events=False):
+        device = torch.device(device)
+        super().__init__(device)
+        self.inner = streams_for(device, pinned=device.type == "cuda")
+        self.cuda = device.type == "cuda"
+        self.timed, self.delay_s, self.drop = timed, delay_s, drop_upload_events
         self.copies: list[Copy] = []
         self.violations: list[str] = []
         self.records = self.waits = 0
         self._events: list = []  # kept alive: an event's id must not be reused by another
         self._lock = threading.Lock()
         self._burst = False  # uploads issued since the last event record
-        self._saved: list = []
 
-    # ------------------------------------------------------------ install
-    def __enter__(self):
-        self._real_event = torch.cuda.Event
-        self._saved = [(torch.cuda, "Event", torch.cuda.Event)]
-        torch.cuda.Event = self._event_class()
-        if self.cuda:
-            real_sync = torch.cuda.synchronize
-            self._saved.append((torch.cuda, "synchronize", real_sync))
-            torch.cuda.synchronize = lambda device=None: (real_sync(device), self.retire_all())[0]
-        for state in self._states():
-            self._saved.append((state, "step", None))
-            state.step = self._watched(state)
-        return super().__enter__()
+    # ---------------------------------------------------------------- copies
+    def copy_down(self, dst, src, after=None):
+        start = self._mark()
+        done = self.inner.copy_down(dst, src, after=after) or FakeEvent()
+        self._log("d2h", dst, src, start)
+        return done
 
-    def __exit__(self, *exc):
-        for owner, name, value in reversed(self._saved):
-            if value is None:
-                delattr(owner, name)  # the instance's wrapper: the class method again
-            else:
-                setattr(owner, name, value)
-        return super().__exit__(*exc)
+    def copy_up(self, dst, src) -> None:
+        if self.cuda and self.delay_s > 0 and not self._burst:
+            torch.cuda._sleep(int(self.delay_s * _clock_hz()))
+        self._burst = True
+        start = self._mark()
+        self.inner.copy_up(dst, src)
+        self._log("h2d", src, src, start)
 
-    def _event_class(self):
-        ledger = self
-        if not self.cuda:
-            return type("LedgerFakeEvent", (FakeEvent,), {"ledger": ledger})
-        real = torch.cuda.Event
+    def _log(self, direction, host, src, start) -> None:
+        timing = (start, self._mark()) if self.timed else ()
+        nbytes = src.numel() * src.element_size()
+        with self._lock:
+            self.copies.append(Copy(direction, nbytes, _storage(host), _bytes(host), timing))
 
-        class LedgerEvent(real):
-            def record(self, stream=None):
-                super().record(stream)
-                s = stream or torch.cuda.current_stream()
-                ledger.recorded(self, s.cuda_stream)
-
-            def synchronize(self):
-                super().synchronize()
-                ledger.waited(self)
-
-        return LedgerEvent
-
-    def _states(self) -> list:
-        return [s for s in (self.opt.host_state, self.opt.spare_state) if s is not None]
-
-    # ------------------------------------------------------------ events
-    def recorded(self, event, stream: int) -> None:
+    # ---------------------------------------------------------------- events
+    def record(self):
+        event = self.inner.record() or FakeEvent()
         with self._lock:
             self.records += 1
             self._events.append(event)
             self._burst = False
             for c in self.copies:
-                if c.direction == "h2d" and not c.retired and (not self.cuda or c.stream == stream):
+                if c.direction == "h2d" and not c.retired:
                     c.events.append(id(event))
+        return None if self.drop else event
 
-    def waited(self, event) -> None:
+    def wait(self, event) -> None:
+        self.inner.wait(event)
+        if event is None:
+            return
         with self._lock:
             self.waits += 1
             for c in self.copies:
                 if id(event) in c.events:
                     c.retired = True
 
-    def retire_all(self) -> None:
-        with self._lock:
-            for c in self.copies:
-                c.retired = True
+    def before_reuse(self, event) -> None:
+        if not isinstance(event, FakeEvent):
+            self.inner.before_reuse(event)
 
-    def _watched(self, state):
-        real = state.step
+    def drain(self) -> None:
+        self.inner.drain()
 
-        def step(h, n, grad, dst=None, **hyper):
-            to = dst or state
-            for buf in (to.hi, to.master):
-                if isinstance(buf, torch.Tensor):
-                    self._written(buf[h : h + n], h)
-            return real(h, n, grad, dst=dst, **hyper)
+    def host_access(self, reads=(), writes=()) -> None:
+        """The host Adam is about to write ``writes``: no unretired upload may read them."""
+        for t in writes:
+            storage, (lo, hi) = _storage(t), _bytes(t)
+            with self._lock:
+                for c in self.copies:
+                    a, z = c.span
+                    if c.direction == "h2d" and not c.retired and c.storage == storage:
+                        if a < hi and lo < z:
+                            self.violations.append(
+                                f"host Adam wrote {hi - lo} bytes while their upload "
+                                f"({c.nbytes} bytes) was not waited for"
+                            )
+                            break
 
-        return step
-
-    def _written(self, t: torch.Tensor, h: int) -> None:
-        storage, (lo, hi) = _storage(t), _bytes(t)
-        with self._lock:
-            for c in self.copies:
-                a, z = c.span
-                if not c.retired and c.storage == storage and a < hi and lo < z:
-                    self.violations.append(
-                        f"host Adam wrote elements from {h} while their upload "
-                        f"({c.nbytes} bytes) was not waited for"
-                    )
-                    return
-
-    # ------------------------------------------------------------ copies
-    def _host_storages(self) -> tuple[set, set]:
-        """(grad staging storages, storages the params go up from)."""
-        o = self.opt
-        down = {_storage(t) for t in o.grad_staging}
-        up = {_storage(b) for s in self._states() for b in (s.hi, s.master) if b is not None}
-        return down, up - {_storage(o.flat)}
-
-    def _direction(self, dst, src) -> str | None:
-        if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)):
-            return None
-        if self.cuda and dst.device.type == src.device.type:
-            return None
-        down, up = self._host_storages()
-        if _storage(dst) in down and _storage(src) not in down:
-            return "d2h"
-        if _storage(dst) == _storage(self.opt.flat) and _storage(src) in up:
-            return "h2d"
-        return None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not _COPY:
-            return func(*args, **kwargs)
-        direction = self._direction(args[0], args[1])
-        if direction is None:
-            return func(*args, **kwargs)
-        host = args[0] if direction == "d2h" else args[1]
-        stream = torch.cuda.current_stream().cuda_stream if self.cuda else 0
-        if direction == "h2d" and self.cuda and self.delay_s > 0 and not self._burst:
-            torch.cuda._sleep(int(self.delay_s * _clock_hz()))
-        self._burst = self._burst or direction == "h2d"
-        start = self._mark()
-        out = func(*args, **kwargs)
-        timing = (start, self._mark()) if self.timed else ()
-        nbytes = args[1].numel() * args[1].element_size()
-        with self._lock:
-            self.copies.append(
-                Copy(direction, nbytes, _storage(host), _bytes(host), stream, timing)
-            )
-        return out
-
+    # ---------------------------------------------------------------- figures
     def _mark(self):
         if not self.timed:
             return None
         if not self.cuda:
             return time.perf_counter()
-        e = self._real_event(enable_timing=True)
+        e = torch.cuda.Event(enable_timing=True)
         e.record()
         return e
 
-    # ------------------------------------------------------------ figures
     def nbytes(self, direction: str) -> int:
         return sum(c.nbytes for c in self.copies if c.direction == direction)
 

@@ -124,14 +124,18 @@ def step_times(b: Bench, calib: dict):
 def traffic(b: Bench):
     """DPU (a staging both ways on every device): the copies of steps 2.. seen one by one.
     Down: the bf16 gradient chunks; up: the bf16 params (step 1 publishes nothing)."""
-    m, opt = _build(b, dpu_warmup_steps=0)
+    ledger = CopyLedger(b.device, timed=True)
+    m, opt = _build(b, dpu_warmup_steps=0, streams=ledger)
     toy.step(opt, m, b.batch(0))
-    with CopyLedger(opt, timed=True) as ledger:
-        for s in range(1, 3):
-            toy.step(opt, m, b.batch(s))
-        _sync(b.device)
+    _sync(b.device)
+    ledger.copies.clear()  # the copies of steps 2 and 3 only
+    for s in range(1, 3):
+        toy.step(opt, m, b.batch(s))
+    _sync(b.device)
+    seen = list(ledger.copies)
     opt.flush()
-    numel = 2 * (opt.layout.slice_numel - opt.share_numel)  # two steps' host part
+    ledger.copies[:] = seen  # the last flush's uploads belong to no timed step
+    numel = 2 * (opt.layout.slice_numel - opt.placement.share_numel)  # two steps' host part
     for way in ("d2h", "h2d"):
         per = ledger.nbytes(way) / numel
         yield check(

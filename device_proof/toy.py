@@ -53,11 +53,15 @@ def model(init: GPTModel, device, dtype: torch.dtype | None = None, resident=Tru
     return m.to(dtype) if dtype is not None else m
 
 
-def zero(m: GPTModel, device, **options) -> ZeroOptimizer:
+def zero(m: GPTModel, device, streams=None, **options) -> ZeroOptimizer:
     """The optimizer over ``m``; ``options``: ``OptimizerOptions`` fields (small buckets
-    by default: many of them, so the copy path's order matters)."""
+    by default: many of them, so the copy path's order matters); ``streams``: e.g. a
+    ``ledger.CopyLedger`` that watches its copies."""
     opts = OptimizerOptions(**{"bucket_size": 3000, **options})
-    return ZeroOptimizer(m, dp=SINGLE, tp=SINGLE, device=torch.device(device), options=opts, **HP)
+    device = torch.device(device)
+    return ZeroOptimizer(
+        m, dp=SINGLE, tp=SINGLE, device=device, options=opts, streams=streams, **HP
+    )
 
 
 def tokens(cfg: dict, batch: int, index: int, device) -> torch.Tensor:

@@ -11,17 +11,15 @@ truth synchronous, publishes early or late, or loses an upload fails this.
 after the wait on the event that covers the uploads reading it. On a GPU the stream is
 made to sleep before each burst of uploads, so a missing wait overwrites a staging under
 a copy that has not run yet: the ledger sees the write before the wait, and D's published
-parameters stop matching R's. On the CPU the copies are synchronous and the optimizer
-makes no events, so the optimizer is put on the GPU's path (``_as_if_pinned``: its events
-are fakes that only record their order): the order is the same one the GPU relies on.
+parameters stop matching R's. On the CPU the copies are synchronous, so the ledger (the
+optimizer's ``streams``) puts it on the GPU's asynchronous path with fake events that only
+record their order: the order is the same one the GPU relies on.
 
-**The broken variant** (``skip_upload_wait``) drops the optimizer's upload event after each
-publish, as if the wait were removed: the check must then report FAIL.
+**The broken variant** (``drop_upload_events``) loses the optimizer's upload events, as if
+the wait were removed: the check must then report FAIL.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -34,42 +32,22 @@ STEPS = 4
 DELAY_S = 0.05  # the GPU stream's sleep before each burst of uploads
 
 
-def _as_if_pinned(opt) -> None:
-    """CPU only: take the GPU's event path (an upload event after each publish, waited on
-    before the next host Adam writes the staging); the ledger's fake events stand in."""
-    if opt.device.type == "cpu":
-        opt.placement = dataclasses.replace(opt.placement, pinned=True)
-
-
-def skip_upload_wait(opt) -> None:
-    """The deliberately broken optimizer: its upload event is forgotten after each
-    publish, so the next host Adam does not wait for the copies up."""
-    publish = opt._publish
-
-    def without_the_event(*args, **kwargs):
-        publish(*args, **kwargs)
-        opt._uploaded = None
-
-    opt._publish = without_the_event
-
-
 def dpu_run(sec: Section, steps: int = STEPS, broken: bool = False) -> dict:
     """D (DPU from step 1) against R (synchronous, fed D's parameters), under the ledger."""
     built = {}
+    delay = DELAY_S if sec.device.startswith("cuda") else 0.0
+    ledger = CopyLedger(sec.device, delay_s=delay, drop_upload_events=broken)
     for name, warmup in (("dpu", 0), ("ref", None)):
         m = toy.model(sec.init, sec.device, BF16)
         opt = toy.zero(
-            m, sec.device, dtype=BF16, bucket_size=sec.bucket_size, dpu_warmup_steps=warmup
-        )
+            m, sec.device, dtype=BF16, bucket_size=sec.bucket_size, dpu_warmup_steps=warmup,
+            streams=ledger if warmup is not None else None,
+        )  # fmt: skip
         built[name] = (m, opt)
     (dm, dopt), (rm, ropt) = built["dpu"], built["ref"]
-    _as_if_pinned(dopt)
-    if broken:
-        skip_upload_wait(dopt)
     ref_params = [toy.flat_params(rm)]  # R's after step 0, 1, ...
     out = dict(losses=[], published=[], ref_losses=[])
-    delay = DELAY_S if sec.device.startswith("cuda") else 0.0
-    with CopyLedger(dopt, delay_s=delay) as ledger:
+    if True:  # the ledger sees D's copies, events and host writes as they happen
         for s in range(steps):
             batch = sec.batches(s, 1)
             with torch.no_grad():
@@ -108,12 +86,11 @@ def dpu_delayed(sec: Section):
 def sync_order(sec: Section):
     """The synchronous step (fp32: the master itself goes up, on the CPU too)."""
     m = toy.model(sec.init, sec.device, torch.float32)
-    opt = toy.zero(m, sec.device, dtype=torch.float32, bucket_size=sec.bucket_size)
-    _as_if_pinned(opt)
     delay = DELAY_S if sec.device.startswith("cuda") else 0.0
-    with CopyLedger(opt, delay_s=delay) as ledger:
-        for s in range(STEPS):
-            toy.step(opt, m, sec.batches(s, 1))
+    ledger = CopyLedger(sec.device, delay_s=delay)
+    opt = toy.zero(m, sec.device, dtype=torch.float32, bucket_size=sec.bucket_size, streams=ledger)
+    for s in range(STEPS):
+        toy.step(opt, m, sec.batches(s, 1))
     yield _order_line("upload_order.sync", ledger)
 
 

@@ -4,6 +4,7 @@ upload order pass on the real optimizer, on the CPU here and on a GPU where ther
 
 import pytest
 import torch
+from zero_helpers import wrap_adam
 
 from device_proof import equivalence as eq
 from device_proof import toy
@@ -33,10 +34,10 @@ def test_a_dpu_thread_failure_surfaces(device):
     m = toy.model(toy.initial(toy.TINY), device, torch.bfloat16)
     opt = toy.zero(m, device, dtype=torch.bfloat16, dpu_warmup_steps=0)
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise MemoryError("injected")
 
-    opt._adam_pass = broken
+    wrap_adam(opt, lambda _: broken)
     batch = [toy.tokens(toy.TINY, 4, 0, device)]
     toy.step(opt, m, batch)  # the thread fails...
     with pytest.raises(RuntimeError, match="DPU.*MemoryError: injected"):

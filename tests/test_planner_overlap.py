@@ -83,9 +83,9 @@ def test_plan_with_the_overlap_picks_the_fraction_of_least_exposed_time(capsys, 
     the share whose exposed optimizer time is the smallest of all that fit (checked at
     every boundary), not the largest share that fits, which it keeps without the flag."""
 
-    from mp_offload.optimizer.split import split_buckets
     from planner_cases import plan_out
 
+    from mp_offload.optimizer.split import split_buckets
     from mp_offload.planner.answer import overlap_exposed
     from mp_offload.planner.arguments import _machine, parse, run_from_args
     from mp_offload.planner.fraction import fraction_for, pick_offload_fraction

@@ -55,6 +55,10 @@ class DeviceSide(Side):
     @torch.no_grad()
     def step(self, hyper) -> None:
         """AdamW over the side (queued on the current stream: asynchronous on a GPU)."""
+        with self.phase("Adam (device side)"):
+            self._step(hyper)
+
+    def _step(self, hyper) -> None:
         for c in hyper.calls(self._segs):
             s = slice(c.lo, c.hi)
             self.adam(

@@ -97,6 +97,10 @@ class HostSide(Side):
     def _copy_down(self, b, out: torch.Tensor, work, micro: Micro):
         """Copy one reduced chunk into the staging (after ``work``, its collective), queue
         its host sum and a schedule's work on it; returns the copy's event."""
+        with self.phase("copy down (queued at launch; + host add)"):
+            return self._queue_down(b, out, work, micro)
+
+    def _queue_down(self, b, out: torch.Tensor, work, micro: Micro):
         lo = b.slice_offset - self.offset
         stage = self.staging[lo : lo + b.chunk]
         landed = self.streams.copy_down(stage, out, after=work)
@@ -114,7 +118,7 @@ class HostSide(Side):
         def job():
             # C++ (torch's fp32 += bf16 is slow); the last micro-batch completes the
             # gradient, so its pass also sums the squares for the norm: no second read.
-            self.streams.host_access(grad, stage)
+            self.streams.host_access(reads=(stage,), writes=(grad,))
             norm = accumulate_(grad, stage, overwrite=micro.first, norm_ranges=ranges)
             if micro.last:
                 self.norm_parts.append(norm)
@@ -151,7 +155,8 @@ class HostSide(Side):
         state, grad = self.states[0], self.adam_grads if grad is None else grad
         self.streams.wait(state.uploaded)  # the last copy up may still read the staging
         for p in self.pieces:
-            self.step_piece(p, hyper, state, None, grad)
+            with self.phase("Adam (C++ CPU Adam, own slice)"):
+                self.step_piece(p, hyper, state, None, grad)
             if upload:
                 self.upload(p, state)
 
@@ -165,16 +170,18 @@ class HostSide(Side):
                 f"counts or weight decays this step (or without a gradient): use fp32/bf16 "
                 f"moments"
             )
+        out = (dst or src).master_form.upload_source
         for c in calls:
             s = slice(p.lo + c.lo, p.lo + c.hi)
-            self.streams.host_access(grad[s])
+            self.streams.host_access(reads=(grad[s],), writes=(out[s],))
             src.step(s, grad[s], dst=dst, **hyper.kwargs(c))
 
     def upload(self, p, state: HostState) -> None:
         """Queue bucket ``p``'s new params from ``state``'s staging into the flat buffer."""
         lo, hi = p.bucket.chunk_range(self.dp_rank)
         src = state.master_form.upload_source[p.lo : p.lo + p.n]
-        self.streams.copy_up(self.flat[lo:hi], src)
+        with self.phase("publish: copy up + clone"):
+            self.streams.copy_up(self.flat[lo:hi], src)
         self.bytes_up += p.n * self.flat.element_size()
 
     def publish(self) -> None:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .layout import FlatLayout
 from .placement import BUCKET_BUFFERS, Placement, allocate
-from .side import Micro
+from .side import Micro, no_phase
 
 # torch >= 2.13 renamed the tensor collectives; keep working on older releases too.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -124,6 +124,8 @@ def gradient_source(layout, place: Placement, device, streams, drain_one) -> Buc
 
 
 class GradientReducer:
+    phase = staticmethod(no_phase)  # a benchmark's timer (``ZeroOptimizer.set_phase_timer``)
+
     def __init__(self, layout: FlatLayout, dp, device, place: Placement, routes, streams):
         """``routes``: bucket index -> the side that owns it; ``streams``: ``streams.py``."""
         self.layout, self.dp, self.device, self.routes = layout, dp, device, routes
@@ -170,6 +172,10 @@ class GradientReducer:
         return Micro(first=self.micro == 0 or self.source.whole, last=last, whole=whole)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
+        with self.phase("backward hook: grad -> bucket copy"):
+            self._take(param)
+
+    def _take(self, param: torch.Tensor) -> None:
         if self.micro >= self.micro_batches:
             raise RuntimeError(
                 f"more backward calls than the {self.micro_batches} "
@@ -191,6 +197,10 @@ class GradientReducer:
         # Each pending bucket holds a reduced chunk: at most BUCKET_BUFFERS stay alive.
         while len(self._pending) >= BUCKET_BUFFERS:
             self._drain_one()
+        with self.phase("reduce-scatter: divide + launch"):
+            self._reduce_scatter(b)
+
+    def _reduce_scatter(self, b) -> None:
         data, buf = self.source.bucket_data(b, len(self._pending))
         work = None
         if self.dp.size > 1:  # x / 1 is x exactly: one DP rank skips the pass over the bucket
@@ -206,7 +216,12 @@ class GradientReducer:
     def _drain_one(self) -> None:
         b, work, out, buf, token = self._pending.pop(0)
         if work is not None:
-            work.wait()  # the compute stream (gloo: the host) after the reduce-scatter
+            with self.phase("reduce-scatter: wait"):
+                work.wait()  # the compute stream (gloo: the host) after the reduce-scatter
+        with self.phase("drain chunk: device part (+ norm)"):
+            self._receive(b, out, buf, token)
+
+    def _receive(self, b, out, buf, token) -> None:
         landed = self.routes[b.index].receive(b, out, token, self._micro())
         if buf is not None:
             # Reuse waits for the bucket's copy down: with DP=1 it reads the buffer itself;

@@ -9,6 +9,7 @@ schedule asks it to ``step`` and ``publish``; checkpoints read and write it thro
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -51,8 +52,15 @@ def sum_of_squares(t: torch.Tensor, ranges) -> torch.Tensor:
     return torch.stack(norms).square().sum()
 
 
+def no_phase(name: str):
+    """The default phase timer: times nothing (``ZeroOptimizer.set_phase_timer``)."""
+    return contextlib.nullcontext()
+
+
 class Side:
     """The bookkeeping of a side: its buckets, their pieces and norm ranges."""
+
+    phase = staticmethod(no_phase)  # a benchmark's timer: phase(name) -> context manager
 
     def __init__(self, layout, bucket_range: tuple[int, int], streams):
         first, end = bucket_range

@@ -59,8 +59,9 @@ class HostStreams:
         """A new thread that will touch the device binds to the rank's device first."""
         set_thread_device(self.device)
 
-    def host_access(self, *tensors: torch.Tensor) -> None:
-        """A C++ kernel is about to read or write these host tensors (raw pointers)."""
+    def host_access(self, reads=(), writes=()) -> None:
+        """A C++ kernel is about to read ``reads`` and write ``writes`` (host tensors,
+        through raw pointers that no stream or allocator sees)."""
 
 
 class CudaStreams(HostStreams):

@@ -32,6 +32,7 @@ from .options import OptimizerOptions
 from .placement import allocate, placement
 from .reducer import GradientReducer
 from .schedules import schedule_for
+from .side import no_phase
 from .streams import streams_for
 
 # torch >= 2.13 renamed the tensor collectives; keep working on older releases too.
@@ -60,6 +61,7 @@ class ZeroOptimizer:
 
     checkpoint_kind = "zero"
     autocast_dtype = None  # the parameters themselves are in the compute dtype
+    phase = staticmethod(no_phase)  # a benchmark's timer (``set_phase_timer``)
 
     def __init__(self, model, *, lr, weight_decay, betas, eps, clip_grad, dp: ParallelGroup,
                  tp: ParallelGroup, device, options: OptimizerOptions | None = None,
@@ -138,8 +140,16 @@ class ZeroOptimizer:
             g["lr"] = lr
 
     def backward(self, loss: torch.Tensor) -> None:
-        (loss * self.scaler.scale).backward() if self.scaler.scale != 1.0 else loss.backward()
-        self.reducer.finish()
+        with self.phase("backward: autograd compute"):
+            (loss * self.scaler.scale).backward() if self.scaler.scale != 1.0 else loss.backward()
+        with self.phase("finish backward"):
+            self.reducer.finish()
+
+    def set_phase_timer(self, phase) -> None:
+        """``phase(name)``: a context manager timing the named piece of the step (a
+        benchmark's; by default none): set on every part of the optimizer."""
+        for part in (self, self.reducer, *self.sides):
+            part.phase = phase
 
     # ------------------------------------------------------------------------ step
     def hyper(self, grad_scale: float, stepped=None) -> StepHyper:
@@ -168,7 +178,9 @@ class ZeroOptimizer:
             self.set_lr(lr)
         self.step_calls += 1  # skipped steps moved their gradients too
         self.schedule.end_backward()
-        norm_sq = reduce_norm_squared(self.reducer.norm_squared(), self.dp_group, self.tp_group)
+        with self.phase("grad norm all-reduce"):
+            local = self.reducer.norm_squared()
+            norm_sq = reduce_norm_squared(local, self.dp_group, self.tp_group)
         stepped = self._stepped()
         scale = self.scaler.scale
         overflow = not math.isfinite(norm_sq)
@@ -195,11 +207,15 @@ class ZeroOptimizer:
                 self.host_side.publish()
             self.host_side.mark_uploaded()
         if self.dp_group.size > 1:
-            for b in self.layout.buckets:
-                lo, hi = b.chunk_range(self.dp_rank)
-                # gloo needs a separate input; NCCL gathers in place.
-                inp = self.flat[lo:hi] if self.device.type == "cuda" else self.flat[lo:hi].clone()
-                _all_gather(self.flat[b.start : b.end], inp, group=self.dp_group.torch_group())
+            with self.phase("all-gather params"):
+                self._all_gather()
+
+    def _all_gather(self) -> None:
+        for b in self.layout.buckets:
+            lo, hi = b.chunk_range(self.dp_rank)
+            # gloo needs a separate input; NCCL gathers in place.
+            inp = self.flat[lo:hi] if self.device.type == "cuda" else self.flat[lo:hi].clone()
+            _all_gather(self.flat[b.start : b.end], inp, group=self.dp_group.torch_group())
 
     def flush(self) -> None:
         """Apply a delayed (DPU) update still in flight: before saving or at the end."""
