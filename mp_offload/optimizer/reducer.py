@@ -133,6 +133,9 @@ class GradientReducer:
         self.micro_batches = place.options.micro_batches
         self.source = gradient_source(layout, place, device, streams, self._drain_one)
         self.micro = 0  # backward calls so far in this step
+        # A plain loss.backward() (OffloadAdamW in a user's loop) ends with ``finish`` queued
+        # on autograd's engine by the first hook; ZeroOptimizer.backward calls it itself.
+        self.driving = self._queued = False
         self.got_grad = torch.zeros(len(layout.slots), dtype=torch.uint8)
         self._slot = {id(s.param): s for s in layout.slots}
         self._arrived = [0] * len(layout.buckets)
@@ -175,7 +178,14 @@ class GradientReducer:
         with self.phase("backward hook: grad -> bucket copy"):
             self._take(param)
 
+    def _finish_queued(self) -> None:
+        self._queued = False
+        self.finish()
+
     def _take(self, param: torch.Tensor) -> None:
+        if not (self.driving or self._queued):
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_queued)
         if self.micro >= self.micro_batches:
             raise RuntimeError(
                 f"more backward calls than the {self.micro_batches} "

@@ -65,7 +65,8 @@ class ZeroOptimizer:
 
     def __init__(self, model, *, lr, weight_decay, betas, eps, clip_grad, dp: ParallelGroup,
                  tp: ParallelGroup, device, options: OptimizerOptions | None = None,
-                 param_groups: list[dict] | None = None, streams=None):  # fmt: skip
+                 param_groups: list[dict] | None = None, named_params=None,
+                 streams=None):  # fmt: skip
         self.model, self.device = model, resolve_device(device)
         o = self.options = options or OptimizerOptions()
         self.betas, self.eps, self.clip_grad, self.dtype = tuple(betas), eps, clip_grad, o.dtype
@@ -73,7 +74,9 @@ class ZeroOptimizer:
         self.scaler = DynamicLossScaler(**o.loss_scale) if o.loss_scale else ConstantLossScaler()
         self.param_groups = param_groups or default_groups(model, lr, weight_decay)
         group_of = {id(p): g for g, grp in enumerate(self.param_groups) for p in grp["params"]}
-        named = [(n, p) for n, p in model.named_parameters() if id(p) in group_of]
+        # ``named_params`` (no module: OffloadAdamW over a parameter list): in model order
+        named = named_params if model is None else model.named_parameters()
+        named = [(n, p) for n, p in named if id(p) in group_of]
         self.layout = FlatLayout(named, dp.size, dp.rank, tp.rank, o.bucket_size)
         self._group_of = [group_of[id(s.param)] for s in self.layout.slots]
         self.slot_steps = [0] * len(self.layout.slots)  # AdamW's per-parameter step counts
@@ -119,6 +122,8 @@ class ZeroOptimizer:
             view = self.flat[slot.start : slot.start + slot.numel].view_as(slot.param)
             to_low(view, slot.param.detach(), initial_split(self.dtype))
             slot.param.data = view
+        if model is None:  # a parameter list: the module and its buffers are the user's
+            return
         for p in model.parameters():  # frozen: untouched but for the device and dtype
             if id(p) not in group_of and p.is_floating_point():
                 p.data = p.data.to(self.device, self.dtype)
@@ -126,6 +131,7 @@ class ZeroOptimizer:
 
     # -------------------------------------------------------------------- backward
     def _begin_step(self) -> None:
+        self._norm_sq = self._clip_now = None  # this step's global norm, a clip asked for it
         self.reducer.start_step()
         self.schedule.begin(self.step_count, self.scaler.scale)
 
@@ -140,8 +146,14 @@ class ZeroOptimizer:
             g["lr"] = lr
 
     def backward(self, loss: torch.Tensor) -> None:
-        with self.phase("backward: autograd compute"):
-            (loss * self.scaler.scale).backward() if self.scaler.scale != 1.0 else loss.backward()
+        self.reducer.driving = True
+        try:
+            with self.phase("backward: autograd compute"):
+                (
+                    loss * self.scaler.scale
+                ).backward() if self.scaler.scale != 1.0 else loss.backward()
+        finally:
+            self.reducer.driving = False
         with self.phase("finish backward"):
             self.reducer.finish()
 
@@ -177,10 +189,7 @@ class ZeroOptimizer:
         if lr is not None:
             self.set_lr(lr)
         self.step_calls += 1  # skipped steps moved their gradients too
-        self.schedule.end_backward()
-        with self.phase("grad norm all-reduce"):
-            local = self.reducer.norm_squared()
-            norm_sq = reduce_norm_squared(local, self.dp_group, self.tp_group)
+        norm_sq = self.norm_squared()
         stepped = self._stepped()
         scale = self.scaler.scale
         overflow = not math.isfinite(norm_sq)
@@ -190,12 +199,29 @@ class ZeroOptimizer:
             self._begin_step()
             return StepResult(grad_norm=float("nan"), skipped=True, loss_scale=scale)
         norm = math.sqrt(norm_sq) / scale
-        hyper = self.hyper(clip_coefficient(norm, self.clip_grad) / scale, stepped)
+        clip = self.clip_grad if self._clip_now is None else self._clip_now
+        hyper = self.hyper(clip_coefficient(norm, clip or 0.0) / scale, stepped)
         self.step_count += 1
         self.schedule.step(hyper, self.step_count)
         self.slot_steps = [n + on for n, on in zip(self.slot_steps, stepped)]
         self._begin_step()
         return StepResult(grad_norm=norm, skipped=False, loss_scale=scale)
+
+    def norm_squared(self) -> float:
+        """This step's squared global gradient norm (loss-scaled), over DP and TP; once the
+        last backward is done (collective, computed once a step)."""
+        if self._norm_sq is None:
+            self.schedule.end_backward()
+            with self.phase("grad norm all-reduce"):
+                local = self.reducer.norm_squared()
+                self._norm_sq = reduce_norm_squared(local, self.dp_group, self.tp_group)
+        return self._norm_sq
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip this step's gradients by their global norm over every rank (applied in the
+        step, fused into the Adam pass); returns the norm before clipping."""
+        self._clip_now = float(max_norm)
+        return math.sqrt(self.norm_squared()) / self.scaler.scale
 
     def publish(self, uploaded: bool = False) -> None:
         """This rank's new params into the flat buffer (the device side's, then the host's
