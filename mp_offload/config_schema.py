@@ -138,7 +138,8 @@ class OptimizerConfig:
     optimizer_offload_fraction: float | None = _f(
         None,
         "with --cpu-offload: the fraction of each rank's optimizer state offloaded to "
-        "the CPU (Megatron-core's flag); the rest, the first buckets of its slice, stays on "
+        "the CPU (Megatron-core's flag); the rest, the last buckets of its slice (whose gradients "
+        "arrive last in backward), stays on "
         "the device and is updated there by torch's fused AdamW, beside the CPU Adam. Split "
         "at the bucket boundary nearest 1-F; 0 = ZeRO-2 on the device (default 1: all on "
         "the CPU)",

@@ -59,12 +59,15 @@ def _batch(step):
 
 
 def test_split_rounds_to_the_nearest_bucket_boundary():
-    chunks = [100, 300, 100, 500]  # boundaries at 0, 100, 400, 500, 1000 of 1000
+    # The device keeps the last buckets (their gradients arrive last in backward): counted
+    # from the end, the kept share can be 0, 500, 600, 900 or 1000 of 1000.
+    chunks = [100, 300, 100, 500]
     assert split_buckets(chunks, 1.0) == 0 and split_buckets(chunks, 0.0) == 4
-    assert split_buckets(chunks, 0.5) == 3  # 1-F = 500: a boundary exactly
-    assert split_buckets(chunks, 0.7) == 2  # 300 -> 400 (nearer than 100)
-    assert split_buckets(chunks, 0.75) == 1  # 250: between 100 and 400, a tie -> the host
-    assert actual_fraction(chunks, 2) == pytest.approx(0.6)
+    assert split_buckets(chunks, 0.5) == 1  # 1-F = 500: a boundary exactly
+    assert split_buckets(chunks, 0.3) == 2  # 700 -> 600 (nearer than 900)
+    assert split_buckets(chunks, 0.25) == 2  # 750: between 600 and 900, a tie -> the host
+    assert split_buckets(chunks, 0.2) == 3
+    assert actual_fraction(chunks, 2) == pytest.approx(0.4)
     for j in range(5):  # the planner's F for a boundary rounds back to it
         assert split_buckets(chunks, fraction_for(chunks, j)) == j
     with pytest.raises(ValueError, match="--optimizer-offload-fraction"):
@@ -115,11 +118,15 @@ def test_fraction_one_is_todays_offload_and_zero_is_zero2():
     assert a[0] == b[0] and torch.equal(a[1], b[1])
 
 
-def test_device_share_holds_the_first_buckets_and_only_the_rest_crosses():
+def test_device_share_holds_the_last_buckets_and_only_the_rest_crosses():
+    """The device keeps the buckets whose gradients arrive last in backward (the end of
+    the slice): the first ones' host step hides behind the rest of backward."""
     model, opt = _single(0.5, dtype=torch.bfloat16)
     n, split = opt.layout.slice_numel, opt.placement.share_numel
-    assert 0 < opt.placement.device_buckets < len(opt.layout.buckets)
-    assert split == sum(b.chunk for b in opt.layout.buckets[: opt.placement.device_buckets])
+    kept = opt.placement.device_buckets
+    assert 0 < kept < len(opt.layout.buckets)
+    assert split == sum(b.chunk for b in opt.layout.buckets[-kept:])
+    assert opt.device_side.offset == n - split and opt.host_side.offset == 0
     assert opt.placement.actual_offload_fraction == pytest.approx(1 - split / n)
     assert (
         abs(opt.placement.actual_offload_fraction - 0.5)
@@ -131,11 +138,11 @@ def test_device_share_holds_the_first_buckets_and_only_the_rest_crosses():
     }
     assert rep["host"]["master"] == 4 * (n - split)
     assert rep["host"]["staging"] == 2 * (n - split) * 2  # bf16 params up, grads down
-    # The checkpoint holds the live parts in slice order (device share, host part): no copy.
+    # The checkpoint holds the live parts in slice order (host part, device share): no copy.
     state = opt.state_dict()
     for key in ("master", "exp_avg", "exp_avg_sq"):
-        assert state[key][0] is getattr(opt.device_side, key)
-        assert state[key][1] is live(opt).form(key).saved()
+        assert state[key][1] is getattr(opt.device_side, key)
+        assert state[key][0] is live(opt).form(key).saved()
     losses, _ = _train(model, opt, 2)
     assert losses[1] < losses[0]
     # Traffic: 2 B down and 2 B up per host-part element, none for the device share.

@@ -19,7 +19,7 @@ import torch
 
 from .host_memory import host_empty
 from .options import OptimizerOptions
-from .split import actual_fraction, split_buckets
+from .split import actual_fraction, host_buckets, split_buckets
 
 BUCKET_BUFFERS = 2  # gradient bucket buffers on the device (double buffering)
 Q8_BLOCK = 256  # elements per scale of an 8-bit moment (the kernel's, ops.adam_args.Q8_BLOCK)
@@ -65,13 +65,14 @@ class Placement:
 
     @property
     def device_range(self) -> tuple[int, int]:
-        """(first, end) bucket indices of the buckets the device side steps."""
-        return (0, self.device_buckets)
+        """(first, end) bucket indices of the buckets the device side steps: the last
+        ones, whose gradients arrive last (their host step could not hide behind backward)."""
+        return (len(self.chunks) - self.device_buckets, len(self.chunks))
 
     @property
     def host_range(self) -> tuple[int, int]:
         """(first, end) bucket indices of the host side's buckets (empty without offload)."""
-        return (self.device_buckets, len(self.chunks)) if self.offloaded else (0, 0)
+        return (0, len(self.chunks) - self.device_buckets) if self.offloaded else (0, 0)
 
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)
@@ -89,8 +90,8 @@ class Placement:
 
 
 def _split(chunks, o: OptimizerOptions) -> tuple[int, float]:
-    """(device buckets, actual offload fraction): partial offload keeps the first buckets
-    on the device (``device_share.py``); nothing splits off without offload."""
+    """(device buckets, actual offload fraction): partial offload keeps the last buckets
+    on the device (``split.py``); nothing splits off without offload."""
     if not o.offloaded:
         return len(chunks), 0.0
     kept = split_buckets(chunks, o.offload_fraction)
@@ -129,7 +130,8 @@ def placement(layout, o: OptimizerOptions, device_type: str) -> Placement:
     their own staging)."""
     chunks = list(layout.chunks)
     device_buckets, actual = _split(chunks, o)
-    share = sum(chunks[:device_buckets]) if o.offloaded else 0
+    first = host_buckets(chunks, device_buckets)  # the device share's first bucket
+    share = sum(chunks[first:]) if o.offloaded else 0
     n = sum(chunks) - share  # elements of the host buffers (device ones without offload)
     reads_staging = o.offloaded and (o.micro_batches == 1 or o.accumulates_on_device)
     chunk_dtype = o.accumulate_dtype if o.accumulates_on_device else o.reduce_dtype or o.dtype
@@ -176,7 +178,7 @@ def placement(layout, o: OptimizerOptions, device_type: str) -> Placement:
         Buffer("param_staging", "staging", "host", o.dtype, n, up * (1 + ping), pinned, False),
         Buffer("grad_staging", "staging", "host", chunk_dtype, n, down, pinned, zeroed=False),
     ]
-    pieces = tuple(c for c in chunks[device_buckets:] if c) if o.offloaded else ()
+    pieces = tuple(c for c in chunks[:first] if c) if o.offloaded else ()
     buffers += _state(o, n, share, 0 if reads_staging else copies, pieces)
     return Placement(
         o,

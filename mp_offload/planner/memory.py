@@ -14,7 +14,7 @@ by category; the formulas say what it places):
                        micro-batches are summed in fp32, as the host sums them
   master / exp_avg / exp_avg_sq  4 * slice_numel each (moments 2 in bf16): 12Ψ/(T·D)
                        on the host with offload (8 with bf16 moments), on the device without
-  partial offload      --optimizer-offload-fraction F < 1: the slice's first buckets (about
+  partial offload      --optimizer-offload-fraction F < 1: the slice's last buckets (about
                        1 - F of it) keep master, moments and an fp32 gradient (4 B) on the
                        device; every host category above counts the rest only
   grads                4 * slice_numel (twice with DPU), the fp32 sum of k > 1 micro-batches
@@ -162,6 +162,7 @@ def device_resident(o: OptimizerOptions) -> OptimizerOptions:
     return replace(
         o,
         cpu_offload=False,
+        offload_fraction=1.0,  # (a fraction needs offload: the options' table)
         dpu_warmup_steps=None,
         exp_avg_dtype=device_form(o.exp_avg_dtype),
         exp_avg_sq_dtype=device_form(o.exp_avg_sq_dtype),

@@ -51,12 +51,12 @@ class Overlap:
     keeps_up: bool  # the worker is idle when the last host gradient lands
 
 
-def buckets(chunks, host_from: int, reduce_s: float, down_s, work_s, up_s) -> Buckets:
-    """``chunks``: elements per bucket in slice (gradient) order; the first ``host_from``
-    are the device share. ``reduce_s`` is the whole reduce-scatter's seconds; ``down_s``,
-    ``work_s``, ``up_s`` are seconds per host element."""
+def buckets(chunks, device_from: int, reduce_s: float, down_s, work_s, up_s) -> Buckets:
+    """``chunks``: elements per bucket in slice (gradient) order; from ``device_from`` on
+    they are the device share (the last to arrive). ``reduce_s`` is the whole
+    reduce-scatter's seconds; ``down_s``, ``work_s``, ``up_s`` are seconds per host element."""
     total = sum(chunks) or 1
-    host = [j >= host_from for j in range(len(chunks))]
+    host = [j < device_from for j in range(len(chunks))]
     per = lambda s: tuple(c * s if h else 0.0 for c, h in zip(chunks, host))  # noqa: E731
     return Buckets(
         tuple(c / total for c in chunks),

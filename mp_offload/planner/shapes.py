@@ -140,8 +140,9 @@ class RankShapes:
 
     def device_share(self, offload_fraction: float) -> int:
         """Elements of the slice kept on the device at this offload fraction (the
-        optimizer's own split, ``device_share.split_buckets``)."""
-        return sum(self.chunks[: split_buckets(self.chunks, offload_fraction)])
+        optimizer's own split, ``split.split_buckets``: the last buckets)."""
+        kept = split_buckets(self.chunks, offload_fraction)
+        return sum(self.chunks[len(self.chunks) - kept :])
 
 
 def spec_rank_shapes(cfg: GPTConfig, tp: int, dp: int, bucket_size: int) -> RankShapes:

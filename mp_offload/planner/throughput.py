@@ -38,7 +38,7 @@ FLOPs per token (flops_per_token, recomputation counted), C = sustained device F
   bucket). ``hide_tokens_per_step``: the tokens per step (the micro-batch grown, k kept)
   from which the worker keeps up with the arriving gradients.
   Partial offload (``offload_fraction`` F < 1): every host and PCIe term above counts
-  only the host part of the slice; the device share (its first buckets) is updated by
+  only the host part of the slice; the device share (its last buckets) is updated by
   torch's fused AdamW, 34 B per element at device memory bandwidth (28 for Adam, 6 to
   round the master into the parameters), launched before the CPU Adam and running
   beside it: the step's optimizer time is the larger of the two. With DPU the device
@@ -270,8 +270,8 @@ def _overlap_host(chunks, offload_fraction, bwd, rs, r, e, pcie, work_s):
     """(the overlapped host step at this backward, the backward from which its worker
     keeps up): r bytes per element down and e up over ``pcie`` B/s, ``work_s`` seconds per
     element of the worker's (the last micro-batch's accumulation, if any, and CPU Adam)."""
-    j = split_buckets(chunks, offload_fraction)
-    per_bucket = buckets(chunks, j, rs, r / pcie, work_s, e / pcie)
+    device_from = len(chunks) - split_buckets(chunks, offload_fraction)
+    per_bucket = buckets(chunks, device_from, rs, r / pcie, work_s, e / pcie)
     return schedule(per_bucket, bwd), keeping_up_backward(per_bucket, bwd)
 
 
