@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
 
 @dataclass(frozen=True)
 class Call:
@@ -93,3 +96,23 @@ def piece_segments(layout, lo: int, hi: int) -> tuple[tuple[int, int, int | None
         if z > a:
             out.append((a - lo, z - lo, seg.slot))
     return tuple(out)
+
+
+def step_hyper(opt, grad_scale: float, stepped=None) -> StepHyper:
+    """``opt``'s (a ZeroOptimizer) hyperparameters as its param groups say now; ``stepped``:
+    per slot, whether it is stepped this step (None: all)."""
+    keys = []
+    for i, g in enumerate(opt.group_of):
+        grp = opt.param_groups[g]
+        on = stepped is None or stepped[i]
+        lr, wd = float(grp["lr"]), float(grp["weight_decay"])
+        keys.append((lr, opt.slot_steps[i] + 1, wd) if on else None)
+    return StepHyper(tuple(keys), opt.betas, opt.eps, grad_scale)
+
+
+def stepped_slots(got_grad: torch.Tensor, dp) -> list[bool]:
+    """Per slot: did any DP rank produce a gradient for it (a MAX all-reduce of a byte)?"""
+    if dp.size > 1:
+        got_grad = got_grad.to(torch.int32)
+        dist.all_reduce(got_grad, op=dist.ReduceOp.MAX, group=dp.torch_group())
+    return [bool(x) for x in got_grad.tolist()]

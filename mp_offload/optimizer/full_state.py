@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel_state import comm_device
+from .sides import fill
 
 KEYS = ("master", "exp_avg", "exp_avg_sq")
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -57,10 +58,6 @@ def install(opt, state: dict[str, dict[str, torch.Tensor]]) -> None:
     if missing:
         raise KeyError(f"the saved optimizer state has no entry for {sorted(missing)[:3]}")
     for key in (k for k in KEYS if k in state):
-        targets = [s.target(key) for s in opt.sides]
-        for slot, p_off, offset, length in opt.layout.owned_pieces():
-            i = next(i for i, s in enumerate(opt.sides) if s.owns(offset))
-            src = state[key][slot.name].reshape(-1)[p_off : p_off + length]
-            targets[i][offset - opt.sides[i].offset :][:length].copy_(src)
-        for side, t in zip(opt.sides, targets):
-            side.commit(key, t)
+        fill(
+            opt.sides, opt.layout, key, lambda s, a, n, t=state[key]: t[s.name].view(-1)[a : a + n]
+        )

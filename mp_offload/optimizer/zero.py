@@ -18,13 +18,11 @@ import torch
 import torch.distributed as dist
 
 from ..parallel_state import ParallelGroup
-from .adam_calls import StepHyper
+from .adam_calls import StepHyper, step_hyper, stepped_slots
 from .base import StepResult
-from .checkpoint_parts import copy_parts, memory_bytes, state_parts
-from .device_side import DeviceSide
+from .checkpoint_parts import install_slice, memory_bytes, memory_line, state_parts, stats
 from .grads import clip_coefficient, reduce_norm_squared
 from .host_memory import resolve_device
-from .host_side import HostSide
 from .host_state import initial_split, to_low
 from .layout import FlatLayout
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
@@ -33,6 +31,7 @@ from .placement import allocate, placement
 from .reducer import GradientReducer
 from .schedules import schedule_for
 from .side import no_phase
+from .sides import fill, make_sides
 from .streams import streams_for
 
 # torch >= 2.13 renamed the tensor collectives; keep working on older releases too.
@@ -78,13 +77,15 @@ class ZeroOptimizer:
         named = named_params if model is None else model.named_parameters()
         named = [(n, p) for n, p in named if id(p) in group_of]
         self.layout = FlatLayout(named, dp.size, dp.rank, tp.rank, o.bucket_size)
-        self._group_of = [group_of[id(s.param)] for s in self.layout.slots]
+        self.group_of = [group_of[id(s.param)] for s in self.layout.slots]
         self.slot_steps = [0] * len(self.layout.slots)  # AdamW's per-parameter step counts
         self.placement = place = placement(self.layout, o, self.device.type)
         self.streams = streams or streams_for(self.device, place.pinned)
         self.step_count = self.step_calls = 0  # steps taken (skipped fp16 ones do not count)
         (self.flat,) = allocate(place.buffer("params"), self.device)
-        self.sides = self._sides(place)
+        self.device_side, self.host_side, self.sides = make_sides(
+            self.layout, place, self.device, self.streams, self.flat, self.dp_rank
+        )
         self._place_model(model, group_of)
         routes = [next(s for s in self.sides if s.owns(b.slice_offset) or not b.chunk)
                   for b in self.layout.buckets]  # fmt: skip
@@ -92,32 +93,12 @@ class ZeroOptimizer:
         self.schedule = schedule_for(o, self.device_side, self.host_side, self.publish, self.hyper)
         self._begin_step()
 
-    def _sides(self, place) -> list:
-        first, end = place.device_range
-        prefix = "share." if place.offloaded else ""
-        dev = (
-            DeviceSide(self.layout, place, self.device, self.streams, prefix)
-            if end > first
-            else None
-        )
-        host = (
-            HostSide(self.layout, place, self.streams, self.flat, self.dp_rank)
-            if place.offloaded
-            else None
-        )
-        self.device_side, self.host_side = dev, host  # fmt: skip
-        return sorted((s for s in (dev, host) if s is not None), key=lambda s: s.offset)
-
     def _place_model(self, model: torch.nn.Module, group_of: dict) -> None:
         """Weights -> the sides' masters, then the parameters become views of the flat buffer
         (rounded by the host's rule, ``host_state.to_low``); frozen ones are only cast."""
-        masters = [s.target("master") for s in self.sides]
-        for slot, p_off, offset, length in self.layout.owned_pieces():
-            src = slot.param.detach().reshape(-1)[p_off : p_off + length]
-            i = next(i for i, s in enumerate(self.sides) if s.owns(offset))
-            masters[i][offset - self.sides[i].offset :][:length].copy_(src)
-        for side, master in zip(self.sides, masters):
-            side.commit("master", master)
+        fill(
+            self.sides, self.layout, "master", lambda s, a, n: s.param.detach().view(-1)[a : a + n]
+        )
         for slot in self.layout.slots:
             view = self.flat[slot.start : slot.start + slot.numel].view_as(slot.param)
             to_low(view, slot.param.detach(), initial_split(self.dtype))
@@ -149,39 +130,22 @@ class ZeroOptimizer:
         self.reducer.driving = True
         try:
             with self.phase("backward: autograd compute"):
-                (
-                    loss * self.scaler.scale
-                ).backward() if self.scaler.scale != 1.0 else loss.backward()
+                scale = self.scaler.scale
+                (loss * scale if scale != 1.0 else loss).backward()
         finally:
             self.reducer.driving = False
         with self.phase("finish backward"):
             self.reducer.finish()
 
     def set_phase_timer(self, phase) -> None:
-        """``phase(name)``: a context manager timing the named piece of the step (a
-        benchmark's; by default none): set on every part of the optimizer."""
+        """``phase(name)`` (a context manager) times each named piece of the step."""
         for part in (self, self.reducer, *self.sides):
             part.phase = phase
 
     # ------------------------------------------------------------------------ step
     def hyper(self, grad_scale: float, stepped=None) -> StepHyper:
-        """One step's hyperparameters as the groups say now; ``stepped``: per slot,
-        whether it is stepped (None: all)."""
-        keys = []
-        for i, g in enumerate(self._group_of):
-            grp = self.param_groups[g]
-            on = stepped is None or stepped[i]
-            lr, wd = float(grp["lr"]), float(grp["weight_decay"])
-            keys.append((lr, self.slot_steps[i] + 1, wd) if on else None)
-        return StepHyper(tuple(keys), self.betas, self.eps, grad_scale)
-
-    def _stepped(self) -> list[bool]:
-        """Per slot: did any DP rank produce a gradient for it in this step?"""
-        got = self.reducer.got_grad
-        if self.dp_group.size > 1:
-            got = got.to(torch.int32)
-            dist.all_reduce(got, op=dist.ReduceOp.MAX, group=self.dp_group.torch_group())
-        return [bool(x) for x in got.tolist()]
+        """One step's hyperparameters as the groups say now (``adam_calls.step_hyper``)."""
+        return step_hyper(self, grad_scale, stepped)
 
     @torch.no_grad()
     def step(self, lr: float | None = None) -> StepResult:
@@ -190,7 +154,7 @@ class ZeroOptimizer:
             self.set_lr(lr)
         self.step_calls += 1  # skipped steps moved their gradients too
         norm_sq = self.norm_squared()
-        stepped = self._stepped()
+        stepped = stepped_slots(self.reducer.got_grad, self.dp_group)
         scale = self.scaler.scale
         overflow = not math.isfinite(norm_sq)
         self.scaler.update(overflow)
@@ -208,8 +172,7 @@ class ZeroOptimizer:
         return StepResult(grad_norm=norm, skipped=False, loss_scale=scale)
 
     def norm_squared(self) -> float:
-        """This step's squared global gradient norm (loss-scaled), over DP and TP; once the
-        last backward is done (collective, computed once a step)."""
+        """This step's squared global norm (loss-scaled, over DP and TP; collective, once)."""
         if self._norm_sq is None:
             self.schedule.end_backward()
             with self.phase("grad norm all-reduce"):
@@ -268,27 +231,12 @@ class ZeroOptimizer:
         ``state``: ``master`` and optionally the moments, ``step``, ``param_steps`` and
         ``scaler`` (a weights-only load gives the master alone). Collective."""
         self.flush()
-        keys = ["master"] + (["exp_avg", "exp_avg_sq"] if state.get("exp_avg") is not None else [])
-        for key in keys:
-            targets = [s.target(key) for s in self.sides]
-            saved = state[key]
-            copy_parts(targets, list(saved) if isinstance(saved, (list, tuple)) else [saved])
-            for side, t in zip(self.sides, targets):
-                side.commit(key, t)
-        self.step_count = state.get("step", 0)
-        saved_steps = state.get("param_steps") or {}
-        self.slot_steps = [saved_steps.get(s.name, self.step_count) for s in self.layout.slots]
-        if state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
+        install_slice(self, state)
         self.publish()
 
     # --------------------------------------------------------------------- reports
     def stats(self) -> dict:
-        host = self.host_side
-        moved = 0 if host is None else host.bytes_down + host.bytes_up
-        per = moved / max(self.step_calls, 1) / max(self.layout.slice_numel, 1)
-        out = dict(host_device_bytes_per_param=per, pinned_host_bytes=self.pinned_bytes())
-        return dict(out, **self.schedule.stats())
+        return stats(self)
 
     def memory_bytes(self) -> dict:
         """Bytes this rank holds, by place and category (from the real buffers)."""
@@ -299,14 +247,4 @@ class ZeroOptimizer:
         return self.memory_bytes()["host"].get("staging", 0) if self.placement.pinned else 0
 
     def memory_report(self) -> str:
-        rep, place = self.memory_bytes(), self.placement
-        fmt = lambda d: ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in d.items())  # noqa
-        split = ""
-        if place.offloaded and self.options.offload_fraction < 1:
-            split = (f"; offload fraction {place.actual_offload_fraction:.3f} (asked "
-                     f"{self.options.offload_fraction:g}): the device updates "
-                     f"{place.share_numel} of them")  # fmt: skip
-        return (
-            f"rank memory: device [{fmt(rep['device'])}] host [{fmt(rep['host'])}] "
-            f"(owned {self.layout.slice_numel} of {self.layout.numel} elements{split})"
-        )
+        return memory_line(self)
