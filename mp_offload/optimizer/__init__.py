@@ -31,9 +31,24 @@ def build_optimizer(model: torch.nn.Module, args, device: torch.device) -> Optim
         return TorchAdamWOptimizer(
             model, **common, autocast_dtype=None if dtype == torch.float32 else dtype
         )
-    from .zero import ZeroOptimizer
+    import dataclasses
 
-    return ZeroOptimizer(model, **common, device=device, options=OptimizerOptions.from_args(args))
+    from .offload_adamw import OffloadAdamW
+
+    # One code path with the public optimizer: the loop drives its engine (``.zero``),
+    # which keeps the model's parameter order (``model=``) and Megatron's two groups.
+    options = OptimizerOptions.from_args(args)
+    modes = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    named = list(model.named_parameters())
+    groups = [
+        dict(params=[(n, p) for n, p in named if p.ndim > 1], weight_decay=o.weight_decay),
+        dict(params=[(n, p) for n, p in named if p.ndim <= 1], weight_decay=0.0),
+    ]
+    common = {k: v for k, v in common.items() if k not in ("dp", "tp", "weight_decay")}
+    return OffloadAdamW(
+        [g for g in groups if g["params"]], **common, **modes, model=model, device=device,
+        dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
+    ).zero  # fmt: skip
 
 
 __all__ = [
