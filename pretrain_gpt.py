@@ -7,8 +7,10 @@
 The loop lives in mp_offload.training; this file only calls it.
 """
 
-import mp_offload.lifeline  # noqa: F401 - records the launcher before the slow imports
-from mp_offload.training import pretrain
+import mp_offload.lifeline  # records the launcher before the slow imports
+
+mp_offload.lifeline.stop_while_starting()  # until the run's own handlers take over
+from mp_offload.training import pretrain  # noqa: E402 - after the handlers: it takes seconds
 
 if __name__ == "__main__":
     pretrain()

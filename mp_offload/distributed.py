@@ -287,6 +287,27 @@ def _rendezvous(rank: int, world: int, timeout: timedelta):
         ) from None
 
 
+def store_client(timeout_s: float):
+    """A connection of its own to this job's rendezvous store (the keys ``_rendezvous``
+    and ``fail`` use), whose every call gives up after ``timeout_s``: for a thread that
+    must not block while the main one waits in a collective. None for a lone process
+    (its store lives in memory) or when the store cannot be reached."""
+    if not isinstance(_STORE, dist.PrefixStore):
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        client = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except (KeyError, ValueError, RuntimeError):
+        return None
+    return dist.PrefixStore(f"attempt_{attempt}", client)
+
+
 def init_distributed(device: str | None = None, timeout_minutes: float = 10.0) -> torch.device:
     """Join the torchrun world (a single process also works): NCCL on CUDA, gloo on CPU.
 

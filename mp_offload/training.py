@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import signal
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -66,6 +65,7 @@ from .memory_check import check_memory
 from .model.gpt import GPTModel, flops_per_token, num_parameters
 from .optimizer import Optimizer, StepResult, build_optimizer
 from .phase_timer import PhaseTimer
+from .stopping import StopFlag, restore_handlers, stop_outside_the_loop
 from .tensor_parallel import model_parallel_seed
 
 
@@ -168,35 +168,6 @@ def _sample(sampler: TextSampler | None, model, optimizer, device, iteration, lo
         logger.sample(iteration, sampler(model, autocast(optimizer, device)))
 
 
-class _StopFlag:
-    """SIGINT/SIGTERM finish the current step, then the loop exits cleanly; ``restore``
-    puts back the handlers it replaced (the caller's, once the loop is over)."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.requested = False
-        self.previous = {sig: signal.signal(sig, self._handler) for sig in self.SIGNALS}
-
-    def _handler(self, signum, frame):
-        self.requested = True
-
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def __enter__(self) -> _StopFlag:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.restore()
-
-    def agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=ps.comm_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() > 0
-
-
 def _save(args: Args, iteration: int, consumed: int, model, optimizer, skips=None) -> None:
     set_phase(f"the checkpoint save at iteration {iteration}")
     t0 = time.perf_counter()
@@ -261,7 +232,7 @@ def train(
     start_iteration: int = 0,
     consumed_samples: int = 0,
     sampler: TextSampler | None = None,
-    stop: _StopFlag | None = None,
+    stop: StopFlag | None = None,
 ) -> dict:
     """Iterate from ``start_iteration`` to --train-iters (or --exit-interval, or a signal
     that ``stop`` caught), evaluating (and sampling) and saving on their intervals;
@@ -439,7 +410,7 @@ def _run(flags: Args, device, logger: Logger, tokenizer=None) -> dict:
     valid_consumed = (start // t.eval_interval + 1) * per_eval if start and t.eval_interval else 0
     train_iter = batch_iterator(data.train, args, consumed, device)
     valid_iter = batch_iterator(data.valid, args, valid_consumed, device)
-    with _StopFlag() as stop:
+    with StopFlag(args.ckpt.save) as stop:
         summary = train(
             args,
             model,
@@ -524,6 +495,7 @@ def pretrain(argv=None) -> dict:
 
         dry_run(args, world)
         return {}
+    handlers = stop_outside_the_loop(args.ckpt.save)  # the loop's StopFlag takes over
     device, tokenizer = _start(args)
     logger, lock = None, None
     try:
@@ -549,3 +521,4 @@ def pretrain(argv=None) -> dict:
         ps.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+        restore_handlers(handlers)
