@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from reliability_runs import ROOT, TINY, Case, environment, expand, pretrain
+from reliability_runs import ROOT, TINY, Case, environment, expand, free_port, pretrain
 
 QUIET = os.path.join(ROOT, "scripts", "torchrun_quiet.py")
 GRACE = "5"  # MP_OFFLOAD_STOP_GRACE_S in these cases
@@ -166,11 +166,11 @@ def _too_big_layers() -> str:
 # ------------------------------------------------------------------------ the cases
 def stop_cases() -> list:
     """Divergence never published, memory refused, and what a stop signal guarantees."""
-    run = shlex.join(pretrain(*FP16))
+    run = " ".join(pretrain(*FP16))  # $D is replaced before bash reads it
     quick = ["bash", "scripts/pretrain_gpt_tiny_cpu.sh", "--num-layers", "2", "--hidden-size",
              "64", "--eval-iters", "2", "--save-interval", "2"]  # fmt: skip
     quick_env = dict(SKIP_SETUP="1", RUN_DIR="$D/qs", TRAIN_ITERS="1000", NPROC="2", TP="1",
-                     PYTHON=sys.executable, MP_OFFLOAD_FAULT_SLOW="3:60")  # fmt: skip
+                     MP_OFFLOAD_FAULT_SLOW="3:60")  # the script's python3: this one  # fmt: skip
     slow = pretrain(*TINY, "--train-iters", "1000", "--save-interval", "2", "--save", "$D/ck-twice")
     big = ["--num-layers", _too_big_layers(), "--hidden-size", "4096", "--num-attention-heads",
            "32", "--seq-length", "1024", "--micro-batch-size", "1", "--train-iters", "10",
@@ -203,7 +203,7 @@ def stop_cases() -> list:
           runner=signalled("fault: the step of iteration 3", signal.SIGINT, twice=True)),
         c("runtime", "SIGTERM at the rendezvous", pretrain(*TINY),
           "SIGTERM came during the rendezvous: stopping now", code=143, first=False,
-          env=dict(WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531"),
+          env=dict(WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())),
           runner=signalled("waiting for 2 ranks", signal.SIGTERM), timeout=60),
         c("configuration", "MP_OFFLOAD_STOP_GRACE_S=0", pretrain(*TINY),
           "MP_OFFLOAD_STOP_GRACE_S='0': give the seconds", env={"MP_OFFLOAD_STOP_GRACE_S": "0"}),
