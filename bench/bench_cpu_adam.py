@@ -128,7 +128,7 @@ sys.path[:0] = [BENCH, os.path.dirname(BENCH)]
 import bench_host_ceiling as hc
 import cpu_adam_rows as cr
 
-from mp_offload.device_proof.calibrate import host_memory_bytes
+from device_proof.calibrate import host_memory_bytes
 from mp_offload.ops import cpu_adam as ca
 
 HP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}

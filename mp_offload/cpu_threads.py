@@ -1,19 +1,30 @@
 """The one CPU-thread rule of a rank (C++ Adam, host gradient sums, torch intra-op).
 
 Threads = the cores this process may use, shared among the ranks of the node
-(LOCAL_WORLD_SIZE), less one per rank on a GPU, kept for the threads that launch kernels
-and run autograd (with DPU and host accumulation the C++ teams would otherwise take every
-core and the launches would queue behind them); at least one. The cores are the affinity
+(LOCAL_WORLD_SIZE; a rank bound to its GPU's NUMA node, ``numa.py``: that node's cores
+among the ranks bound there), less one per rank on a GPU, kept for the threads that launch
+kernels and run autograd (with DPU and host accumulation the C++ teams would otherwise take
+every core and the launches would queue behind them); at least one. The cores are the affinity
 mask, capped by a cgroup CPU quota (a container limited to 4 CPUs on a 64-core host sees
 all 64 in its mask). ``OMP_NUM_THREADS`` is ignored on purpose: torchrun sets it to 1 for
 every multi-process job, which would leave the CPU Adam on one core per rank.
-``--cpu-threads-per-rank`` overrides the rule. Nothing here runs at import.
+``--cpu-threads-per-rank`` overrides the rule.
+
+Idle OpenMP threads sleep (``wait_passively``, called when ``mp_offload`` is imported, the
+only thing done at import): by default a team's threads spin for milliseconds after each
+parallel region, and on a busy or oversubscribed host that spin takes the core their own
+rank's training thread, or a peer rank, needs (one rank with 2 threads on a loaded 2-core
+host: 9.7 s per iteration spinning, 0.76 s passive). When the machine is busy anyway
+(``busy_machine``: other runnable tasks besides the job), a rank takes one thread.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import statistics
+import sys
+import time
 
 CGROUP = "/sys/fs/cgroup"
 
@@ -52,10 +63,75 @@ def available_cores(root: str | None = None) -> int:
     return cores if limit is None else min(cores, limit)
 
 
-def default_threads_per_rank(gpu: bool, root: str | None = None) -> int:
-    """The rule above, for a rank on a GPU (``gpu``) or on the CPU."""
+def default_threads_per_rank(gpu: bool, root: str | None = None, ranks: int | None = None) -> int:
+    """The rule above, for a rank on a GPU (``gpu``) or on the CPU. ``ranks``: the ranks
+    sharing this process's mask (a NUMA-bound rank: those on its node); else the node's."""
+    if ranks is None:
+        try:
+            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        except ValueError:
+            ranks = 1
+    return max(1, available_cores(root) // max(1, ranks) - (1 if gpu else 0))
+
+
+# The runtimes read their wait policy once, when they load (libgomp, which torch and the C++
+# extensions share; Intel's libiomp reads KMP_BLOCKTIME).
+PASSIVE_WAIT = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+# Set by wait_passively: whether torch's OpenMP runtime loaded before the policy was set.
+spinning_runtime = False
+
+
+def wait_passively() -> None:
+    """Make idle OpenMP threads sleep: set ``PASSIVE_WAIT`` in the environment, keeping
+    what the user set (``OMP_WAIT_POLICY=ACTIVE`` on a dedicated host stays). It must run
+    before torch is imported; if torch came first without a policy, ``spinning_runtime``
+    records it for the start-up line."""
+    global spinning_runtime
+    spinning_runtime = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ
+    for name, value in PASSIVE_WAIT.items():
+        os.environ.setdefault(name, value)
+
+
+def openmp_wait() -> str:
+    """How this process's idle OpenMP threads wait, for the start-up line."""
+    if spinning_runtime:
+        return "OpenMP waits spinning (torch was imported first: set OMP_WAIT_POLICY=PASSIVE)"
+    return f"OpenMP waits {os.environ.get('OMP_WAIT_POLICY', 'PASSIVE').lower()}"
+
+
+def other_runnable(window_s: float = 0.1, samples: int = 11, path: str = "/proc/loadavg") -> float:
+    """Tasks of other jobs that want a CPU now: the median over ``window_s`` of the
+    kernel's count of runnable tasks (/proc/loadavg), less this reading process. The
+    job's own ranks must be idle meanwhile (they all sample at once, sleeping between
+    reads). Scaled to the share of the machine's CPUs this process may use (the others
+    spread over all of them). 0.0 where the count cannot be read."""
+    counts = []
+    for i in range(samples):
+        try:
+            with open(path) as f:
+                counts.append(int(f.read().split()[3].split("/")[0]) - 1)
+        except (OSError, ValueError, IndexError):
+            return 0.0
+        if i + 1 < samples:
+            time.sleep(window_s / (samples - 1))
     try:
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        ranks = 1
-    return max(1, available_cores(root) // ranks - (1 if gpu else 0))
+        share = len(os.sched_getaffinity(0)) / (os.cpu_count() or 1)
+    except AttributeError:  # not Linux
+        share = 1.0
+    return round(max(0.0, statistics.median(counts) * min(1.0, share)), 1)
+
+
+def busy_machine(ranks: int, threads: int, cores: int, others: float, load: float) -> str | None:
+    """A warning when other jobs take at least a core and the job's ``ranks`` x
+    ``threads`` do not fit beside them on its ``cores``; None otherwise (the CPU demo's 4
+    ranks on 2 quiet cores are oversubscribed by design, and run at their quiet speed)."""
+    if others < 1 or others + ranks * threads <= cores:
+        return None
+    return (
+        f"warning: this machine is busy: {others:g} runnable tasks of other jobs (load "
+        f"average {load:.1f}) + {ranks} rank(s) x {threads} host thread(s) > {cores} usable "
+        f"core(s); taking 1 host thread per rank (--cpu-threads-per-rank to choose); steps "
+        f"will be slower than on a quiet machine. Fewer ranks compete less: the CPU demo on "
+        f"one rank is NPROC=1 TP=1 bash scripts/pretrain_gpt_tiny_cpu.sh, another job "
+        f"takes a smaller torchrun --nproc-per-node"
+    )

@@ -21,7 +21,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .cpu_threads import default_threads_per_rank
+from .cpu_threads import (
+    available_cores,
+    busy_machine,
+    default_threads_per_rank,
+    openmp_wait,
+    other_runnable,
+)
+from .numa import Binding, bind_to_gpu
 
 PROG = "pretrain_gpt.py"
 
@@ -35,6 +42,7 @@ def env_int(name: str, default: int) -> int:
 # before the reporting rank has printed the reason.
 QUIET_RANK_WAIT_S = 30.0
 
+_BINDING = Binding()  # this rank's NUMA binding (``init_distributed``)
 _STORE = None  # the rendezvous store: ranks claim the one report of a failure there
 _TIMEOUT_MINUTES = 10.0
 _PHASE = "start-up"
@@ -161,12 +169,45 @@ def pick_device(choice: str | None = None) -> torch.device:
 def threads_per_rank(requested: int | None = None, gpu: bool = False) -> int:
     """CPU threads for this rank's host work: ``--cpu-threads-per-rank`` if given, else
     the one rule of ``cpu_threads.py`` (cores of the affinity mask and cgroup quota per
-    rank of the node, one kept for the launching threads on a GPU)."""
+    rank of the node, one kept for the launching threads on a GPU; a rank bound to its
+    GPU's NUMA node shares that node's cores with the ranks bound there)."""
     if requested is not None:
         if requested < 1:
             raise DeviceError(f"--cpu-threads-per-rank must be >= 1, got {requested}")
         return requested
-    return default_threads_per_rank(gpu)
+    return default_threads_per_rank(gpu, ranks=_BINDING.ranks)
+
+
+def collective_timeout_minutes() -> float:
+    """``--distributed-timeout-minutes`` as ``init_distributed`` was given it."""
+    return _TIMEOUT_MINUTES
+
+
+def numa_binding() -> Binding:
+    """This rank's NUMA binding, made by ``init_distributed`` (unbound off the GPU)."""
+    return _BINDING
+
+
+def numa_report(device: torch.device) -> str:
+    """Collective: one line saying where each rank's CPU work is bound (all ranks')."""
+    mine = _BINDING.describe(dist.get_rank() if dist.is_initialized() else 0, device)
+    lines = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        lines = [None] * dist.get_world_size()
+        dist.all_gather_object(lines, mine)
+    return "CPU binding: " + "; ".join(lines)
+
+
+def host_threads(requested: int | None = None, gpu: bool = False) -> tuple[int, str | None]:
+    """``threads_per_rank``, and a warning when the machine is busy (``busy_machine``):
+    then one thread, unless ``--cpu-threads-per-rank`` (``requested``) chose. Every rank
+    of the node calls it at once, just after the process groups are made, so the job's
+    own ranks sleep while it counts the other jobs' runnable tasks."""
+    n = threads_per_rank(requested, gpu)
+    ranks = max(1, env_int("LOCAL_WORLD_SIZE", 1))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    warning = busy_machine(ranks, n, available_cores(), other_runnable(), load)
+    return (n if warning is None or requested is not None else 1), warning
 
 
 def apply_cpu_threads(n: int) -> str:
@@ -183,7 +224,7 @@ def apply_cpu_threads(n: int) -> str:
     from .ops import host_ops
 
     host_ops.set_num_threads(n)
-    return f"host threads {n}; CPU Adam {simd_level()}"
+    return f"host threads {n}; CPU Adam {simd_level()}; {openmp_wait()}"
 
 
 class RendezvousError(RuntimeError):
@@ -315,10 +356,12 @@ def init_distributed(device: str | None = None, timeout_minutes: float = 10.0) -
     stalled rank ends the job with a line saying what was waited for instead of hanging
     it. A lone process needs no address (an in-memory store, no port to collide on).
     """
-    global _STORE, _TIMEOUT_MINUTES
+    global _BINDING, _STORE, _TIMEOUT_MINUTES
     dev = pick_device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+        # before the process group and the model allocate host memory (first touch)
+        _BINDING = bind_to_gpu(dev)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     _TIMEOUT_MINUTES = timeout_minutes
     if not dist.is_initialized():

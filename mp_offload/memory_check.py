@@ -46,7 +46,7 @@ def rank_needs(args, world: int, cuda: bool) -> Need:
     """The planner's per-rank sums for ``args`` at ``world`` ranks, as --dry-run plans
     them (the largest rank kind), less the process itself; on a CPU device the device's
     categories are host memory too."""
-    from .planner.flags import run_from_args
+    from .planner.arguments import run_from_args
     from .planner.memory import Hardware, plan_job
 
     plan = plan_job(

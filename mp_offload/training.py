@@ -53,9 +53,10 @@ from .distributed import (
     env_int,
     fail,
     first_error,
+    host_threads,
     init_distributed,
+    numa_report,
     set_phase,
-    threads_per_rank,
 )
 from .divergence import Skips, TrainingError, check_loss
 from .generation import TextSampler
@@ -465,7 +466,12 @@ def _start(args: Args):
         p.tensor_model_parallel_size, timedelta(minutes=p.distributed_timeout_minutes)
     )
     gpu = device.type == "cuda"
-    log.info(apply_cpu_threads(threads_per_rank(p.cpu_threads_per_rank, gpu=gpu)))
+    threads, busy = host_threads(p.cpu_threads_per_rank, gpu=gpu)
+    if busy:
+        log.info(busy)
+    log.info(apply_cpu_threads(threads))
+    if gpu:  # each rank's NUMA node and cores (numa.py); CPU runs are not bound
+        log.info(numa_report(device))
     for line in config_warnings(args):
         log.info(line)
     return device, tokenizer
@@ -491,9 +497,12 @@ def pretrain(argv=None) -> dict:
     """The whole run for ``pretrain_gpt.py``'s flags; returns the last iteration's record."""
     args, world = _checked_args(argv)
     if args.train.dry_run:
-        from .dry_run import dry_run  # deferred: only the planner needs it
+        from .planner.dry_run import dry_run  # deferred: only the planner needs it
 
-        dry_run(args, world)
+        try:
+            dry_run(args, world)
+        except ConfigError as e:  # a PLAN_* variable out of range
+            fail(str(e))
         return {}
     handlers = stop_outside_the_loop(args.ckpt.save)  # the loop's StopFlag takes over
     device, tokenizer = _start(args)

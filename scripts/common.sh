@@ -15,6 +15,12 @@
 #   PLAN_DEVICE_MEMORY_RESERVE_GB  device memory a plan leaves free (default: the
 #                    larger of 5% and 2 GiB)
 #   PYTHON           interpreter (default python3)
+#
+# Host threads: each rank's CPU Adam, host gradient sums and torch's intra-op pool take the
+# node's usable cores divided among its ranks, less one per rank on a GPU for the threads
+# that launch kernels (mp_offload/cpu_threads.py); the start-up line says how many.
+# OMP_NUM_THREADS is ignored on purpose (torchrun sets it to 1 for every multi-process job);
+# append --cpu-threads-per-rank N to a script's command to choose.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

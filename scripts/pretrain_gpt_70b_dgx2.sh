@@ -16,7 +16,8 @@
 # (data/tokenizer.model), SAVE_DIR (checkpoints/gpt_70b), NGPUS (16), TP (8),
 # PRECISION (fp16 on V100; bf16 on newer GPUs), MICRO_BATCH (4), GLOBAL_BATCH (64),
 # TRAIN_ITERS (100000), DPU_WARMUP (unset: off), MOCK_DATA, DRY_RUN, PLAN_*.
-# OMP threads per rank default to the host's cores / 16 (set OMP_NUM_THREADS to change).
+# Host threads per rank (CPU Adam, host sums): the node's cores / 16, less one for the
+# launching threads; OMP_NUM_THREADS is ignored: append --cpu-threads-per-rank N to change it.
 source "$(dirname "$0")/common.sh"
 DATA_PATH=${DATA_PATH-$ROOT/data/gpt_text_document}
 TOKENIZER_MODEL=${TOKENIZER_MODEL-$ROOT/data/tokenizer.model}

@@ -44,8 +44,9 @@ if [ "$NGPU" -ge 2 ]; then
 elif [ "$NGPU" -eq 1 ]; then
   NPROC=${NPROC:-1}; TP=${TP:-1}
 else
+  # four ranks share the host's cores: each takes its share (--cpu-threads-per-rank N to
+  # choose; OMP_NUM_THREADS is ignored)
   NPROC=${NPROC:-4}; TP=${TP:-2}
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # four ranks share the host's cores
 fi
 SAVE_DIR=${SAVE_DIR:-$RUN_DIR/ckpt}
 LOG_JSON=${LOG_JSON:-$RUN_DIR/log.jsonl}

@@ -5,9 +5,10 @@ torchrun follows every clean one-line error of pretrain_gpt.py with its own log 
 a ChildFailedError traceback (~55 lines), and a Ctrl-C with a SignalException traceback;
 the project's line is then buried. This passes the workers' output through unchanged and
 drops only torchrun's: its logger lines (``E1201 20:19:45.43 123 .../torch/distributed/
-elastic/...``), its start-up banner, and a traceback whose first frame is the launcher's
-(``File "<frozen runpy>"``) up to the end of its failure table. A worker's own traceback
-(a bug) is kept.
+elastic/...``), its start-up banner (a blank line, then the OMP_NUM_THREADS notice between
+two rules of asterisks: the project sets its own threads), and a traceback whose first
+frame is the launcher's (``File "<frozen runpy>"``) up to the end of its failure table. A
+worker's own traceback (a bug) is kept.
 
 Stopping. torchrun runs in a session of its own, so a Ctrl-C (SIGINT to the terminal's
 process group) or a SIGTERM reaches it once, from here; this says what happens next in
@@ -38,6 +39,7 @@ import time
 
 _LOGGER = re.compile(r"^[EWIDF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ .*torch/distributed/")
 _BANNER = re.compile(r"^\*{20,}$")
+_NOTICE = re.compile(r"^Setting OMP_NUM_THREADS environment variable for each process")
 _ERROR = re.compile(r"^\S+: error: ")
 _KILLED = re.compile(r"Unable to shutdown process (\d+) via")
 PROG = "torchrun_quiet.py"
@@ -53,6 +55,7 @@ class Filter:
         self.in_report = False  # inside torchrun's traceback and failure table
         self.rules = 0  # "=====" lines seen in the failure table (it ends with the 3rd)
         self.errors = 0
+        self.started = False  # a line has been shown (a blank line before that is the banner's)
 
     def feed(self, line: str) -> list[str]:
         text = line.rstrip("\n")
@@ -69,8 +72,11 @@ class Filter:
         if text == "Traceback (most recent call last):":
             self.held = line
             return []
-        if _LOGGER.match(text) or _BANNER.match(text):
+        if _LOGGER.match(text) or _BANNER.match(text) or _NOTICE.match(text):
             return []
+        if not text and not self.started:
+            return []
+        self.started = True
         self.errors += bool(_ERROR.match(text))
         return [line]
 

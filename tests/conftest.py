@@ -2,14 +2,21 @@ import os
 import sys
 
 import pytest
-import torch
 
 # Tests run many ranks on two cores: one thread each, and helpers importable by spawned ranks.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Idle OpenMP threads sleep, in this process and the ranks it starts (as mp_offload's own
+# import arranges; here torch is imported first). Read when the runtime loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
 # The gloo tests run on the CPU even on a GPU machine (more ranks than GPUs there);
 # the CUDA tests ask for the device explicitly (--device cuda).
 os.environ.setdefault("MP_OFFLOAD_DEVICE", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))
+# The device proof (device_proof/, beside bench/) is not part of the installed package.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,8 +1,8 @@
 """The profiler's device timeline, reduced to what the CUDA checks judge (pure functions).
 
-``test_cuda.py`` (and ``scripts/device_check.sh``'s profiled step) feed them the events
-of ``torch.profiler``; ``test_kernel_timeline.py`` feeds them synthetic ones on the CPU,
-so the checks themselves are proven before a GPU minute is spent.
+``test_cuda.py`` feeds them the events of ``torch.profiler``; ``test_kernel_timeline.py``
+feeds them synthetic ones on the CPU, so the checks themselves are proven before a GPU
+minute is spent.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ TEN_B = [
 ]
 
 
-RATE = ["--adam-rate-per-core", "8e7"]  # not measured: the same figures on every machine
+RATE = ["--adam-rate-per-core", "8e7"]  # the rate the tests' own counts use
 
 
 def plan_out(capsys, monkeypatch, *argv):

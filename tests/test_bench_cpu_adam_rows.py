@@ -54,12 +54,6 @@ def test_every_row_has_a_class_and_declared_buffers():
         assert den in cr.BY_KEY and (num == cr.CEIL or num in cr.BY_KEY)
 
 
-def test_the_device_proof_asks_for_rows_that_exist():
-    from mp_offload.device_proof.host_adam import ROWS
-
-    assert set(ROWS) <= set(cr.BY_KEY)
-
-
 def test_rounds_take_partners_and_the_reference_only_when_selected():
     alone = cr.rounds(cr.select("12,14,17,18"), ORDER)
     assert [(c, keys(m)) for c, m in alone] == [

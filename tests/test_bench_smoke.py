@@ -172,3 +172,29 @@ def test_bench_overlap_tiny(tmp_path):
     assert all(row["replayed"] == 0 for row in rep["overlap"])  # no clipping: all commit
     assert all(row["worker"] > 0 and "adam" not in row for row in rep["overlap"])
     assert all(row["adam"] > 0 and row["upload"] > 0 for row in rep["sync"])
+
+
+def test_bench_contention_tiny(tmp_path):
+    """The main job, quiet then beside a CPU-bound process, in one run: both medians,
+    the ratio as the last line, and no CPU-bound process left behind."""
+    out = tmp_path / "contention.json"
+    stdout = run_bench(
+        "bench_contention.py",
+        *("--iters", 3, "--warmup", 1, "--hogs", 1, "--nproc", 1, "--tp", 1, "--json", out),
+        timeout=900,
+    )
+    lines = stdout.strip().splitlines()
+    assert lines[-1].startswith("contention ratio (loaded / quiet): ")
+    rep = json.loads(out.read_text())
+    assert [r["kind"] for r in rep["runs"]] == ["quiet", "loaded"]
+    assert rep["quiet_median_s"] > 0 and rep["loaded_median_s"] > 0
+    assert float(lines[-1].rsplit(" ", 1)[1]) == pytest.approx(rep["ratio"], abs=6e-3)
+    hogs = subprocess.run(["pgrep", "-f", "x \\+= i \\* i"], capture_output=True, text=True)
+    assert hogs.stdout == "", "a CPU-bound process outlived the bench"
+
+
+def test_bench_planner_cli_tiny():
+    out = run_bench("bench_planner_cli.py", "--repeats", 1, "--only", "7B")
+    lines = out.splitlines()
+    assert lines[1].split()[:2] == ["question", "this"]
+    assert lines[2].startswith("one H200, 7B, global batch 4") and float(lines[2].split()[-1]) > 0

@@ -97,3 +97,71 @@ def test_every_threaded_entry_point_applies_the_rule_first(first_call):
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert out.stdout.split() == ["True", "4"]
+
+
+def _fresh(code: str, **env) -> list[str]:
+    """``code``'s printed words in a new interpreter whose environment is ``env`` only."""
+    env = {**env, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    return out.stdout.split()
+
+
+def test_importing_mp_offload_makes_idle_openmp_threads_sleep_before_torch_loads():
+    show = "import os; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('KMP_BLOCKTIME'))"
+    assert _fresh(f"import mp_offload; {show}") == ["PASSIVE", "0"]
+    assert _fresh(f"import mp_offload; {show}", OMP_WAIT_POLICY="ACTIVE") == ["ACTIVE", "0"]
+    report = "import mp_offload.cpu_threads as ct; print(ct.openmp_wait())"
+    assert _fresh(f"import mp_offload; {report}") == ["OpenMP", "waits", "passive"]
+    # torch first, without a policy: its runtime spins, and the start-up line says so
+    assert "spinning" in _fresh(f"import torch, mp_offload; {report}")
+    assert _fresh(f"import torch, mp_offload; {report}", OMP_WAIT_POLICY="PASSIVE")[-1] == (
+        "passive"
+    )
+
+
+def test_other_runnable_counts_the_kernels_runnable_tasks_less_the_reader(tmp_path, monkeypatch):
+    monkeypatch.setattr(ct.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(ct.os, "cpu_count", lambda: 2)
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("3.10 2.00 1.50 3/412 9876\n")
+    assert ct.other_runnable(0.0, 3, str(loadavg)) == 2.0
+    monkeypatch.setattr(ct.os, "cpu_count", lambda: 8)  # the others spread over 8 CPUs
+    assert ct.other_runnable(0.0, 3, str(loadavg)) == 0.5
+    assert ct.other_runnable(0.0, 3, str(tmp_path / "absent")) == 0.0
+
+
+@pytest.mark.parametrize(
+    "ranks,threads,cores,others,busy",
+    [
+        (4, 1, 2, 0.0, False),  # the CPU demo on a quiet 2-core machine: oversubscribed by design
+        (4, 1, 2, 0.5, False),  # less than a core's worth of other work
+        (4, 1, 2, 2.0, True),  # two CPU-bound jobs beside the demo
+        (1, 2, 2, 1.0, True),
+        (2, 4, 16, 3.0, False),  # fits beside them
+        (2, 8, 16, 3.0, True),
+    ],
+)
+def test_busy_machine_warns_when_the_job_does_not_fit_beside_other_work(
+    ranks, threads, cores, others, busy
+):
+    line = ct.busy_machine(ranks, threads, cores, others, load=7.25)
+    assert (line is not None) == busy
+    if busy:
+        assert "\n" not in line and line.startswith("warning: this machine is busy: ")
+        assert f"{others:g} runnable tasks of other jobs (load average 7.2)" in line
+        assert f"{ranks} rank(s) x {threads} host thread(s) > {cores} usable core(s)" in line
+        assert "1 host thread per rank" in line and "NPROC=1 TP=1" in line
+
+
+def test_a_busy_machine_gives_one_host_thread_per_rank_unless_the_flag_chose(monkeypatch):
+    monkeypatch.setattr(ct.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(ct, "cgroup_cpu_limit", lambda root=None: None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(d, "other_runnable", lambda: 0.0)
+    assert d.host_threads() == (4, None)
+    monkeypatch.setattr(d, "other_runnable", lambda: 6.0)
+    threads, line = d.host_threads()
+    assert threads == 1 and "6 runnable tasks of other jobs" in line
+    assert d.host_threads(3)[0] == 3  # --cpu-threads-per-rank 3 stays, with the warning

@@ -1,7 +1,7 @@
 """The CUDA path on a real GPU (skipped without one): tiny models, one process, one GPU.
 
 Each test is small enough that ``pytest -m cuda`` runs in well under a minute on one
-H100/H200-class GPU; ``scripts/device_check.sh`` runs them first.
+H100/H200-class GPU: the next call after the device proof (``scripts/device_check.sh``).
 """
 
 import math

@@ -6,7 +6,7 @@ which the map's own preamble states: an entry is indented two spaces per open di
 a line indented deeper than that continues the description above it. An entry's first
 word is a path relative to the open directory, or a glob. Modules: mp_offload/**/*.py
 (a package's __init__.py only when it defines a function or class), csrc/*, tools/*.py,
-bench/*.py, scripts/*.sh.
+bench/*.py, device_proof/*.py, scripts/*.sh.
 """
 
 import ast
@@ -16,7 +16,14 @@ import re
 
 from helpers import ROOT
 
-MODULE_GLOBS = ("mp_offload/**/*.py", "csrc/*", "tools/*.py", "bench/*.py", "scripts/*.sh")
+MODULE_GLOBS = (
+    "mp_offload/**/*.py",
+    "csrc/*",
+    "tools/*.py",
+    "bench/*.py",
+    "device_proof/*.py",
+    "scripts/*.sh",
+)
 
 
 def _map_lines(text: str) -> list[str]:

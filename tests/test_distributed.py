@@ -1,9 +1,11 @@
 """Start-up choices that differ between a GPU machine and this one, shown with mocks."""
 
 import sys
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from mp_offload import cpu_threads
 from mp_offload import distributed as d
@@ -76,7 +78,7 @@ def test_apply_cpu_threads_reaches_the_cpu_adam_despite_omp_num_threads(monkeypa
     try:
         report = d.apply_cpu_threads(2)
         assert cpu_adam.get_num_threads() == 2 and torch.get_num_threads() == 2
-        assert report == f"host threads 2; CPU Adam {cpu_adam.simd_level()}"
+        assert report.startswith(f"host threads 2; CPU Adam {cpu_adam.simd_level()}; OpenMP")
     finally:
         torch.set_num_threads(before[0])
         cpu_adam.set_num_threads(before[1])
@@ -89,3 +91,24 @@ def test_missing_extension_is_said_loudly(monkeypatch):
         assert "WARNING: the C++ CPU Adam is not built" in d.apply_cpu_threads(1)
     finally:
         torch.set_num_threads(before)
+
+
+def _waiting_worker(rank, world):
+    t = torch.ones(4)
+    dist.all_reduce(t)  # both ranks are up
+    if rank == 1:
+        time.sleep(2.0)
+        dist.all_reduce(t)
+        return
+    cpu = time.process_time()  # every thread of the process (gloo's included)
+    dist.all_reduce(t)
+    spent = time.process_time() - cpu
+    assert spent < 0.5, f"waiting 2 s in an all-reduce took {spent:.2f} s of CPU (spinning)"
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_in_a_gloo_collective_sleeps():
+    """On a busy host a spinning wait would take the core its late peer needs."""
+    from dist_helpers import run_distributed
+
+    run_distributed(_waiting_worker, 2)

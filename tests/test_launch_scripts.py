@@ -154,3 +154,15 @@ def test_tiny_script_model_llama_adds_the_llama_flags(tmp_path):
         timeout=60,
     )
     assert res.returncode == 2 and "MODEL must be gpt or llama" in res.stderr
+
+
+def test_launch_scripts_name_the_thread_flag_not_omp_num_threads():
+    """The project ignores OMP_NUM_THREADS on purpose (torchrun sets it to 1), so no launch
+    script sets or advises it; the shared header names --cpu-threads-per-rank instead."""
+    scripts = os.path.join(ROOT, "scripts")
+    names = [n for n in os.listdir(scripts) if n.startswith("pretrain_") or n == "common.sh"]
+    for name in names:
+        with open(os.path.join(scripts, name)) as f:
+            assert "OMP_NUM_THREADS" not in f.read().replace("OMP_NUM_THREADS is ignored", ""), name
+    with open(os.path.join(scripts, "common.sh")) as f:
+        assert "--cpu-threads-per-rank" in f.read()

@@ -2,8 +2,6 @@
 Blockwise8 host buffers whose blocks restart at each Adam piece, checkpoints holding fp32
 moments, exact resume, and one clear error where the state is not all on the host."""
 
-import dataclasses
-
 import pytest
 import torch
 from dist_helpers import ckpt_run
@@ -129,9 +127,9 @@ def test_the_planner_keeps_8bit_moments_on_the_host():
     from mp_offload.planner.fraction import pick_offload_fraction
     from mp_offload.planner.report import _fraction_line
 
-    run, hw = Run(GPTConfig(**tiny_gpt_config()), bucket_size=700), Hardware()
+    run, hw = Run(GPTConfig(**tiny_gpt_config())).with_options(bucket_size=700), Hardware()
     assert pick_offload_fraction(run, hw)[0] == 0.0  # all of it fits the device
-    q8 = dataclasses.replace(run, moment_bytes=(1, 1))
+    q8 = run.with_options(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
     assert pick_offload_fraction(q8, hw)[0] == 1.0
     kept, line = _fraction_line(q8, hw)
-    assert kept.offload_fraction == 1.0 and "8-bit moments live on the host only" in line
+    assert kept.options.offload_fraction == 1.0 and "8-bit moments live on the host only" in line

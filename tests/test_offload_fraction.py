@@ -20,6 +20,7 @@ from mp_offload.data.loader import MockGPTDataset
 from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer.adam_math import fused_adamw_available, torch_adam_step
 from mp_offload.optimizer.device_share import DeviceShare, actual_fraction, split_buckets
+from mp_offload.optimizer.options import OptimizerOptions
 from mp_offload.optimizer.placement import STATE
 from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.planner import (
@@ -305,16 +306,14 @@ def test_plan_equals_real_buffers_with_a_device_share():
         )
         assert opt.share is not None
         real = opt.memory_bytes()
-        run = Run(
-            cfg,
-            mode="offload",
-            elem_bytes=torch.empty((), dtype=dtype).element_size(),
+        options = OptimizerOptions(
+            dtype=dtype,
             bucket_size=3000,
-            cuda=False,
             micro_batches=k,
-            dpu=dpu,
+            dpu_warmup_steps=0 if dpu else None,
             offload_fraction=0.5,
         )
+        run = Run(cfg, mode="offload", options=options, cuda=False)
         shapes = rank_shapes(spec_named_params(cfg, 1), 1, 3000)
         device, host, _ = plan_rank(run, shapes, Hardware())
         assert {k2: v for k2, v in host.items() if k2 in EXACT} == real["host"]
@@ -334,18 +333,14 @@ def test_planner_picks_the_largest_device_share_that_fits():
         recompute_activations=True,
     )
     hw = Hardware(device_memory_gb=24, host_memory_gb=256, devices_per_node=1)
-    run = Run(cfg, micro_batch=1, bucket_size=20_000_000)
+    run = Run(cfg, micro_batch=1).with_options(bucket_size=20_000_000)
     f, plan = pick_offload_fraction(run, hw)
-    assert 0 < f < 1 and plan.fits and plan.run.offload_fraction == f
+    assert 0 < f < 1 and plan.fits and plan.run.options.offload_fraction == f
     chunks = plan.ranks[0].shapes.chunks
     j = split_buckets(chunks, f)
-    more = plan_job(dataclasses.replace(run, offload_fraction=fraction_for(chunks, j + 1)), hw)
+    more = plan_job(run.at_fraction(fraction_for(chunks, j + 1)), hw)
     assert not more.fits_device
-    assert (
-        plan_job(dataclasses.replace(run, offload_fraction=1.0), hw).device_peak
-        < plan.device_peak
-        <= 24 * 2**30
-    )
+    assert plan_job(run.at_fraction(1.0), hw).device_peak < plan.device_peak <= 24 * 2**30
     assert not plan_job(dataclasses.replace(run, mode="zero2"), hw).fits_device
 
 

@@ -21,6 +21,7 @@ from mp_offload import parallel_state as ps
 from mp_offload.config import ConfigError, parse_args, resolve
 from mp_offload.data.loader import MockGPTDataset
 from mp_offload.model.gpt import GPTConfig, GPTModel
+from mp_offload.optimizer.options import OptimizerOptions
 from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.planner import EXACT, Hardware, Run, plan_rank, rank_shapes, spec_named_params
 from mp_offload.tensor_parallel import merge_partitions
@@ -256,7 +257,8 @@ def test_the_second_copy_is_placed_allocated_and_planned():
             model, opt = _build(overlap, dtype=dtype, bucket=3000)
             reports[overlap] = rep = opt.memory_bytes()
             cfg = GPTConfig(**tiny_gpt_config())
-            run = Run(cfg, elem_bytes=dtype.itemsize, bucket_size=3000, cuda=False, overlap=overlap)
+            options = OptimizerOptions(dtype=dtype, bucket_size=3000, overlap_cpu_optimizer=overlap)
+            run = Run(cfg, options=options, cuda=False)
             shapes = rank_shapes(spec_named_params(cfg, 1), 1, 3000)
             _, host, _ = plan_rank(run, shapes, Hardware())
             assert {k: v for k, v in host.items() if k in EXACT} == rep["host"]
@@ -296,7 +298,6 @@ def test_the_optimizer_refuses_it_without_offload_or_with_dpu():
 
 
 def test_the_flag_reaches_the_options():
-    from mp_offload.optimizer.options import OptimizerOptions
     from mp_offload.planner.cli import run_from_args
 
     argv = ["--overlap-cpu-optimizer", "--cpu-offload", "--train-iters", "1"]
@@ -304,8 +305,8 @@ def test_the_flag_reaches_the_options():
     assert OptimizerOptions.from_args(args).overlap_cpu_optimizer
     args.model = GPTConfig(**tiny_gpt_config())
     run = run_from_args(args, 1, cuda=False)  # the planner plans the second copy
-    assert run.overlap and run.options().overlap_cpu_optimizer
-    assert not run_from_args(args, 1, mode="zero2").overlap
+    assert run.options.overlap_cpu_optimizer
+    assert not run_from_args(args, 1, mode="zero2").options.overlap_cpu_optimizer
 
 
 # -------------------------------------------------------------- checkpoints

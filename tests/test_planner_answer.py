@@ -59,14 +59,14 @@ def test_no_flags_answers_for_the_launch_scripts_defaults(capsys, monkeypatch):
 
     base = dataclasses.replace(paper_base(seq=2048), recompute_activations=True)
     hw = Hardware(80, 256, 8, host_headroom_gb=25.6)
-    run = Run(base, micro_batch=4, micro_batches=4)  # 16 sequences per step: 4 micro-batches
+    run = Run(base, micro_batch=4).with_options(micro_batches=4)  # 16 sequences: 4 micro-batches
     found = max_model(run, hw, pick_fraction=True)
     assert found.limit == "host" and found.plan.host_node_peak <= 230.4 * 2**30
     more = dataclasses.replace(found.cfg, num_layers=found.cfg.num_layers + 1)
     assert not pick_offload_fraction(dataclasses.replace(run, cfg=more), hw)[1].fits
     assert 11.5e9 < max_model(run, hw).params < 12.5e9 < found.params < 16e9
     run = found.plan.run
-    assert f"--optimizer-offload-fraction {round(run.offload_fraction, 2):g}" in out
+    assert f"--optimizer-offload-fraction {round(run.options.offload_fraction, 2):g}" in out
     c = found.cfg
     assert (
         f"max model (gpt3), offload: {found.params / 1e9:.2f}B = --num-layers "
@@ -78,7 +78,9 @@ def test_no_flags_answers_for_the_launch_scripts_defaults(capsys, monkeypatch):
     assert rows["zero2"][1] == rows["pytorch"][1] == "device"
     assert rows["offload"][0] > 2 * rows["zero2"][0]  # one GPU: offload wins by far
     assert "fits a LARGER model" not in out
-    st = speed(c, dataclasses.replace(run, cfg=c), Machine(devices_per_node=8), 16)
+    st = speed(
+        c, dataclasses.replace(run, cfg=c), Machine(devices_per_node=8, adam_rate_per_core=8e7), 16
+    )
     assert st.tokens_per_step == 16 * 2048
     assert rows["offload"][3] == round(st.days_per_billion_tokens, 1)
     assert f"{st.step_sync:.2f} s per step of 32,768 tokens" in out
@@ -95,7 +97,7 @@ def test_no_flags_answers_for_the_launch_scripts_defaults(capsys, monkeypatch):
     )
     assert (
         f"--bf16 --cpu-offload --optimizer-offload-fraction "
-        f"{round(run.offload_fraction, 2):g} --recompute-activations"
+        f"{round(run.options.offload_fraction, 2):g} --recompute-activations"
     ) in launch
     assert f"--train-iters {-(-(10**9) // (16 * 2048))}" in launch
 
@@ -259,7 +261,7 @@ def test_plan_prints_the_overlapped_step_and_where_it_hides(micro, kept_up, caps
         vocab_size=50257, recompute_activations=True,
     )  # fmt: skip
     m = Machine(400, 8, 350, 40, 50, 112, 400, 8e7, 3350)  # the preset's, RATE's Adam
-    st = speed(cfg, Run(cfg, micro_batch=micro, micro_batches=4), m, 4 * micro)
+    st = speed(cfg, Run(cfg, micro_batch=micro).with_options(micro_batches=4), m, 4 * micro)
     assert f"{st.step_overlap:.2f} s per step" in line and st.step_overlap < st.step_sync
     assert (st.hide_tokens_per_step <= st.tokens_per_step) is kept_up
     if kept_up:
@@ -268,3 +270,107 @@ def test_plan_prints_the_overlapped_step_and_where_it_hides(micro, kept_up, caps
         need = math.ceil(st.hide_tokens_per_step / (4 * 2048))
         assert f"from {st.hide_tokens_per_step:,.0f} tokens per step" in line
         assert f"--micro-batch-size >= {need} " in line
+
+
+def _main(capsys, monkeypatch, *argv) -> tuple[int, str]:
+    """The plan command line as given: no rate added (plan_out gives one)."""
+    from mp_offload.plan import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code = main(list(argv))
+    return code, capsys.readouterr().out
+
+
+H200_7B = ["--model", "llama2-7b", "--global-batch-size", "4"]
+ONE_H200 = ["--device-memory-gb", "139.8", "--host-memory-gb", "128", "--devices-per-node", "1"]
+
+
+@pytest.mark.parametrize("machine", [["--machine", "h200"], ONE_H200])
+def test_the_commands_global_batch_is_priced(capsys, monkeypatch, machine):
+    """7B on one H200 with --global-batch-size 4 at seq 4096: 16,384 tokens a step."""
+    code, out = plan_out(capsys, monkeypatch, *H200_7B, *machine)
+    assert code == 0
+    assert "per step of 16,384 tokens (4096 per sequence)" in out
+    assert "per step 16,384 tokens = " in out  # the description says the same
+    assert "wall time for 1,000,000,000 tokens: 61,036 iterations" in out  # 1e9 / 16,384
+    launch = out[out.index("torchrun") :]
+    assert "--micro-batch-size 4 --global-batch-size 4 " in launch
+
+
+def test_a_global_batch_and_a_batch_per_gpu_exclude_each_other(capsys, monkeypatch):
+    from mp_offload.plan import main
+
+    code = main([*H200_7B, "--batch-per-gpu", "8"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("plan: error: --batch-per-gpu excludes --global-batch")
+
+
+def test_the_overlap_is_advised_only_when_its_second_state_copy_fits(capsys, monkeypatch):
+    """All of 7B's optimizer state on the host: 128 GiB holds one copy, not the overlap's
+    two; 512 GiB holds both."""
+    from mp_offload.planner.arguments import parse
+    from mp_offload.planner.memory import plan_job
+    from mp_offload.planner.report import overlap_fits
+
+    whole = ["--optimizer-offload-fraction", "1"]
+    code, small = plan_out(capsys, monkeypatch, "--machine", "h200", *H200_7B, *whole)
+    assert code == 0 and "-> fits" in small and "DOES NOT FIT" not in small
+    assert "with --overlap-cpu-optimizer" not in small
+    big = ["--host-memory-gb", "512"]
+    code, out = plan_out(capsys, monkeypatch, "--machine", "h200", *H200_7B, *whole, *big)
+    assert code == 0 and "  with --overlap-cpu-optimizer: " in out
+    # the reason, from the plan itself: the overlap's host state does not fit 128 GiB
+    from mp_offload.config import resolve
+    from mp_offload.planner.arguments import run_from_args
+    from mp_offload.planner.cli import _hardware
+
+    args, opt = parse(["--machine", "h200", *H200_7B, *whole])
+    args.train.dry_run = True
+    run, hw = run_from_args(resolve(args, 1), 1), _hardware(opt)
+    assert plan_job(run, hw).fits and not overlap_fits(run, hw)
+    assert not plan_job(run.with_options(overlap_cpu_optimizer=True), hw).fits_host
+
+
+def test_the_same_question_gets_the_same_answer_on_an_idle_and_a_busy_machine(capsys, monkeypatch):
+    """The CPU Adam is priced at the named machine's rate: whatever this machine measures
+    (an idle one fast, a busy one slow) changes nothing."""
+    from mp_offload.planner import arguments, report, throughput
+
+    outs = []
+    for here in (5e9, 1e7):  # elements/s this machine would measure, idle and busy
+        for module in (throughput, arguments, report):
+            monkeypatch.setattr(
+                module, "measure_adam_rate", lambda *a, here=here, **k: here, raising=False
+            )
+        code, out = _main(capsys, monkeypatch, "--machine", "hgx-h100", "--model", "llama2-13b")
+        assert code == 0
+        outs.append(out)
+    assert outs[0] == outs[1]
+    assert "CPU Adam 1000 M elements/s per core (stated for --machine hgx-h100)" in outs[0]
+    assert "measured" not in outs[0]
+
+
+def test_each_plan_sets_the_cpu_adam_beside_a_gpu_step_on_streamed_state(capsys, monkeypatch):
+    """Qwen3-14B on 8 H200s (the rival's setting, all of the state on the host): the
+    streamed GPU step against this code's CPU Adam, priced from the same machine."""
+    argv = ["--machine", "hgx-h200", "--model", "qwen3-14b", "--optimizer-offload-fraction", "1"]
+    argv += ["--global-batch-size", "64", "--tensor-model-parallel-size", "1"]
+    code, out = _main(capsys, monkeypatch, *argv)
+    assert code == 0
+    line = next(x for x in out.splitlines() if x.startswith("  CPU Adam or a GPU step"))
+    n = 14_768_296_960 // 8  # each rank's slice (no padding at this shape)
+    # 12 B an element each way at 0.54 x 50 GB/s, or twice that through the rank's eighth
+    # of 400 GB/s of host memory: the host is the slower here
+    gpu = max(12 * n / (0.54 * 50e9), 2 * 12 * n / (400e9 / 8))
+    got = float(line.split("both at once) ")[1].split(" s")[0])
+    assert got == pytest.approx(gpu, abs=2e-3) and "27 GB/s per direction" in line
+    cpu = float(line.split("copy up take ")[1].split(" s")[0])
+    assert cpu > got
+    assert line.endswith(
+        f"the GPU step on streamed state is {cpu / got:.2f}x faster on this machine"
+    )
+    # one H200 on the lent machine's PCIe: 7B's CPU Adam wins there
+    whole = ["--optimizer-offload-fraction", "1"]
+    code, out = _main(capsys, monkeypatch, "--machine", "h200", *H200_7B, *whole)
+    line = next(x for x in out.splitlines() if x.startswith("  CPU Adam or a GPU step"))
+    assert "; the CPU Adam is " in line and "13.5 GB/s per direction" in line

@@ -4,6 +4,8 @@ moment dtype, as `python -m mp_offload.plan` states it with no flags."""
 import re
 from dataclasses import replace
 
+import torch
+
 from mp_offload.model.gpt import GPTConfig
 from mp_offload.planner import Hardware, Run, plan_job
 from mp_offload.planner.host_forms import HOST_FORMS, format_host_form_gains, host_form_gains
@@ -16,11 +18,12 @@ BASE = GPTConfig(
     vocab_size=50257,
     recompute_activations=True,
 )
+U8 = torch.uint8  # 8-bit moments
 HW = Hardware(device_memory_gb=16, host_memory_gb=24, devices_per_node=1)  # host-bound, small
 
 
 def test_each_smaller_form_fits_a_larger_model_and_the_host_bytes_say_why():
-    run = Run(BASE, micro_batches=4)
+    run = Run(BASE).with_options(micro_batches=4)
     plain, gains = host_form_gains(run, HW, "layers", pick_fraction=False)
     got = dict(gains)
     assert [label for label, _ in gains] == [label for label, _ in HOST_FORMS]
@@ -33,18 +36,21 @@ def test_each_smaller_form_fits_a_larger_model_and_the_host_bytes_say_why():
     assert all(f"{label} {f.params / 1e9:.2f}B" in text for label, f in gains), text
     # the same model with remainders: its host master is half the fp32 one, the rest equal
     fp32 = plan_job(replace(run, cfg=plain.cfg), HW).ranks[0].host
-    rem = plan_job(replace(run, cfg=plain.cfg, remainders=True), HW).ranks[0].host
+    rem = plan_job(replace(run, cfg=plain.cfg).with_options(store_param_remainders=True), HW)
+    rem = rem.ranks[0].host
     assert rem["master"] * 2 == fp32["master"]
     assert {k: v for k, v in rem.items() if k != "master"} == {
         k: v for k, v in fp32.items() if k != "master"
     }
     # and 8-bit moments: one byte per element plus a 4-byte scale per 256
-    q8 = plan_job(replace(run, cfg=plain.cfg, moment_bytes=(1, 1)), HW).ranks[0].host
+    q8 = replace(run, cfg=plain.cfg).with_options(exp_avg_dtype=U8, exp_avg_sq_dtype=U8)
+    q8 = plan_job(q8, HW).ranks[0].host
     assert fp32["exp_avg"] / 4 < q8["exp_avg"] < fp32["exp_avg"] / 4 * (1 + 4 / 256) + 4096
 
 
 def test_fp32_params_get_the_moment_forms_only():
-    _, gains = host_form_gains(Run(BASE, elem_bytes=4), HW, "layers", pick_fraction=False)
+    fp32 = Run(BASE).with_options(dtype=torch.float32)
+    _, gains = host_form_gains(fp32, HW, "layers", pick_fraction=False)
     assert [label for label, _ in gains] == ["bf16 moments", "8-bit moments"]
 
 
@@ -67,7 +73,9 @@ def test_the_launch_line_keeps_the_host_state_flags():
     from mp_offload.config import config_problems, parse_args
     from mp_offload.planner.answer import _host_state_flags
 
-    run = Run(BASE, moment_bytes=(1, 2), remainders=True)
+    run = Run(BASE).with_options(
+        exp_avg_dtype=U8, exp_avg_sq_dtype=torch.bfloat16, store_param_remainders=True
+    )
     flags = _host_state_flags(run)
     assert flags == [
         "--exp-avg-dtype",

@@ -10,6 +10,7 @@ from planner_cases import BUCKETS, HP, SMALL, TEN_B
 
 from mp_offload import parallel_state as ps
 from mp_offload.model.gpt import GPTConfig, GPTModel
+from mp_offload.optimizer.options import OptimizerOptions
 from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.planner import (
     EXACT,
@@ -37,16 +38,11 @@ def _check_against_optimizer(opt, cfg, tp, dp, tp_rank, bucket, offload, dpu, dt
     """Every exact category of the plan equals ZeroOptimizer.memory_bytes()."""
     real = opt.memory_bytes()
     # The planner's default count of gradient bucket buffers must be what the optimizer made.
-    run = Run(
-        cfg,
-        tp=tp,
-        dp=dp,
-        mode="offload" if offload else "zero2",
-        elem_bytes=torch.empty((), dtype=dtype).element_size(),
-        bucket_size=bucket,
-        dpu=dpu,
-        cuda=False,
+    options = OptimizerOptions(
+        dtype=dtype, cpu_offload=offload, bucket_size=bucket, dpu_warmup_steps=0 if dpu else None
     )
+    mode = "offload" if offload else "zero2"
+    run = Run(cfg, tp=tp, dp=dp, mode=mode, options=options, cuda=False)
     for source in ("meta", "spec"):
         named = (
             meta_named_params(cfg, tp, tp_rank) if source == "meta" else spec_named_params(cfg, tp)
@@ -113,17 +109,16 @@ def test_plan_equals_real_buffers_tp1_dp1(bucket):
             store_param_remainders=rem,
         )
         real = opt.memory_bytes()
-        run = Run(
-            cfg,
-            mode="offload",
-            elem_bytes=2,
+        options = OptimizerOptions(
+            dtype=torch.bfloat16,
             bucket_size=bucket,
-            cuda=False,
             micro_batches=k,
             accumulate_on_device=on_device,
-            moment_bytes=m,
-            remainders=rem,
+            exp_avg_dtype=mdt[m[0]],
+            exp_avg_sq_dtype=mdt[m[1]],
+            store_param_remainders=rem,
         )
+        run = Run(cfg, mode="offload", options=options, cuda=False)
         shapes = rank_shapes(spec_named_params(cfg, 1), 1, bucket)
         device, host, _ = plan_rank(run, shapes, Hardware())
         assert {k2: v for k2, v in host.items() if k2 in EXACT} == real["host"]
@@ -182,7 +177,7 @@ def test_host_falls_as_one_over_tp_dp_and_device_params_as_one_over_tp():
             state = sum(rp.host[k] for k in ("master", "exp_avg", "exp_avg_sq", "grads"))
             assert 0 <= state - 12 * per_elem <= 12 * padding / dp, (tp, dp)
             acc = plan_job(
-                Run(cfg, tp=tp, dp=dp, mode="offload", micro_batches=4), Hardware()
+                Run(cfg, tp=tp, dp=dp, mode="offload").with_options(micro_batches=4), Hardware()
             ).ranks[0]
             state = sum(acc.host[k] for k in ("master", "exp_avg", "exp_avg_sq", "grads"))
             assert 0 <= state - 16 * per_elem <= 16 * padding / dp, (tp, dp)

@@ -82,13 +82,12 @@ def test_plan_with_the_overlap_picks_the_fraction_of_least_exposed_time(capsys, 
     large share takes longer than the host's exposed work): the plan keeps on the device
     the share whose exposed optimizer time is the smallest of all that fit (checked at
     every boundary), not the largest share that fits, which it keeps without the flag."""
-    import dataclasses
 
     from planner_cases import plan_out
 
     from mp_offload.optimizer.device_share import split_buckets
     from mp_offload.planner.answer import overlap_exposed
-    from mp_offload.planner.flags import _machine, parse, run_from_args
+    from mp_offload.planner.arguments import _machine, parse, run_from_args
     from mp_offload.planner.fraction import fraction_for, pick_offload_fraction
     from mp_offload.planner.memory import Hardware
 
@@ -116,7 +115,7 @@ def test_plan_with_the_overlap_picks_the_fraction_of_least_exposed_time(capsys, 
     args = resolve(args, 1)
     hw = Hardware(24, opt.host_memory_gb, opt.devices_per_node, host_headroom_gb=0.1 * 2048)
     run = run_from_args(args, 1)
-    assert run.overlap
+    assert run.options.overlap_cpu_optimizer
     f_fit, plan = pick_offload_fraction(run, hw)
     chunks = plan.ranks[0].shapes.chunks
     top = split_buckets(chunks, f_fit)
@@ -124,19 +123,18 @@ def test_plan_with_the_overlap_picks_the_fraction_of_least_exposed_time(capsys, 
     best = _brute(lambda j: parts(fraction_for(chunks, j)), top)
     assert f_sync == fraction_for(chunks, top)  # without the flag: the largest that fits
     assert split_buckets(chunks, f_overlap) == best < top
-    assert dataclasses.replace(run, overlap=False).overlap is False
+    assert not run.at_fraction(0.0).options.overlap_cpu_optimizer  # F = 0: nothing to hide
 
 
 def test_layout_search_weighs_the_overlap():
     """A layout with --overlap-cpu-optimizer keeps the share of the least exposed time (the
     same pick as the plan's) and is ranked by the overlapped step."""
-    import dataclasses
 
     from mp_offload.model.gpt import GPTConfig
     from mp_offload.planner.answer import overlap_exposed
     from mp_offload.planner.fraction import pick_offload_fraction
-    from mp_offload.planner.layout import plan_layout
     from mp_offload.planner.memory import Hardware, Run
+    from mp_offload.planner.parallel_layout import plan_layout
     from mp_offload.planner.throughput import Machine
 
     cfg = GPTConfig(
@@ -145,10 +143,10 @@ def test_layout_search_weighs_the_overlap():
     )  # fmt: skip
     machine = Machine(400, 8, 350, 40, 50, 112, 400, 8e7, 30)  # slow device memory
     hw = Hardware(24, 2048, 8)
-    run = Run(cfg, micro_batch=4, bucket_size=20_000_000, overlap=True)
+    run = Run(cfg, micro_batch=4).with_options(bucket_size=20_000_000, overlap_cpu_optimizer=True)
     lay = plan_layout(run, hw, machine, 1, 1, 16, pick_fraction=True)
-    r = dataclasses.replace(run, micro_batches=4)
+    r = run.with_options(micro_batches=4)
     want, _ = pick_offload_fraction(r, hw, overlap_exposed(cfg, r, machine, 16))
     largest, _ = pick_offload_fraction(r, hw)
-    assert lay.run.offload_fraction == want > largest
+    assert lay.run.options.offload_fraction == want > largest
     assert lay.tokens_per_second == lay.speed.tokens_per_step / lay.speed.step_overlap

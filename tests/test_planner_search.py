@@ -77,7 +77,7 @@ def test_max_model_with_a_device_share_grows_a_host_bound_model():
     full = max_model(run, hw)
     share = max_model(run, hw, pick_fraction=True)
     assert full.limit == "host" and share.params > 1.2 * full.params
-    f = share.plan.run.offload_fraction
+    f = share.plan.run.options.offload_fraction
     assert 0 < f < 1 and share.plan.fits
     deeper = dataclasses.replace(share.cfg, num_layers=share.cfg.num_layers + 1)
     assert not pick_offload_fraction(dataclasses.replace(run, cfg=deeper), hw)[1].fits

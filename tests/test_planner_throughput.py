@@ -202,3 +202,66 @@ def test_overlap_is_the_sync_step_without_offload():
     st = step_time(ten_b(), 8, Machine(), offload_fraction=0.0)  # all of it on the device
     assert st.host_exposed == st.host_hidden == st.hide_tokens_per_step == 0.0
     assert st.step_overlap == pytest.approx(st.step_sync)
+
+
+def _gradients_one_by_one(k, down, accumulate_s, r, on_device, bwd, rs):
+    """The gradient terms micro-batch by micro-batch, written out (what the model sums)."""
+    from mp_offload.ops.traffic import accumulate_arrays, bytes_per_element
+
+    exposed = acc = last = 0.0
+    for i in range(k):
+        copy = down if i == k - 1 or not on_device else 0.0
+        a = bytes_per_element(accumulate_arrays(r, i == 0)) * accumulate_s
+        g = max(0.0, max(rs, copy) - bwd)
+        exposed, last = exposed + g, max(0.0, a - bwd - g)
+        acc += last
+    return exposed, acc, last
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+@pytest.mark.parametrize("k", [1, 2, 3, 7])
+def test_the_gradient_terms_count_each_micro_batch(k, on_device):
+    from mp_offload.planner.throughput import _offload_gradients
+
+    for down, acc_s, bwd, rs in ((3.0, 0.5, 2.0, 1.0), (1.0, 0.0, 2.0, 2.5), (0.5, 0.9, 1.0, 0.2)):
+        args = (k, down, acc_s, 2, on_device, bwd, rs)
+        assert _offload_gradients(*args) == pytest.approx(_gradients_one_by_one(*args))
+
+
+def test_a_huge_global_batch_is_priced_without_a_list_per_micro_batch():
+    """10^12 micro-batches: the first, the middle and the last are each alike."""
+    from mp_offload.planner.throughput import _offload_gradients
+
+    k, terms = 10**12, (3.0, 0.5, 2, False, 2.0, 0.5)
+    exposed, acc, last = _offload_gradients(k, *terms)
+    three, four = (_gradients_one_by_one(j, *terms) for j in (3, 4))
+    assert exposed == pytest.approx(three[0] / 3 * k)  # every micro-batch copies the same
+    middle = four[1] - three[1]  # one more micro-batch in the middle
+    assert middle > 0 and acc == pytest.approx(three[1] + (k - 3) * middle)
+    assert last == pytest.approx(three[2])
+
+
+def test_pcie_both_ways_at_once_runs_at_the_measured_share_of_one_way():
+    from mp_offload.planner.throughput import PCIE_DUPLEX_SHARE
+
+    assert Machine(pcie_gbs=25.0).pcie_each_way_gbs == pytest.approx(25.0 * PCIE_DUPLEX_SHARE)
+    assert 11 <= Machine(pcie_gbs=25.0).pcie_each_way_gbs <= 16  # the measured pairs
+    assert Machine(pcie_gbs=25.0, pcie_duplex_gbs=13.5).pcie_each_way_gbs == 13.5
+
+
+def test_the_streamed_gpu_step_is_the_slowest_of_its_pipelined_passes():
+    """State of n elements streamed up and back at the both-ways PCIe speed, read and
+    written in host memory, and updated at device memory bandwidth: the slowest counts."""
+    from mp_offload.planner.throughput import device_adam_bytes, streamed_gpu_step
+
+    n = 10**9
+    link = Machine(pcie_gbs=50.0, pcie_duplex_gbs=10.0, host_mem_gbs=1e6, device_mem_gbs=1e6)
+    assert streamed_gpu_step(n, 2, (4, 4), False, link, 8) == pytest.approx(12 * n / 10e9)
+    # remainders: only the 2-byte remainder of the master travels; bf16 moments 2 + 2
+    assert streamed_gpu_step(n, 2, (2, 2), True, link, 8) == pytest.approx(6 * n / 10e9)
+    host = Machine(pcie_duplex_gbs=1e6, host_mem_gbs=80.0, device_mem_gbs=1e6)
+    assert streamed_gpu_step(n, 2, (4, 4), False, host, 8) == pytest.approx(2 * 12 * n / 10e9)
+    dev = Machine(pcie_duplex_gbs=1e6, host_mem_gbs=1e6, device_mem_gbs=1.0)
+    assert streamed_gpu_step(n, 2, (4, 4), False, dev, 8) == pytest.approx(
+        device_adam_bytes(2) * n / 1e9
+    )

@@ -92,3 +92,46 @@ def test_checkpoint_replays_under_the_forward_autocast():
         grads.append((xi.grad.clone(), block.fc.weight.grad.clone()))
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_the_replay_runs_under_the_forward_sdpa_backends():
+    """Forward inside ``sdpa_kernel([MATH])``, backward after it: the recompute sees the
+    forward's switches (math only), and the caller's come back afterwards."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cuda = torch.backends.cuda
+    seen = []
+
+    def f(x):
+        seen.append(
+            (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled())
+        )
+        return x * 2
+
+    x = torch.randn(3, requires_grad=True)
+    with sdpa_kernel([SDPBackend.MATH]):
+        y = checkpoint(f, x)
+    outside = (cuda.flash_sdp_enabled(), cuda.math_sdp_enabled())
+    y.sum().backward()
+    assert outside == (True, True)  # the test's premise: backward runs with flash enabled
+    assert seen == [(False, False, True)] * 2
+    assert (cuda.flash_sdp_enabled(), cuda.math_sdp_enabled()) == (True, True)
+
+
+def test_a_math_pinned_attention_replays_on_the_math_kernel():
+    """SDPA under MATH in forward: the checkpointed gradients are the plain MATH ones bit
+    for bit (a replay on the CPU flash kernel rounds differently)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 32) for _ in range(3))
+    attend = lambda q, k, v: nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grads = []
+    for use_ckpt in (False, True):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        with sdpa_kernel([SDPBackend.MATH]):
+            y = checkpoint(attend, *inputs) if use_ckpt else attend(*inputs)
+        y.pow(2).sum().backward()
+        grads.append([t.grad for t in inputs])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -122,6 +122,24 @@ def test_the_planner_and_the_config_file_reach_only_what_they_need():
     assert graph["mp_offload.config_file"] <= {"mp_offload.config_schema", "mp_offload.fields"}
 
 
+def test_no_planner_module_shares_a_base_name_with_another_module():
+    """One name, one module: a planner module named like one elsewhere in the package
+    (``layout``, ``flags``) is read as the other in docs, tracebacks and reviews. The
+    planner's command lines live in the planner too, but for the one-line
+    ``mp_offload/plan.py`` that names the command."""
+    paths = _modules().values()
+    base = lambda path: os.path.splitext(os.path.basename(path))[0]  # noqa: E731
+    planner = os.path.join(ROOT, PACKAGE, "planner")
+    elsewhere = {base(p) for p in paths if not p.startswith(planner + os.sep)}
+    shared = sorted(
+        base(p)
+        for p in paths
+        if p.startswith(planner + os.sep) and base(p) in elsewhere - {"__init__", "__main__"}
+    )
+    assert not shared, f"planner modules named like another module of the package: {shared}"
+    assert not os.path.exists(os.path.join(ROOT, PACKAGE, "dry_run.py"))
+
+
 def _long_functions() -> list[str]:
     out = []
     for module, path in _modules().items():

@@ -53,6 +53,13 @@ def test_torchruns_report_is_dropped_and_a_workers_traceback_kept():
     assert _filtered(BUG + REPORT) == BUG + REPORT.splitlines(True)[0]
 
 
+def test_torchruns_omp_num_threads_banner_is_dropped_and_the_workers_lines_kept():
+    rule = "*" * 41 + "\n"
+    notice = "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default\n"
+    workers = "host threads 1; CPU Adam avx2\n\n*not a rule*\n"
+    assert _filtered("\n" + rule + notice + rule + workers) == workers
+
+
 @pytest.mark.slow
 def test_a_bad_flag_under_torchrun_is_the_only_line():
     res = subprocess.run(

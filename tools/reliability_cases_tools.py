@@ -1,12 +1,16 @@
-"""The reliability probe's tool cases: preprocess_data, generate and plot_loss (see
-tools/reliability_cases.py).
+"""The reliability probe's tool cases: preprocess_data, generate, plot_loss and the planner
+(see tools/reliability_cases.py).
 """
 
 from __future__ import annotations
 
+import sys
+
 from reliability_runs import (
+    TINY,
     Case,
     preprocess_keeps_old,
+    pretrain,
     tool,
 )
 
@@ -111,5 +115,38 @@ def tool_cases() -> list:
             "no such file",
             code=2,
             prefix="plot_loss.py: error: ",
+        ),
+    ] + planner_cases()
+
+
+def planner_cases() -> list:
+    """``python -m mp_offload.plan``: absurd hardware and models answered in one line."""
+    plan = lambda *a: [sys.executable, "-m", "mp_offload.plan", *a]  # noqa: E731
+    p = lambda name, cmd, needle, **kw: Case(  # noqa: E731
+        "tools", name, cmd, needle, **dict(dict(prefix="plan: "), **kw)
+    )
+    huge = ["--num-layers", "100000", "--hidden-size", "1000000", "--num-attention-heads", "8"]
+    return [
+        p("planner: no GPUs per node", plan("--devices-per-node", "0"), "--devices-per-node must"),
+        p("planner: negative host memory", plan("--host-memory-gb", "-5"), "--host-memory-gb must"),
+        p(
+            "planner: a 10^18-parameter model",
+            plan("--machine", "hgx-h100", *huge),
+            "nothing fits: 1,200,001,353,250,000,000 parameters",
+            code=1,
+        ),
+        p("planner: bf16 on V100s", plan("--machine", "dgx2", "--bf16"), "have no bf16"),
+        p(
+            "planner: Llama-2-70B on a DGX-2",
+            plan("--machine", "dgx2", "--model", "llama2-70b"),
+            "turned on to fit: --micro-batch-size 1 --sequence-parallel",
+            expect="ok",
+        ),
+        Case(
+            "configuration",
+            "planner: --dry-run with no ranks per node",
+            pretrain(*TINY, "--dry-run", "--world-size", "2"),
+            "PLAN_DEVICES_PER_NODE must be >= 1, got 0",
+            env={"PLAN_DEVICES_PER_NODE": "0"},
         ),
     ]

@@ -26,6 +26,7 @@ from .. import faults
 from .. import parallel_state as ps
 from . import on_disk as fmt
 from .errors import CheckpointError
+from .save_group import planned_bytes, save_group
 
 
 class NonFiniteStateError(CheckpointError):
@@ -122,14 +123,15 @@ def save_checkpoint(
     tmp = fmt.tmp_dir(root, iteration)
     if dist.get_rank() == 0:
         fmt.start_save(root, iteration)
-    dist.barrier()
+    # The ranks meet (the save is open) and agree on the save's wait before the slow part.
+    group = save_group(planned_bytes(model, optimizer, ps.get_data_parallel_rank()))
     files, problem = _rank_files(
         tmp, model, optimizer, ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
     )
     faults.checkpoint_point("after_rank_files", iteration)
     latest = _latest(root) if dist.get_rank() == 0 else None
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (files, problem, latest))
+    dist.all_gather_object(gathered, (files, problem, latest), group=group)
     _refuse_non_finite(root, iteration, gathered)  # before the commit and the rotation
     final = fmt.iter_dir(root, iteration)
     if dist.get_rank() == 0:
@@ -156,5 +158,5 @@ def save_checkpoint(
         fmt.commit(root, iteration, manifest)
         if keep:
             fmt.prune(root, keep, iteration, protect)
-    dist.barrier()
+    dist.barrier(group=group)
     return final

@@ -15,10 +15,13 @@ import math
 import shlex
 from dataclasses import dataclass, replace
 
+import torch
+
 from ..model.config import OPTION_FIELDS, GPTConfig, model_flags
-from .memory import MODES, GiB, Hardware, JobPlan, Run
+from ..optimizer.options import MOMENT_DTYPES
+from .memory import MODES, GiB, Hardware, JobPlan, Run, moment_bytes
 from .search import Found, max_model
-from .throughput import Machine, StepTime, step_time
+from .throughput import Machine, StepTime, step_time, streamed_state_bytes
 
 MODE_LABELS = {
     "offload": "ZeRO-Offload (--cpu-offload)",
@@ -39,6 +42,7 @@ class ModeAnswer:
 def speed(cfg: GPTConfig, run: Run, machine: Machine, batch_per_gpu: int) -> StepTime:
     """The throughput model's step for ``cfg`` laid out as ``run``."""
     mode = run.mode if run.mode in MODES else "pytorch"
+    o = run.options
     return step_time(
         cfg,
         run.world,
@@ -46,14 +50,14 @@ def speed(cfg: GPTConfig, run: Run, machine: Machine, batch_per_gpu: int) -> Ste
         tp=run.tp,
         batch_per_gpu=batch_per_gpu,
         micro_batch=run.micro_batch,
-        elem_bytes=run.elem_bytes,
-        bucket_size=run.bucket_size,
+        elem_bytes=o.dtype.itemsize,
+        bucket_size=o.bucket_size,
         mode=mode,
-        offload_fraction=run.offload_fraction,
-        accumulate_on_device=run.accumulate_on_device,
-        moment_bytes=run.moment_bytes,
-        reduce_bytes=run.reduce_bytes,
-        remainders=run.remainders,
+        offload_fraction=o.offload_fraction,
+        accumulate_on_device=o.accumulate_on_device,
+        moment_bytes=moment_bytes(o),
+        reduce_bytes=None if o.reduce_dtype is None else o.reduce_dtype.itemsize,
+        remainders=o.store_param_remainders,
     )
 
 
@@ -64,7 +68,7 @@ def overlap_exposed(cfg: GPTConfig, run: Run, machine: Machine, batch_per_gpu: i
 
     @functools.cache
     def parts(f: float) -> tuple[float, float]:
-        st = speed(cfg, replace(run, offload_fraction=f), machine, batch_per_gpu)
+        st = speed(cfg, run.at_fraction(f), machine, batch_per_gpu)
         return st.adam_device, st.host_exposed
 
     return parts
@@ -85,10 +89,10 @@ def compare_max_models(
     # plan their memory (with offload, an fp32 gradient sum on the host).
     k = max(1, batch_per_gpu // run.micro_batch)
     for mode in dict.fromkeys([run.mode, *MODES]):
-        r = replace(run, mode=mode, dpu=run.dpu and mode == "offload", micro_batches=k)
+        r = replace(run, mode=mode).with_options(micro_batches=k)
         found = max_model(r, hw, family, pick_fraction=pick_fraction)
         if found.plan is not None:
-            r = replace(r, offload_fraction=found.plan.run.offload_fraction)
+            r = r.at_fraction(found.plan.run.options.offload_fraction)
         out[mode] = ModeAnswer(
             mode, found, speed(found.cfg, r, machine, batch_per_gpu) if found.cfg else None
         )
@@ -168,7 +172,8 @@ def format_split_gain(st: StepTime, full: StepTime) -> str:
 
 def format_speed(st: StepTime, cfg: GPTConfig, machine: Machine, rate_source: str) -> str:
     host = (
-        f", PCIe {machine.pcie_gbs:g} GB/s, host {machine.host_mem_gbs:g} GB/s and "
+        f", PCIe {machine.pcie_gbs:g} GB/s one way ({machine.pcie_each_way_gbs:.3g} each way "
+        f"when both run), host {machine.host_mem_gbs:g} GB/s and "
         f"{machine.cpu_cores_per_node} cores per node, CPU Adam "
         f"{machine.adam_rate_per_core / 1e6:.0f} M elements/s per core ({rate_source})"
         if st.mode == "offload"
@@ -182,6 +187,23 @@ def format_speed(st: StepTime, cfg: GPTConfig, machine: Machine, rate_source: st
         f"  assumes {machine.device_tflops:g} TFLOPS sustained per device, DP links "
         f"{machine.intra_node_gbs:g} GB/s in a node / {machine.inter_node_gbs:g} GB/s per "
         f"GPU across nodes{host} (set --device-tflops, --pcie-gbs, ... for your machine)"
+    )
+
+
+def format_streamed(st: StepTime, run: Run, machine: Machine) -> str:
+    """This code's CPU Adam step beside a GPU step on the same state streamed from the
+    host and back, and which is faster on this machine."""
+    cpu = st.adam + st.copy_up
+    o = run.options
+    state = streamed_state_bytes(moment_bytes(o), o.store_param_remainders)
+    faster = "the CPU Adam" if cpu <= st.streamed else "the GPU step on streamed state"
+    ratio = max(cpu, st.streamed) / min(cpu, st.streamed) if min(cpu, st.streamed) else 1.0
+    return (
+        f"  CPU Adam or a GPU step on streamed state: the CPU Adam and the copy up take "
+        f"{cpu:.3f} s after backward; an Adam on the GPU over the host's state streamed up "
+        f"and back ({state} B an element each way at {machine.pcie_each_way_gbs:.3g} GB/s per "
+        f"direction, both at once) {st.streamed:.3f} s: step {st.step_sync:.2f} s vs "
+        f"{st.step_streamed:.2f} s; {faster} is {ratio:.2f}x faster on this machine"
     )
 
 
@@ -303,8 +325,9 @@ def _optimizer_flags(
     """Precision, the planned mode and its options, and the memory savers planned with."""
     opt = [f"--{precision}"] if precision != "fp32" else []
     opt += _MODE_FLAGS.get(run.mode, ())
-    if run.mode == "offload" and run.offload_fraction < 1:
-        opt += ["--optimizer-offload-fraction", str(run.offload_fraction)]
+    f = run.options.offload_fraction
+    if run.mode == "offload" and f < 1:
+        opt += ["--optimizer-offload-fraction", str(f)]
     if run.mode == "offload" and dpu_warmup_steps is not None:
         opt += ["--dpu-warmup-steps", str(dpu_warmup_steps)]
     opt += _host_state_flags(run)
@@ -316,13 +339,24 @@ def _optimizer_flags(
 
 
 def _host_state_flags(run: Run) -> list[str]:
-    """The moment dtypes and remainders planned with (8-bit and remainders: offload only,
-    as ``Run.options`` plans them)."""
-    names = {2: "bf16", 1: "8bit"} if run.mode == "offload" else {2: "bf16"}
+    """The optimizer options planned with, as flags: the moment dtypes, remainders, the
+    overlap, device accumulation and fp32 reduction (a comparison mode's run holds only
+    what that mode keeps: ``memory.device_resident``)."""
+    o = run.options
+    names = {dt: name for name, dt in MOMENT_DTYPES.items() if name != "fp32"}
     out = []
-    for flag, b in zip(("--exp-avg-dtype", "--exp-avg-sq-dtype"), run.moment_bytes):
-        out += [flag, names[b]] if b in names else []
-    return out + (["--store-param-remainders"] if run.remainders and run.mode == "offload" else [])
+    for flag, dt in (
+        ("--exp-avg-dtype", o.exp_avg_dtype),
+        ("--exp-avg-sq-dtype", o.exp_avg_sq_dtype),
+    ):
+        out += [flag, names[dt]] if dt in names else []
+    switches = (
+        ("--store-param-remainders", o.store_param_remainders),
+        ("--overlap-cpu-optimizer", o.overlap_cpu_optimizer),
+        ("--accumulate-grads-on-device", o.accumulate_on_device),
+        ("--accumulate-allreduce-grads-in-fp32", o.reduce_dtype == torch.float32),
+    )
+    return out + [flag for flag, on in switches if on]
 
 
 def _schedule_flags(iters: int) -> list[str]:

@@ -18,10 +18,8 @@ bisection; of equal costs the smallest share (the least device memory).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from ..optimizer.device_share import actual_fraction, split_buckets
-from .memory import Hardware, JobPlan, Run, plan_job
+from .memory import Hardware, JobPlan, Run, moment_bytes, plan_job
 
 
 def fraction_for(chunks, device_buckets: int) -> float:
@@ -39,15 +37,17 @@ def pick_offload_fraction(run: Run, hw: Hardware, cost=None) -> tuple[float, Job
     which then does not fit) when even full offload does not. ``run.mode`` is offload.
     ``cost(F)`` (the overlap: its (device, host) exposed seconds): of the F that fit, the
     one whose larger is the smallest."""
-    full = plan_job(replace(run, offload_fraction=1.0), hw)
-    if not full.fits_device or 1 in run.moment_bytes:  # 8-bit moments: all on the host
+    full = plan_job(run.at_fraction(1.0), hw)
+    if not full.fits_device or 1 in moment_bytes(run.options):  # 8-bit: all on the host
         return 1.0, full
     chunks = full.ranks[0].shapes.chunks
     # DPU and remainders need a host share: keep at least one bucket there.
-    top = len(chunks) - 1 if run.dpu or run.remainders else len(chunks)
+    o = run.options
+    host_share = o.dpu_warmup_steps is not None or o.store_param_remainders
+    top = len(chunks) - 1 if host_share else len(chunks)
 
     def plan(j: int) -> JobPlan:
-        return plan_job(replace(run, offload_fraction=fraction_for(chunks, j)), hw)
+        return plan_job(run.at_fraction(fraction_for(chunks, j)), hw)
 
     ok, bad = 0, top + 1  # ``ok`` fits the device; ``bad`` is the first known not to
     while bad - ok > 1:

@@ -10,18 +10,21 @@ same hardware, from the optimizer's own placement like every plan.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import torch
 
 from .memory import Hardware, Run
 from .search import Found, max_model
 
-# (label, the Run fields of the form): what `python -m mp_offload.plan` compares
+_BF16 = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+_8BIT = dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
+_REM = dict(store_param_remainders=True)
+# (label, the optimizer options of the form): what `python -m mp_offload.plan` compares
 HOST_FORMS = (
-    ("--store-param-remainders", dict(remainders=True)),
-    ("bf16 moments", dict(moment_bytes=(2, 2))),
-    ("8-bit moments", dict(moment_bytes=(1, 1))),
-    ("remainders + bf16 moments", dict(remainders=True, moment_bytes=(2, 2))),
-    ("remainders + 8-bit moments", dict(remainders=True, moment_bytes=(1, 1))),
+    ("--store-param-remainders", _REM),
+    ("bf16 moments", _BF16),
+    ("8-bit moments", _8BIT),
+    ("remainders + bf16 moments", dict(**_REM, **_BF16)),
+    ("remainders + 8-bit moments", dict(**_REM, **_8BIT)),
 )
 
 
@@ -30,13 +33,13 @@ def host_form_gains(
 ) -> tuple[Found, list[tuple[str, Found]]]:
     """(the largest model with an fp32 master and fp32 moments, [(form, its largest)]) for
     offload ``run`` (bf16: remainders need it; fp32 params get the moment forms only)."""
-    base = replace(run, remainders=False, moment_bytes=(4, 4))
+    f32 = torch.float32
+    base = run.with_options(store_param_remainders=False, exp_avg_dtype=f32, exp_avg_sq_dtype=f32)
     plain = max_model(base, hw, family, pick_fraction=pick_fraction)
-    forms = [
-        (label, kw) for label, kw in HOST_FORMS if run.elem_bytes == 2 or "remainders" not in kw
-    ]
+    bf16 = run.options.dtype == torch.bfloat16
+    forms = [(label, kw) for label, kw in HOST_FORMS if bf16 or "store_param_remainders" not in kw]
     return plain, [
-        (label, max_model(replace(base, **kw), hw, family, pick_fraction=pick_fraction))
+        (label, max_model(base.with_options(**kw), hw, family, pick_fraction=pick_fraction))
         for label, kw in forms
     ]
 

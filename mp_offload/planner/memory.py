@@ -52,7 +52,6 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..model.gpt import GPTConfig
-from ..optimizer.base import DEFAULT_BUCKET_SIZE
 from ..optimizer.options import OptimizerOptions
 from ..optimizer.placement import placement
 from .activations import estimate_activations
@@ -111,73 +110,75 @@ class Hardware:
         return self.device_memory_gb - self.device_reserve_gb
 
 
+BF16_OPTIONS = OptimizerOptions(dtype=torch.bfloat16)  # offload in bf16, the defaults
+
+
 @dataclass
 class Run:
-    """One training configuration to plan."""
+    """One training configuration to plan: the model, its layout and the optimizer's own
+    options (``optimizer/options.py``), which the plan places as the optimizer does."""
 
     cfg: GPTConfig
     tp: int = 1
     dp: int = 1
     mode: str = "offload"
-    elem_bytes: int = 2  # compute dtype: 2 for fp16/bf16, 4 for fp32
     micro_batch: int = 1
-    bucket_size: int = DEFAULT_BUCKET_SIZE
-    dpu: bool = False
+    options: OptimizerOptions = BF16_OPTIONS
     cuda: bool = True  # the staging is pinned; False: the device is the host (tests)
-    micro_batches: int = 1  # backward passes per step (gradient accumulation)
-    accumulate_on_device: bool = False
-    reduce_bytes: int | None = None  # default: elem_bytes
-    moment_bytes: tuple[int, int] = (4, 4)  # exp_avg, exp_avg_sq (2: bf16, 1: 8-bit moments)
     flash: bool = True  # fused SDPA kernels keep no s x s scores
     bucket_buffers: int | None = None  # default: ZeroOptimizer's, min(2, number of buckets)
-    offload_fraction: float = 1.0  # offload: the share of the slice on the host (F)
-    remainders: bool = False  # --store-param-remainders (offload, bf16)
-    overlap: bool = False  # --overlap-cpu-optimizer: a second copy of the host state
+
+    def __post_init__(self):
+        # offload is the options' cpu_offload; the other modes, planned beside it for
+        # comparison, keep the state on the device in its device forms
+        o = self.options
+        if self.mode == "offload" and not o.cpu_offload:
+            self.options = replace(o, cpu_offload=True)
+        elif self.mode != "offload" and o.cpu_offload:
+            self.options = device_resident(o)
 
     @property
     def world(self) -> int:
         return self.tp * self.dp
 
-    def options(self) -> OptimizerOptions:
-        """The optimizer options this run stands for (a dtype per byte count: 2 is bf16, 1
-        8-bit). Remainders and 8-bit moments are offload's forms: the other modes, planned
-        beside it for comparison, keep an fp32 master and fp32 moments."""
-        dt = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}
-        host_forms = self.mode == "offload"
-        m1, m2 = (b if host_forms or b > 1 else 4 for b in self.moment_bytes)
-        return OptimizerOptions(
-            dtype=dt[self.elem_bytes],
-            cpu_offload=self.mode == "offload",
-            bucket_size=self.bucket_size,
-            dpu_warmup_steps=0 if self.dpu else None,
-            micro_batches=self.micro_batches,
-            accumulate_on_device=self.accumulate_on_device,
-            reduce_dtype=None if self.reduce_bytes is None else dt[self.reduce_bytes],
-            exp_avg_dtype=dt[m1],
-            exp_avg_sq_dtype=dt[m2],
-            offload_fraction=self.offload_fraction,
-            store_param_remainders=self.remainders and host_forms,
-            # the overlap needs a host share; comparison modes and F = 0 plan without it
-            overlap_cpu_optimizer=self.overlap and host_forms and self.offload_fraction != 0,
-        )
+    def with_options(self, **fields) -> Run:
+        """This run with those options changed (checked as the optimizer checks them)."""
+        return replace(self, options=replace(self.options, **fields))
 
-    @classmethod
-    def from_options(cls, cfg: GPTConfig, o: OptimizerOptions, **fields) -> Run:
-        """The plan of a run built with options ``o`` (``fields``: tp, dp, mode, ...)."""
-        return cls(
-            cfg,
-            elem_bytes=o.dtype.itemsize,
-            bucket_size=o.bucket_size,
-            dpu=o.dpu_warmup_steps is not None,
-            micro_batches=o.micro_batches,
-            accumulate_on_device=o.accumulate_on_device,
-            reduce_bytes=None if o.reduce_dtype is None else o.reduce_dtype.itemsize,
-            moment_bytes=(o.exp_avg_dtype.itemsize, o.exp_avg_sq_dtype.itemsize),
-            offload_fraction=o.offload_fraction,
-            remainders=o.store_param_remainders,
-            overlap=o.overlap_cpu_optimizer,
-            **fields,
-        )
+    def at_fraction(self, offload_fraction: float) -> Run:
+        """This run at offload fraction F; at F = 0 (ZeRO-2) nothing is left for the
+        overlap to hide."""
+        overlap = self.options.overlap_cpu_optimizer and offload_fraction != 0
+        return self.with_options(offload_fraction=offload_fraction, overlap_cpu_optimizer=overlap)
+
+
+def device_resident(o: OptimizerOptions) -> OptimizerOptions:
+    """``o`` without offload: an fp32 master, the moments in fp32 or bf16 (the device Adam
+    has no 8-bit ones), no DPU, no overlap."""
+
+    def device_form(dt: torch.dtype) -> torch.dtype:
+        return torch.float32 if dt == torch.uint8 else dt
+
+    return replace(
+        o,
+        cpu_offload=False,
+        dpu_warmup_steps=None,
+        exp_avg_dtype=device_form(o.exp_avg_dtype),
+        exp_avg_sq_dtype=device_form(o.exp_avg_sq_dtype),
+        store_param_remainders=False,
+        overlap_cpu_optimizer=False,
+    )
+
+
+def moment_bytes(o: OptimizerOptions) -> tuple[int, int]:
+    """Bytes per element of exp_avg and exp_avg_sq (1: 8-bit), as the throughput model
+    and ``ops/traffic.py`` count them."""
+    return o.exp_avg_dtype.itemsize, o.exp_avg_sq_dtype.itemsize
+
+
+def elem_bytes(run: Run) -> int:
+    """Bytes per element of the compute dtype: 2 for fp16/bf16, 4 for fp32."""
+    return run.options.dtype.itemsize
 
 
 @dataclass
@@ -225,11 +226,24 @@ class JobPlan:
     def fits(self) -> bool:
         return self.fits_device and self.fits_host
 
+    def shortfall(self) -> str:
+        """What does not fit and by how much ("" when it all fits)."""
+        short = [
+            f"{where} short {(need - have * GiB) / GiB:.2f} GiB{per} ({need / GiB:.2f} of "
+            f"{have:.1f} usable)"
+            for where, need, have, per in (
+                ("device", self.device_peak, self.hw.device_usable_gb, " per GPU"),
+                ("host", self.host_node_peak, self.hw.host_usable_gb, " per node"),
+            )
+            if need > have * GiB
+        ]
+        return ", ".join(short)
+
 
 def _zero_buffers(run: Run, shapes: RankShapes) -> tuple[dict, dict, int]:
     """(device bytes, host bytes, reduce-scatter outputs) of this code's buffers: the sums
     of the optimizer's own placement (``optimizer/placement.py``)."""
-    place = placement(shapes, run.options(), "cuda" if run.cuda else "cpu")
+    place = placement(shapes, run.options, "cuda" if run.cuda else "cpu")
     device, host = place.bytes("device"), place.bytes("host")
     buckets = place.buffer("grad_buckets")
     if run.bucket_buffers:  # a what-if: more bucket buffers than the optimizer makes
@@ -242,7 +256,7 @@ def _zero_buffers(run: Run, shapes: RankShapes) -> tuple[dict, dict, int]:
 
 def plan_rank(run: Run, shapes: RankShapes, hw: Hardware) -> tuple[dict, dict, str]:
     """(device bytes, host bytes, activation peak phase) of one rank."""
-    e = run.elem_bytes
+    e = elem_bytes(run)
     if run.mode not in ALL_MODES:
         raise ValueError(f"unknown mode {run.mode!r}: one of {ALL_MODES}")
     plain = run.mode.startswith("pytorch")
@@ -279,11 +293,12 @@ def plan_job(run: Run, hw: Hardware, source: str = "spec") -> JobPlan:
     device for each TP rank; ``"spec"`` uses the written-down shapes (fast)."""
     kinds: dict[tuple, RankPlan] = {}
     tp_ranks = range(run.tp) if source == "meta" else [0]
+    bucket = run.options.bucket_size
     for r in tp_ranks:
         shapes = (
-            rank_shapes(meta_named_params(run.cfg, run.tp, r), run.dp, run.bucket_size, tp_rank=r)
+            rank_shapes(meta_named_params(run.cfg, run.tp, r), run.dp, bucket, tp_rank=r)
             if source == "meta"
-            else spec_rank_shapes(run.cfg, run.tp, run.dp, run.bucket_size)
+            else spec_rank_shapes(run.cfg, run.tp, run.dp, bucket)
         )
         device, host, phase = plan_rank(run, shapes, hw)
         key = (tuple(device.items()), tuple(host.items()))
@@ -297,7 +312,7 @@ def plan_job(run: Run, hw: Hardware, source: str = "spec") -> JobPlan:
 
 
 def compare_modes(run: Run, hw: Hardware) -> dict[str, JobPlan]:
-    return {m: plan_job(replace(run, mode=m, dpu=run.dpu and m == "offload"), hw) for m in MODES}
+    return {m: plan_job(replace(run, mode=m), hw) for m in MODES}
 
 
 # ------------------------------------------------------------------ printing
@@ -345,12 +360,13 @@ def _ranges(xs: list[int]) -> str:
 
 def format_job(plan: JobPlan) -> str:
     run, hw = plan.run, plan.hw
+    dpu = run.options.dpu_warmup_steps is not None
     head = (
-        f"plan: mode {run.mode}{' + DPU' if run.dpu else ''}{_fraction(plan)}, "
+        f"plan: mode {run.mode}{' + DPU' if dpu else ''}{_fraction(plan)}, "
         f"TP={run.tp} DP={run.dp} "
         f"(world {run.world}, {hw.devices_per_node} devices/node, "
         f"{len(plan.node_ranks)} node(s)), micro-batch {run.micro_batch} x seq "
-        f"{run.cfg.seq_length}, {run.elem_bytes}-byte params, recompute "
+        f"{run.cfg.seq_length}, {elem_bytes(run)}-byte params, recompute "
         f"{'on' if run.cfg.recompute_activations else 'off'}"
     )
     body = [format_rank(rp, run) for rp in plan.ranks]
@@ -366,13 +382,13 @@ def format_job(plan: JobPlan) -> str:
 
 
 def _fraction(plan: JobPlan) -> str:
-    run = plan.run
-    if run.mode != "offload" or run.offload_fraction >= 1:
+    run, f = plan.run, plan.run.options.offload_fraction
+    if run.mode != "offload" or f >= 1:
         return ""
     s = plan.ranks[0].shapes
-    kept = s.device_share(run.offload_fraction)
+    kept = s.device_share(f)
     return (
-        f" with --optimizer-offload-fraction {run.offload_fraction:g} (actual "
+        f" with --optimizer-offload-fraction {f:g} (actual "
         f"{1 - kept / s.slice_numel:.4f}: the device keeps {kept:,} of {s.slice_numel:,})"
     )
 

@@ -81,6 +81,10 @@ MODEL_PRESETS = {
     "llama2-70b": _llama(80, 8192, 28672, 64, 8, 32000, 4096, 10000),
     "llama3-8b": _llama(32, 4096, 14336, 32, 8, 128256, 8192, 500000),
     "llama3-70b": _llama(80, 8192, 28672, 64, 8, 128256, 8192, 500000),
+    # Qwen3 14B (its HF config: 40 x 5120, FFN 17408, 40 heads of 128 in 8 K/V groups,
+    # vocabulary 151936, rope base 1e6, untied). This model has no QK-norm: 10,240 of its
+    # 14,768,307,200 parameters are left out. Planned at seq 4096 (give --seq-length).
+    "qwen3-14b": _llama(40, 5120, 17408, 40, 8, 151936, 4096, 1000000),
     # GPT-2: LayerNorm, GELU, learned positions, tied embeddings, biases (the defaults)
     "gpt2": _shape(12, 768, 12, 50257, 1024),
     "gpt2-medium": _shape(24, 1024, 16, 50257, 1024),
@@ -268,14 +272,24 @@ MACHINE_PRESETS.update(
         "a100-80gb": _one_gpu("A100-80GB", 125, 2039, 25, 16),
         "a100-40gb": _one_gpu("A100-40GB", 125, 1555, 25, 16),
         "rtx4090": _one_gpu("RTX4090-24GB", 33, 1008, 25, 16),
+        # The H200 lent to this project: 16 cores, 128 GiB of host memory, and pinned copies
+        # measured at about 25 GB/s one way and 11-16 GB/s each way when both run at once.
+        "h200": [
+            *_one_gpu("H200-141GB", 400, 4800, 25, 16),
+            *["--pcie-duplex-gbs", "13.5", "--host-memory-gb", "128"],
+        ],
     }
 )
+# Machines whose GPUs have no bf16 (compute capability below 8.0): planned in fp16, as
+# their launch scripts run them (scripts/pretrain_llama2_70b_dgx2.sh).
+NO_BF16 = {"dgx2": "V100s"}
 # The GPU each machine's speed is priced for, as the output names it.
 MACHINE_GPUS = {
     "h100": "1x H100-80GB",
     "a100-80gb": "1x A100-80GB",
     "a100-40gb": "1x A100-40GB",
     "rtx4090": "1x RTX 4090-24GB",
+    "h200": "1x H200-141GB (the lent machine's PCIe)",
     "dgx2": "16x V100-32GB (DGX-2)",
     "dgx-a100": "8x A100-80GB (DGX A100)",
     "hgx-h100": "8x H100-80GB SXM (HGX H100)",

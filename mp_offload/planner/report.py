@@ -19,18 +19,19 @@ from .answer import (
     format_overlap,
     format_speed,
     format_split_gain,
+    format_streamed,
     format_wall_time,
     larger_elsewhere,
     launch_command,
     overlap_exposed,
     speed,
 )
-from .flags import _machine, parse, run_from_args
+from .arguments import _machine, parse, run_from_args
 from .fraction import pick_offload_fraction
 from .host_forms import format_host_form_gains, host_form_gains
-from .memory import EXACT, GiB, Hardware, JobPlan, Run, format_job, plan_job
+from .memory import EXACT, GiB, Hardware, JobPlan, Run, format_job, moment_bytes, plan_job
 from .named_models import MACHINE_GPUS, RECIPES, recipe_label
-from .throughput import Machine, format_scaling, measure_adam_rate, plot_scaling, scaling, ten_b
+from .throughput import format_scaling, plot_scaling, scaling, ten_b
 
 
 def _options(m) -> str:
@@ -80,19 +81,30 @@ def _fraction_line(run: Run, hw: Hardware, machine=None, batch_per_gpu=16) -> tu
     if f == 1.0:
         if not plan.fits_device:
             why = "it does not fit even so"
-        elif 1 in run.moment_bytes:
+        elif 1 in moment_bytes(run.options):
             why = "8-bit moments live on the host only"
         else:
             why = f"the {which}" if cost is not None else "nothing more fits the device"
         return run, f"offload fraction: 1 (all of the optimizer state on the host: {why})"
     zero2 = ", = ZeRO-2 without offload" if f == 0 else ""
-    return replace(run, offload_fraction=f), (
+    return run.at_fraction(f), (
         f"offload fraction: --optimizer-offload-fraction {f:g}{zero2} (the {which} "
         f"{hw.device_usable_gb:.1f} GiB: the first {kept:,} of each rank's "
         f"{s.slice_numel:,} elements, {kept / s.slice_numel:.1%} of its optimizer state, stay on "
         f"the device; "
         f"device peak {plan.device_peak / GiB:.2f} GiB)"
     )
+
+
+def overlap_fits(run: Run, hw: Hardware) -> bool:
+    """--overlap-cpu-optimizer is allowed with this run and its second copy of the host
+    state fits: only then is it advice."""
+    if run.options.overlap_cpu_optimizer:
+        return True  # planned with it
+    try:
+        return plan_job(run.with_options(overlap_cpu_optimizer=True), hw).fits
+    except ValueError:  # DPU or 8-bit moments: not with the overlap
+        return False
 
 
 def recipe_plan(recipe) -> tuple[JobPlan, Run]:
@@ -130,7 +142,7 @@ def format_recipe_table() -> str:
             )
             + ")"
         )
-        label = f"{recipe_label(recipe)}, k={run.micro_batches}"
+        label = f"{recipe_label(recipe)}, k={run.options.micro_batches}"
         lines.append(
             f"{recipe.model:<12}{recipe.hardware:<32}{label:<46}{dev:>14}{host:>16}  {why}"
         )
@@ -145,7 +157,7 @@ def _print_json(args: Args, run: Run, plan: JobPlan) -> None:
                 mode=run.mode,
                 tp=run.tp,
                 dp=run.dp,
-                offload_fraction=run.offload_fraction,
+                offload_fraction=run.options.offload_fraction,
                 device=rp.device,
                 host=rp.host,
                 device_total=plan.device_peak,
@@ -192,11 +204,14 @@ def _print_speed_and_launch(
         machine, rate_src = _machine(opt, plan.hw)
     st = speed(cfg, run, machine, opt.batch_per_gpu)
     print(format_speed(st, cfg, machine, rate_src))
-    if run.mode == "offload" and run.offload_fraction < 1:
-        full = speed(cfg, replace(run, offload_fraction=1.0), machine, opt.batch_per_gpu)
+    f = run.options.offload_fraction
+    if run.mode == "offload" and f < 1:
+        full = speed(cfg, run.at_fraction(1.0), machine, opt.batch_per_gpu)
         print(format_split_gain(st, full))
-    if run.mode == "offload":
-        print(format_overlap(st, run.micro_batch))
+    if run.mode == "offload" and f > 0:  # some state on the host
+        print(format_streamed(st, run, machine))
+        if overlap_fits(run, plan.hw):
+            print(format_overlap(st, run.micro_batch))
     tokens = _tokens_wanted(args, opt, st)
     print(format_wall_time(tokens or TRAIN_TOKENS, st, _priced_for(opt)))
     where = (
@@ -273,7 +288,7 @@ def _answer_max_model(args: Args, opt, run: Run, hw: Hardware) -> int:
         print(note)
     if run.mode == "offload":  # the host-state forms, with the table's micro-batches
         k = max(1, opt.batch_per_gpu // run.micro_batch)
-        gains = host_form_gains(replace(run, micro_batches=k), hw, opt.family, pick)
+        gains = host_form_gains(run.with_options(micro_batches=k), hw, opt.family, pick)
         print(format_host_form_gains(*gains))
     if mine.cfg is None:
         print(f"max model ({opt.family}): nothing fits with {run.mode}")
@@ -283,18 +298,7 @@ def _answer_max_model(args: Args, opt, run: Run, hw: Hardware) -> int:
 
 
 def _throughput(args: Args, opt) -> None:
-    measured = measure_adam_rate() if opt.adam_rate_per_core is None else None
-    rate = opt.adam_rate_per_core or measured or Machine.adam_rate_per_core
-    machine = Machine(
-        opt.device_tflops,
-        opt.tp_devices_per_node,
-        opt.intra_node_gbs,
-        opt.inter_node_gbs,
-        opt.pcie_gbs,
-        opt.cpu_cores_per_node,
-        opt.host_mem_gbs,
-        rate,
-    )
+    machine, src = _machine(opt, Hardware(devices_per_node=opt.tp_devices_per_node))
     cfg = ten_b() if opt.throughput_model == "10b" else args.model
     cfg = replace(cfg, recompute_activations=True) if opt.throughput_model == "10b" else cfg
     tp = 1 if opt.throughput_model == "10b" else args.parallel.tensor_model_parallel_size
@@ -306,13 +310,6 @@ def _throughput(args: Args, opt) -> None:
         batch_per_gpu=opt.batch_per_gpu,
         micro_batch=args.train.micro_batch_size,
     )
-    src = (
-        "measured here, 1 thread"
-        if measured
-        else "given"
-        if opt.adam_rate_per_core
-        else "stated default"
-    )
     print(
         f"throughput model: {num_parameters(cfg, tp) / 1e9:.2f}B ({cfg.num_layers}x"
         f"{cfg.hidden_size}, seq {cfg.seq_length}), TP={tp}, {opt.batch_per_gpu} sequences "
@@ -321,7 +318,8 @@ def _throughput(args: Args, opt) -> None:
         f"in a node / {machine.inter_node_gbs:g} GB/s per GPU across, PCIe "
         f"{machine.pcie_gbs:g} GB/s, host {machine.host_mem_gbs:g} GB/s and "
         f"{machine.cpu_cores_per_node} cores per {machine.devices_per_node}-GPU node, CPU Adam "
-        f"{rate / 1e6:.0f} M elements/s per core ({src}); times in seconds per step"
+        f"{machine.adam_rate_per_core / 1e6:.0f} M elements/s per core ({src}); times in "
+        "seconds per step"
     )
     print(format_scaling(rows))
     if opt.plot:

@@ -13,8 +13,10 @@ answer is the member with the most parameters that fits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
+
+import torch
 
 from ..model.gpt import GPTConfig, num_parameters
 from .fraction import pick_offload_fraction
@@ -77,7 +79,7 @@ class Found:
 def max_model(run: Run, hw: Hardware, family: str = "gpt3", pick_fraction: bool = False) -> Found:
     """``pick_fraction`` (offload): each candidate keeps on the device the share of its
     optimizer state that fits there (``--optimizer-offload-fraction``), which lets a
-    host-bound model grow; the found plan's ``run.offload_fraction`` is that F."""
+    host-bound model grow; the found plan's ``run.options.offload_fraction`` is that F."""
 
     def plan_at(h, heads, layers):
         candidate = replace(run, cfg=_shape(run.cfg, h, heads, layers, family))
@@ -128,11 +130,11 @@ class Row:
     dp: int = 1
     claim: str = ""  # what the paper says, or "" for this project's own rows
     claim_b: float | None = None  # the paper's number, billions
-    # 2: an fp32 gradient slice on the host, as the paper's ZeRO-Offload keeps (gradient
-    # accumulation here); 1: Adam reads the gradients as they came down (no fp32 copy)
-    micro_batches: int = 1
-    moment_bytes: tuple[int, int] = (4, 4)  # (2, 2): bf16 Adam moments, (1, 1): 8-bit
-    remainders: bool = False  # --store-param-remainders: the host master at 2 B
+    # The optimizer options of the row, beside bf16 offload's defaults. micro_batches=2:
+    # an fp32 gradient slice on the host, as the paper's ZeRO-Offload keeps (gradient
+    # accumulation here); 1: Adam reads the gradients as they came down (no fp32 copy).
+    # bf16 or 8-bit moments; store_param_remainders: the host master at 2 B.
+    options: dict = field(default_factory=dict)
     pick_fraction: bool = False  # keep on the device the optimizer share that fits there
 
 
@@ -165,14 +167,17 @@ def _paper_machines() -> dict[str, Hardware]:
 
 
 _SMALL = dict(claim="~1.4B", claim_b=1.4)  # the paper: PyTorch alone on one V100
-_OFFLOAD = dict(claim="~13B", claim_b=13.0, micro_batches=2)  # ZeRO-Offload on one V100
+_K2 = dict(micro_batches=2)
+_OFFLOAD = dict(claim="~13B", claim_b=13.0, options=_K2)  # ZeRO-Offload on one V100
 _MP_ALONE = dict(claim="<15B", claim_b=15.0)  # model parallelism alone on a DGX-2
-_MP_OFFLOAD = dict(claim="~70B", claim_b=70.0, micro_batches=2)  # + ZeRO-Offload
-_BF16_MOMENTS = dict(moment_bytes=(2, 2))
+_MP_OFFLOAD = dict(claim="~70B", claim_b=70.0, options=_K2)  # + ZeRO-Offload
+_M_BF16 = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+_M_8BIT = dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
+_BF16_MOMENTS = dict(options=_M_BF16)
 _FRACTION = dict(pick_fraction=True)
-_REM = dict(remainders=True)
-_REM_BF16 = dict(remainders=True, moment_bytes=(2, 2))
-_REM_8BIT = dict(remainders=True, moment_bytes=(1, 1))
+_REM = dict(options=dict(store_param_remainders=True))
+_REM_BF16 = dict(options=dict(store_param_remainders=True, **_M_BF16))
+_REM_8BIT = dict(options=dict(store_param_remainders=True, **_M_8BIT))
 # (label, machine key, mode, the Row's other fields): the paper's rows, then this project's
 # targets
 _PAPER_ROWS = (
@@ -236,15 +241,8 @@ def paper_table(
             row,
             max_model(
                 Run(
-                    base,
-                    tp=row.tp,
-                    dp=row.dp,
-                    mode=row.mode,
-                    micro_batch=micro_batch,
-                    micro_batches=row.micro_batches,
-                    moment_bytes=row.moment_bytes,
-                    remainders=row.remainders,
-                ),
+                    base, tp=row.tp, dp=row.dp, mode=row.mode, micro_batch=micro_batch
+                ).with_options(**row.options),
                 row.hw,
                 family,
                 pick_fraction=row.pick_fraction,
@@ -267,7 +265,7 @@ def format_paper_table(results: list[tuple[Row, Found]]) -> str:
         )
         label = row.label
         if row.pick_fraction and found.plan is not None:
-            label += f" F={found.plan.run.offload_fraction:.2f}"
+            label += f" F={found.plan.run.options.offload_fraction:.2f}"
         lines.append(
             f"{row.hw.name:<42}{label:<43}{found.params / 1e9:8.2f}B  {shape:<19}"
             f"{found.limit:<14}{row.claim or '-':>6}"

@@ -43,6 +43,11 @@ FLOPs per token (flops_per_token, recomputation counted), C = sustained device F
   round the master into the parameters), launched before the CPU Adam and running
   beside it: the step's optimizer time is the larger of the two. With DPU the device
   Adam sits in the device's stream before the next forward, so it counts in full.
+  PCIe: ``pcie_gbs`` one way; ``pcie_each_way_gbs`` per direction while both run at once.
+  Beside the CPU Adam (``streamed``, ``step_streamed``): an Adam on the GPU over the host
+  part's state streamed up and back (``streamed_gpu_step``: master and moments each way at
+  the both-ways PCIe speed, through host memory, at device memory bandwidth; pipelined,
+  the slowest counts), after the device share's Adam: the other design, priced alike.
 
 Without offload (``mode``): "zero2" keeps the fp32 slice on the device, so the host
 terms go (no PCIe, no host accumulation) and the fused AdamW and the publish are one
@@ -78,15 +83,36 @@ class Machine:
     devices_per_node: int = 16
     intra_node_gbs: float = 100.0  # GB/s per GPU in collectives (NVSwitch)
     inter_node_gbs: float = 6.25  # GB/s per GPU: 100 GB/s of network per 16 GPUs
-    pcie_gbs: float = 12.0  # GB/s host<->device per GPU (PCIe 3 x16, achieved)
+    pcie_gbs: float = 12.0  # GB/s host<->device per GPU (PCIe 3 x16, achieved), one way
     cpu_cores_per_node: int = 48
     host_mem_gbs: float = 120.0  # sustained per node; 10B Adam in 2.6 s, as the paper
-    adam_rate_per_core: float = 80e6  # elements/s; replaced by a measurement if possible
+    # elements/s of one core of the C++ CPU Adam: its fp32 tile takes about 0.8 ns an
+    # element on an AVX-512 core (docs/PERFORMANCE.md). A stated figure for the named
+    # machine, never one measured where the planner runs: the same question gets the same
+    # answer on any machine. The host bandwidth bounds it on every preset.
+    adam_rate_per_core: float = 1e9
     device_mem_gbs: float = 900.0  # device memory bandwidth (V100 HBM2): Adam without offload
+    # GB/s per direction while both directions copy at once; None: PCIE_DUPLEX_SHARE of
+    # pcie_gbs
+    pcie_duplex_gbs: float | None = None
+
+    @property
+    def pcie_each_way_gbs(self) -> float:
+        """Per direction, both directions at once."""
+        if self.pcie_duplex_gbs is not None:
+            return self.pcie_duplex_gbs
+        return PCIE_DUPLEX_SHARE * self.pcie_gbs
+
+
+# Pinned copies both ways at once on the lent H200 ran at 11-16 GB/s each, against about
+# 25 GB/s one way: each direction keeps about (11 + 16) / 2 / 25 of its one-way speed.
+PCIE_DUPLEX_SHARE = 0.54
 
 
 def measure_adam_rate(numel: int = 1 << 22, repeats: int = 3) -> float | None:
-    """Elements/s of one thread of the C++ CPU Adam here, or None without the extension."""
+    """Elements/s of one thread of the C++ CPU Adam here, or None without the extension.
+    For a calibration on the machine being measured (the device proof); the planner never
+    calls it: its answers are of the named machine."""
     try:
         import torch
 
@@ -147,6 +173,15 @@ class StepTime:
     host_exposed: float = 0.0  # overlap: host step seconds after backward (Adam left, up)
     host_hidden: float = 0.0  # overlap: host work seconds run under backward
     hide_tokens_per_step: float = 0.0  # overlap: the worker keeps up from this many tokens
+    # offload: a GPU step on the host part's state streamed up and back instead of the CPU
+    # Adam and the copy up (``streamed_gpu_step``), beside the device share's Adam
+    streamed: float = 0.0
+
+    @property
+    def step_streamed(self) -> float:
+        """The synchronous step with the GPU step on streamed state in place of the CPU Adam
+        and the copy up (offload only; the gradients priced as they come down here)."""
+        return self.step_sync - self.adam - self.copy_up + self.streamed
 
     @property
     def tokens_per_day(self) -> float:
@@ -157,31 +192,49 @@ class StepTime:
         return 1e9 / self.tokens_per_day
 
 
-def _overlapped(bwd: float, rs: float, down: list[float], accumulate: list[float]):
-    """(exposed gradient transfer, exposed host accumulation), summed over the step's
-    micro-batches. Micro-batch i's reduce-scatter (``rs``), copy down (``down[i]``: each
-    bucket's copy is enqueued on the copy stream when the bucket is launched) and host
-    accumulation (``accumulate[i]``: a host thread adds each chunk as it lands) all run
-    under its backward ``bwd``; only the excess counts."""
-    exposed = acc = 0.0
-    for d, a in zip(down, accumulate):
-        g = max(0.0, max(rs, d) - bwd)
-        exposed, acc = exposed + g, acc + max(0.0, a - bwd - g)
-    return exposed, acc
-
-
 def _offload_gradients(k, down, accumulate_s, r, on_device, bwd, rs):
     """(exposed transfer, exposed accumulation, of which the last micro-batch's) of
-    offload's k micro-batches: ``down``
-    seconds to copy one micro-batch's chunks down; ``accumulate_s`` seconds per byte per
-    element of the host sum (0: Adam reads the staging). With device accumulation only the
-    last micro-batch's chunks go down, under its backward."""
-    copies = [0.0] * (k - 1) + [1.0] if on_device else [1.0] * k
-    acc = [bytes_per_element(accumulate_arrays(r, i == 0)) * accumulate_s for i in range(k)]
-    exposed, total = _overlapped(bwd, rs, [c * down for c in copies], acc)
-    # the last micro-batch's own accumulation exposure (the overlap's worker queues it)
-    last = _overlapped(bwd, rs, [copies[-1] * down], acc[-1:])[1] if k else 0.0
-    return exposed, total, last
+    offload's k micro-batches. Micro-batch i's reduce-scatter (``rs``), copy down (``down``
+    seconds for its chunks: each bucket's copy is enqueued on the copy stream when the
+    bucket is launched) and host accumulation (``accumulate_s`` seconds per byte per element
+    of the host sum, 0: Adam reads the staging; a host thread adds each chunk as it lands)
+    all run under its backward ``bwd``; only the excess counts. With device accumulation
+    only the last micro-batch's chunks go down. The first, the middle and the last
+    micro-batch are each alike: counted once each, however large k is."""
+
+    def one(first: bool, last: bool) -> tuple[float, float]:
+        copy = down if last or not on_device else 0.0
+        acc = bytes_per_element(accumulate_arrays(r, first)) * accumulate_s
+        g = max(0.0, max(rs, copy) - bwd)
+        return g, max(0.0, acc - bwd - g)
+
+    if k < 1:
+        return 0.0, 0.0, 0.0
+    kinds = [(1, one(True, k == 1)), (max(0, k - 2), one(False, False))]
+    kinds += [(1, one(False, True))] if k > 1 else []
+    exposed = sum(count * g for count, (g, _) in kinds)
+    total = sum(count * a for count, (_, a) in kinds)
+    return exposed, total, one(k == 1, True)[1]  # the last micro-batch's own accumulation
+
+
+def streamed_state_bytes(moments=(4, 4), remainders: bool = False) -> int:
+    """Bytes per element of the optimizer state a GPU step on host-resident state streams
+    each way: the fp32 master (with remainders only the 2-byte remainder: the bf16 param
+    is on the device) and both moments."""
+    return (2 if remainders else 4) + sum(moments)
+
+
+def streamed_gpu_step(n: int, e: int, moments, remainders, machine: Machine, ranks_node: int):
+    """Seconds of an Adam step on the GPU over ``n`` elements whose state lives on the host:
+    streamed up and back in chunks, both directions at once (``pcie_each_way_gbs``), the
+    host memory read and written (this rank's share of the node's bandwidth), fused AdamW
+    and the publish at device memory bandwidth; pipelined, so the slowest of the three. The
+    params are published on the device (none go up)."""
+    state = streamed_state_bytes(moments, remainders) * n
+    pcie = state / (machine.pcie_each_way_gbs * 1e9)
+    host = 2 * state / (machine.host_mem_gbs * 1e9 / ranks_node)
+    device = device_adam_bytes(e, moments) * n / (machine.device_mem_gbs * 1e9)
+    return max(pcie, host, device)
 
 
 def _offload_optimizer(n, kept, e, r, reads_staging, moments, rem, machine, host_bw, ranks_node):
@@ -220,6 +273,31 @@ def _overlap_host(chunks, offload_fraction, bwd, rs, r, e, pcie, work_s):
     j = split_buckets(chunks, offload_fraction)
     per_bucket = buckets(chunks, j, rs, r / pcie, work_s, e / pcie)
     return schedule(per_bucket, bwd), keeping_up_backward(per_bucket, bwd)
+
+
+def _offload_terms(
+    shapes, n, kept, k, e, r, bwd, rs, machine, host_bw, ranks_node,
+    offload_fraction, accumulate_on_device, moment_bytes, remainders,
+):  # fmt: skip
+    """Offload's terms of ``step_time`` over the host part of n elements (``kept`` on the
+    device): (exposed gradient transfer, exposed accumulation, of which the last
+    micro-batch's, CPU Adam, device Adam, copy up, the overlapped host step, the backward
+    from which its worker keeps up, the GPU step on streamed state)."""
+    pcie = machine.pcie_gbs * 1e9
+    reads_staging = k == 1 or accumulate_on_device  # Adam reads the staging: no fp32 sum
+    grad_exposed, accumulate, acc_last = _offload_gradients(
+        k, n * r / pcie, 0.0 if reads_staging else n / host_bw, r, accumulate_on_device, bwd, rs
+    )
+    adam_host, adam_device = _offload_optimizer(
+        n, kept, e, r, reads_staging, moment_bytes, remainders, machine, host_bw, ranks_node
+    )
+    up = e * n / pcie
+    acc_s = 0.0 if reads_staging else bytes_per_element(accumulate_arrays(r, False))
+    work_s = (adam_host / n if n else 0.0) + acc_s / host_bw  # the worker's, per element
+    ov, hide_bwd = _overlap_host(shapes.chunks, offload_fraction, bwd, rs, r, e, pcie, work_s)
+    # the streamed GPU step over the host part runs on the device after its share's Adam
+    streamed = adam_device + streamed_gpu_step(n, e, moment_bytes, remainders, machine, ranks_node)
+    return grad_exposed, accumulate, acc_last, adam_host, adam_device, up, ov, hide_bwd, streamed
 
 
 def _dp_link_gbs(gpus: int, machine: Machine) -> float:
@@ -271,25 +349,19 @@ def step_time(
     ranks_node = min(gpus, machine.devices_per_node)
     host_bw = machine.host_mem_gbs * 1e9 / ranks_node
     dev_bw, dp_bw = machine.device_mem_gbs * 1e9, _dp_link_gbs(gpus, machine) * 1e9
-    pcie = machine.pcie_gbs * 1e9
     fb = micro_batch * s * F / tp / (machine.device_tflops * 1e12)
     bwd = fb * (3 / 4 if cfg.recompute_activations else 2 / 3)
     tp_comm = _tp_comm(cfg, tp, e, micro_batch, machine)
     rs = ag = (dp - 1) / dp * e * P / dp_bw
     norm = 0.0  # ZeRO: the squares are summed where each gradient first exists
     if mode == "offload":
-        reads_staging = k == 1 or accumulate_on_device  # Adam reads the staging: no fp32 sum
-        grad_exposed, accumulate, acc_last = _offload_gradients(
-            k, n * r / pcie, 0.0 if reads_staging else n / host_bw, r, accumulate_on_device, bwd, rs
-        )
-        adam_host, adam_device = _offload_optimizer(
-            n, kept, e, r, reads_staging, moment_bytes, remainders, machine, host_bw, ranks_node
-        )
+        grad_exposed, accumulate, acc_last, adam_host, adam_device, up, ov, hide_bwd, streamed = (
+            _offload_terms(
+                shapes, n, kept, k, e, r, bwd, rs, machine, host_bw, ranks_node,
+                offload_fraction, accumulate_on_device, moment_bytes, remainders,
+            )
+        )  # fmt: skip
         adam = max(adam_host, adam_device)  # the device share runs beside the CPU Adam
-        up = e * n / pcie
-        acc_s = 0.0 if reads_staging else bytes_per_element(accumulate_arrays(r, False))
-        work_s = (adam_host / n if n else 0.0) + acc_s / host_bw  # the worker's, per element
-        ov, hide_bwd = _overlap_host(shapes.chunks, offload_fraction, bwd, rs, r, e, pcie, work_s)
     else:  # the optimizer state on the device: passes at device memory bandwidth
         adam_bytes = device_adam_bytes(e, moment_bytes)
         if mode == "pytorch":  # all-reduce (2x the bytes), Adam over every parameter
@@ -298,7 +370,7 @@ def step_time(
         grad_exposed, accumulate, up = k * max(0.0, rs - bwd), 0.0, 0.0
         acc_last, ov, hide_bwd = 0.0, Overlap(0.0, 0.0, True), 0.0  # the sync step
         adam = adam_bytes * n / dev_bw
-        adam_host, adam_device = 0.0, adam
+        adam_host, adam_device, streamed = 0.0, adam, 0.0
     work = k * (fb + tp_comm) + grad_exposed + accumulate
     sync = work + norm + adam + up + ag
     dpu = (
@@ -313,7 +385,7 @@ def step_time(
         gpus, tp, dp, k * fb, k * tp_comm, grad_exposed, accumulate, 0.0, norm, adam, up, ag,
         sync, dpu, flops / sync / 1e12, flops / dpu / 1e12, mode, tokens,
         adam_host, adam_device, 1.0 - kept / shapes.slice_numel if mode == "offload" else 0.0,
-        overlap, ov.exposed, ov.hidden, tokens * hide_bwd / bwd if bwd else 0.0,
+        overlap, ov.exposed, ov.hidden, tokens * hide_bwd / bwd if bwd else 0.0, streamed,
     )  # fmt: skip
 
 

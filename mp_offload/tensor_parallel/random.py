@@ -101,15 +101,60 @@ def _autocast_state(device_types) -> list[dict]:
     ]
 
 
+# The SDPA switches (``torch.backends.cuda``; the CPU kernels read them too): the query and
+# its setter. ``sdpa_kernel`` sets the first four; the last changes the math kernel's sums.
+_SDPA_SWITCHES = (
+    ("flash_sdp_enabled", "enable_flash_sdp"),
+    ("mem_efficient_sdp_enabled", "enable_mem_efficient_sdp"),
+    ("math_sdp_enabled", "enable_math_sdp"),
+    ("cudnn_sdp_enabled", "enable_cudnn_sdp"),
+    ("fp16_bf16_reduction_math_sdp_allowed", "allow_fp16_bf16_reduction_math_sdp"),
+)
+
+
+def sdpa_state() -> dict:
+    """The scaled-dot-product-attention settings in force: which backends may run, the
+    math kernel's reduced-precision sums, and the backends' priority order (where this
+    torch has them). Which kernel SDPA picks follows from these and the inputs."""
+    cuda = torch.backends.cuda
+    state = {set_: getattr(cuda, get)() for get, set_ in _SDPA_SWITCHES if hasattr(cuda, get)}
+    order = getattr(torch._C, "_get_sdp_priority_order", None)
+    if order is not None:
+        state["priority"] = list(order())
+    return state
+
+
+def _set_sdpa_state(state: dict) -> None:
+    for key, value in state.items():
+        if key == "priority":
+            torch._C._set_sdp_priority_order(value)
+        else:
+            getattr(torch.backends.cuda, key)(value)
+
+
+@contextlib.contextmanager
+def sdpa_pinned(state: dict):
+    """Run under the SDPA settings ``state`` (from ``sdpa_state``), then restore."""
+    before = sdpa_state()
+    _set_sdpa_state(state)
+    try:
+        yield
+    finally:
+        _set_sdpa_state(before)
+
+
 class _Checkpoint(torch.autograd.Function):
-    """Drop activations in forward, recompute them in backward under the same RNG and the
-    same autocast state (backward runs outside the forward's autocast region)."""
+    """Drop activations in forward, recompute them in backward under the same RNG, the
+    same autocast state and the same SDPA backends (backward runs outside the forward's
+    autocast and ``sdpa_kernel`` regions: a replay on another attention kernel would draw
+    another dropout mask and round differently)."""
 
     @staticmethod
     def forward(ctx, run_function, *args):
         ctx.run_function = run_function
         ctx.device = _TRACKER.device
         ctx.autocast = _autocast_state(sorted({"cpu", ctx.device}))
+        ctx.sdpa = sdpa_state()
         ctx.cpu_state = torch.get_rng_state()
         ctx.device_state = get_rng_state(ctx.device) if ctx.device == "cuda" else None
         ctx.tracker_states = _TRACKER.get_states()
@@ -132,6 +177,7 @@ class _Checkpoint(torch.autograd.Function):
         with torch.enable_grad(), contextlib.ExitStack() as stack:
             for state in ctx.autocast:
                 stack.enter_context(torch.autocast(**state))
+            stack.enter_context(sdpa_pinned(ctx.sdpa))
             out = ctx.run_function(*inputs)
         torch.set_rng_state(cpu_now)
         if dev_now is not None:
@@ -143,5 +189,6 @@ class _Checkpoint(torch.autograd.Function):
 
 
 def checkpoint(function, *args):
-    """Activation checkpointing that restores CPU, device and tracker RNG states."""
+    """Activation checkpointing that replays under the forward's CPU, device and tracker RNG
+    states, autocast and SDPA backends."""
     return _Checkpoint.apply(function, *args)

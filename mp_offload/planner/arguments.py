@@ -6,15 +6,16 @@ scripts' defaults for flags not given, and what the flags say: ``Args``, ``Run``
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-from dataclasses import replace
 
 from ..config import CONFIG_CLASSES, Args, ConfigError, build_parser, parse_with_config
+from ..fields import range_problem
 from ..optimizer.options import OptimizerOptions
 from .memory import ALL_MODES, DEVICE_RESERVE_FRACTION, DEVICE_RESERVE_MIN_GB, Hardware, Run
-from .named_models import MACHINE_PRESETS, MODEL_PRESETS
+from .named_models import MACHINE_PRESETS, MODEL_PRESETS, NO_BF16
 from .search import FAMILIES
-from .throughput import Machine, measure_adam_rate
+from .throughput import PCIE_DUPLEX_SHARE, Machine
 
 
 def _planner_parser() -> argparse.ArgumentParser:
@@ -137,7 +138,12 @@ def _speed_flags(add) -> None:
         default=[1, 2, 4, 8, 16, 32, 64, 128],
         help="--throughput's GPU counts",
     )
-    add("--batch-per-gpu", type=int, default=16, help="sequences per GPU per step")
+    add(
+        "--batch-per-gpu",
+        type=int,
+        default=None,
+        help="sequences per GPU per step when --global-batch-size is not given (default 16)",
+    )
     add("--device-tflops", type=float, default=Machine.device_tflops, help="sustained, per GPU")
     add(
         "--intra-node-gbs",
@@ -152,6 +158,13 @@ def _speed_flags(add) -> None:
         help="GB/s per GPU in collectives across nodes",
     )
     add("--pcie-gbs", type=float, default=Machine.pcie_gbs, help="GB/s host<->device per GPU")
+    add(
+        "--pcie-duplex-gbs",
+        type=float,
+        default=None,
+        help="GB/s per direction while both directions copy at once (default: "
+        f"{PCIE_DUPLEX_SHARE:g} x --pcie-gbs, as measured on an H200)",
+    )
     add("--cpu-cores-per-node", type=int, default=Machine.cpu_cores_per_node, help="for CPU Adam")
     add(
         "--host-mem-gbs",
@@ -163,7 +176,8 @@ def _speed_flags(add) -> None:
         "--adam-rate-per-core",
         type=float,
         default=None,
-        help="elements/s (default: measured here, else 8e7)",
+        help="elements/s of one core of the C++ CPU Adam (default: the --machine's, else "
+        f"{Machine.adam_rate_per_core:g}; never measured here)",
     )
     add(
         "--tp-devices-per-node",
@@ -235,6 +249,7 @@ SHAPE_DESTS = (
     "model.ffn_hidden_size",
 )
 HEADROOM_FRACTION = 0.10
+DEFAULT_BATCH_PER_GPU = 16  # sequences per GPU per step when no global batch is given
 
 
 def _launch_defaults(parts: dict, opt: argparse.Namespace) -> list[str]:
@@ -257,6 +272,7 @@ def _launch_defaults(parts: dict, opt: argparse.Namespace) -> list[str]:
         o["cpu_offload"] or opt.no_cpu_offload or opt.mode or o["optimizer"] != "adam"
     )
     opt.shape_given = any(parts[g][f] is not None for g, f in (d.split(".") for d in SHAPE_DESTS))
+    assumed = _machine_precision(t, opt)
     filled = {
         "train.bf16": not (t["fp16"] or opt.fp32),
         "optim.cpu_offload": not opt.mode_given,
@@ -264,7 +280,6 @@ def _launch_defaults(parts: dict, opt: argparse.Namespace) -> list[str]:
         "model.seq_length": 2048,
         "model.vocab_size": 50257,
     }
-    assumed = []
     for dest, value in filled.items():
         group, name = dest.split(".")
         if parts[group][name] is None:
@@ -276,6 +291,76 @@ def _launch_defaults(parts: dict, opt: argparse.Namespace) -> list[str]:
         if parts[group][name] is None:
             del parts[group][name]  # GPTConfig's own default
     return assumed
+
+
+def _machine_precision(t: dict, opt: argparse.Namespace) -> list[str]:
+    """A machine whose GPUs have no bf16 (V100s) plans fp16 when no precision is given, as
+    its launch scripts run it, and refuses --bf16. Returns the flag so assumed, if any."""
+    if opt.machine not in NO_BF16:
+        return []
+    if t["bf16"]:
+        raise ConfigError(
+            f"--bf16: --machine {opt.machine}'s {NO_BF16[opt.machine]} have no bf16; plan --fp16"
+        )
+    if t["bf16"] is None and not (t["fp16"] or opt.fp32):
+        t["fp16"], t["bf16"] = True, False
+        return [f"--fp16 ({NO_BF16[opt.machine]}: no bf16)"]
+    return []
+
+
+# The planner's numeric flags and their ranges (``fields.range_problem``'s notation).
+PLAN_RANGES = {
+    "device_memory_gb": "0<..",
+    "host_memory_gb": "0<..",
+    "host_headroom_gb": "0..",
+    "devices_per_node": "1..",
+    "device_reserved_gb": "0..",
+    "device_memory_reserve_gb": "0..",
+    "host_process_gb": "0..",
+    "batch_per_gpu": "1..",
+    "device_tflops": "0<..",
+    "intra_node_gbs": "0<..",
+    "inter_node_gbs": "0<..",
+    "pcie_gbs": "0<..",
+    "pcie_duplex_gbs": "0<..",
+    "cpu_cores_per_node": "1..",
+    "host_mem_gbs": "0<..",
+    "adam_rate_per_core": "0<..",
+    "tp_devices_per_node": "1..",
+    "device_mem_gbs": "0<..",
+}
+
+
+def number_problem(name: str, value, spec: str) -> str | None:
+    """The line naming ``name`` (a flag or a variable) when ``value`` is not a finite
+    number in ``spec``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{name} must be a finite number, got {value}"
+    problem = range_problem("x", value, spec)  # "--x must be ..."
+    return problem and name + problem[len("--x") :]
+
+
+def hardware_problems(opt: argparse.Namespace) -> list[str]:
+    """Every planner flag outside its range, one line each (as pretrain_gpt.py's flags)."""
+    found = [
+        number_problem("--" + name.replace("_", "-"), getattr(opt, name), spec)
+        for name, spec in PLAN_RANGES.items()
+        if getattr(opt, name) is not None
+    ]
+    found += [number_problem("--gpus", g, "1..") for g in opt.gpus]
+    if opt.host_headroom_gb is not None and opt.host_headroom_gb >= opt.host_memory_gb:
+        found.append(
+            f"--host-headroom-gb {opt.host_headroom_gb:g} leaves nothing of --host-memory-gb "
+            f"{opt.host_memory_gb:g}"
+        )
+    reserve = opt.device_memory_reserve_gb
+    if reserve is not None and reserve + opt.device_reserved_gb >= opt.device_memory_gb:
+        found.append(
+            f"--device-memory-reserve-gb {reserve:g} and --device-reserved-gb "
+            f"{opt.device_reserved_gb:g} leave nothing of --device-memory-gb "
+            f"{opt.device_memory_gb:g}"
+        )
+    return [p for p in found if p]
 
 
 def parse(argv=None) -> tuple[Args, argparse.Namespace]:
@@ -298,17 +383,27 @@ def parse(argv=None) -> tuple[Args, argparse.Namespace]:
         group, name = key.split(".", 1)
         parts[group][name] = value
     opt = argparse.Namespace(**parts["plan"])
+    problems = hardware_problems(opt)
+    if problems:
+        raise ConfigError(problems[0])
     opt.assumed = _launch_defaults(parts, opt)
     # Given on the command line (not the defaults): TP pins the layout, a global batch
     # is kept by every layout searched.
     opt.tp_given = known.tensor_model_parallel_size is not None
     opt.global_batch_given = parts["train"]["global_batch_size"]
+    if opt.global_batch_given and opt.batch_per_gpu is not None:
+        raise ConfigError(
+            "--batch-per-gpu excludes --global-batch-size: the step's sequences are one or "
+            "the other (the global batch is the batch per GPU x DP)"
+        )
+    opt.batch_per_gpu = opt.batch_per_gpu or DEFAULT_BATCH_PER_GPU
     args = Args(**{n: cls(**parts[n]) for n, cls in CONFIG_CLASSES.items()})
     return args, opt
 
 
 def run_from_args(args: Args, world: int, mode: str | None = None, cuda: bool = True) -> Run:
-    """The plan's view of a training command line (its resolved ``Args``)."""
+    """The plan's view of a training command line (its resolved ``Args``): the optimizer
+    options the optimizer itself is built with (``OptimizerOptions.from_args``)."""
     tp = args.parallel.tensor_model_parallel_size
     if mode is None:
         mode = (
@@ -318,25 +413,27 @@ def run_from_args(args: Args, world: int, mode: str | None = None, cuda: bool = 
             if args.optim.cpu_offload
             else "zero2"
         )
-    o = OptimizerOptions.from_args(args)  # the flags as the optimizer reads them
-    t = args.train
-    run = Run.from_options(
-        args.model, o, tp=tp, dp=world // tp, mode=mode, micro_batch=t.micro_batch_size, cuda=cuda
+    return Run(
+        args.model,
+        tp=tp,
+        dp=world // tp,
+        mode=mode,
+        micro_batch=args.train.micro_batch_size,
+        options=OptimizerOptions.from_args(args),
+        cuda=cuda,
     )
-    offload = mode == "offload"
-    return replace(run, dpu=run.dpu and offload, overlap=run.overlap and offload)
 
 
 def _machine(opt, hw: Hardware) -> tuple[Machine, str]:
-    if opt.adam_rate_per_core is None and not hasattr(opt, "measured_rate"):
-        opt.measured_rate = measure_adam_rate()  # once: the layout table and the time agree
-    measured = opt.measured_rate if opt.adam_rate_per_core is None else None
-    rate = opt.adam_rate_per_core or measured or Machine.adam_rate_per_core
+    """The throughput model's machine: the --machine preset's figures, flags given winning,
+    and where its CPU Adam rate comes from. Nothing is measured here: a plan is of the named
+    machine, the same on an idle and a busy one."""
+    rate = opt.adam_rate_per_core or Machine.adam_rate_per_core
     src = (
-        "measured here, 1 thread"
-        if measured
-        else "given"
+        "given"
         if opt.adam_rate_per_core
+        else f"stated for --machine {opt.machine}"
+        if opt.machine
         else "stated default"
     )
     return Machine(
@@ -349,4 +446,5 @@ def _machine(opt, hw: Hardware) -> tuple[Machine, str]:
         opt.host_mem_gbs,
         rate,
         opt.device_mem_gbs,
+        opt.pcie_duplex_gbs,
     ), src

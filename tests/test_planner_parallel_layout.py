@@ -11,7 +11,7 @@ import pytest
 from mp_offload.model.gpt import num_parameters
 from mp_offload.planner.memory import GiB
 
-RATE = ["--adam-rate-per-core", "8e7"]  # not measured: the same figures on every machine
+RATE = ["--adam-rate-per-core", "8e7"]  # the rate the tests' own counts use
 H100_REPORTED = 85_520_809_984  # bytes, torch.cuda.get_device_properties().total_memory
 
 
@@ -97,11 +97,11 @@ def test_hgx_h100_llama2_70b_keeps_the_device_below_97_percent(hgx_70b):
 
 
 def test_best_first_is_the_one_definition_of_best():
-    from mp_offload.planner.layout import Layout, best_first
+    from mp_offload.planner.parallel_layout import Layout, best_first
 
     def lay(tp, tokens, step, host, device):
         return Layout(
-            run=SimpleNamespace(tp=tp, overlap=False),
+            run=SimpleNamespace(tp=tp, options=SimpleNamespace(overlap_cpu_optimizer=False)),
             plan=SimpleNamespace(host_node_peak=host, device_peak=device),
             speed=SimpleNamespace(tokens_per_step=tokens, step_sync=step),
             batch_per_rank=1,
@@ -117,7 +117,7 @@ def test_best_first_is_the_one_definition_of_best():
 
 def test_tp_choices_divide_heads_and_kv_groups_within_a_node():
     from mp_offload.planner.cli import parse
-    from mp_offload.planner.layout import tp_choices
+    from mp_offload.planner.parallel_layout import tp_choices
 
     args, _ = parse(["--model", "llama2-70b"])
     why = tp_choices(args, 16, 8)
@@ -225,7 +225,7 @@ def test_paper_table_targets_plan_the_reported_memory():
 
 
 def test_help_is_grouped_and_every_planner_flag_has_help(capsys):
-    from mp_offload.planner.flags import _planner_parser
+    from mp_offload.planner.arguments import _planner_parser
 
     p = _planner_parser()
     text = p.format_help()
@@ -237,14 +237,76 @@ def test_help_is_grouped_and_every_planner_flag_has_help(capsys):
     assert len(text.splitlines()) < 200
 
 
-def test_no_layout_fits_says_so_and_shows_why(capsys, monkeypatch):
+def test_no_layout_fits_retries_with_the_savers_then_shows_the_nearest_miss(capsys, monkeypatch):
     code, out, _ = _plan(
         capsys,
         monkeypatch,
-        *["--machine", "rtx4090", "--model", "llama2-70b", "--world-size", "2"],
-        *["--devices-per-node", "2"],
+        *["--machine", "rtx4090", "--model", "llama2-13b", "--world-size", "2"],
+        *["--devices-per-node", "2", "--host-memory-gb", "128"],
     )
     assert code == 0 and _layout_rows(out) == []
-    assert "not TP=1: does not fit" in out and "not TP=2: does not fit" in out
-    assert "no layout fits 2 GPU(s); the plan at TP=1:" in out
-    assert "DOES NOT FIT" in out and "torchrun" not in out
+    asked, retried = out.split("nothing fits as asked: the layouts with ")
+    assert "not TP=1: does not fit: device short" in asked and "not TP=2: does not fit" in asked
+    assert retried.startswith("--micro-batch-size 1 --sequence-parallel\n")
+    miss = re.search(
+        r"no layout fits 2 GPU\(s\) even so; the nearest miss \(the highest TP\), "
+        r"TP=2 x DP=1: host short ([\d.]+) GiB per node \(([\d.]+) of ([\d.]+) usable\)",
+        retried,
+    )
+    assert miss and float(miss[1]) == pytest.approx(float(miss[2]) - float(miss[3]), abs=0.02)
+    assert "micro-batch 1, TP=2 x DP=1" in retried  # the plan shown is the nearest miss's
+    assert "DOES NOT FIT" in retried and "torchrun" not in out
+
+
+def test_dgx2_llama2_70b_plans_as_the_shipped_script_runs_it(capsys, monkeypatch):
+    """scripts/pretrain_llama2_70b_dgx2.sh: TP=8 x DP=2, sequence parallel, fp16 (V100s)."""
+    code, out, _ = _plan(capsys, monkeypatch, "--machine", "dgx2", "--model", "llama2-70b")
+    assert code == 0
+    rows = _layout_rows(out)
+    assert rows and rows[0]["best"] and (rows[0]["tp"], rows[0]["dp"]) == (8, 2)
+    assert "turned on to fit: --micro-batch-size 1 --sequence-parallel\n" in out
+    assert out.count("planning fp16,") == 1 and "micro-batch 1, TP=8 x DP=2" in out
+    plan = out[out.index("plan: mode offload") :]
+    assert "DOES NOT FIT" not in plan.split("same model")[0]
+    launch = out[out.index("torchrun") :]
+    for flag in (
+        "--tensor-model-parallel-size 8",
+        "--micro-batch-size 1",
+        "--sequence-parallel",
+        "--fp16",
+        "--recompute-activations",
+    ):
+        assert flag in launch
+    assert "--bf16" not in launch
+
+
+def test_a_single_plan_that_does_not_fit_turns_the_savers_on(capsys, monkeypatch):
+    code, out, _ = _plan(
+        capsys,
+        monkeypatch,
+        *["--machine", "h100", "--model", "llama2-7b", "--no-recompute-activations"],
+        *["--micro-batch-size", "16"],
+    )
+    assert code == 0 and "layouts on" not in out
+    said = re.search(
+        r"turned on to fit: --micro-batch-size 1 --recompute-activations \(as asked it does "
+        r"not: device short [\d.]+ GiB per GPU",
+        out,
+    )
+    assert said and "--sequence-parallel" not in out  # TP=1: nothing to split
+    assert "micro-batch 1, TP=1 x DP=1" in out and "recompute on" in out
+    assert "DOES NOT FIT" not in out.split("same model")[0]
+    assert "--micro-batch-size 1 " in out[out.index("torchrun") :]
+
+
+def test_the_json_plan_is_the_plan_asked_for(capsys, monkeypatch):
+    """The device proof holds runs to their --json plan: no saver is turned on there."""
+    import json
+
+    code, out, _ = _plan(
+        capsys,
+        monkeypatch,
+        *["--machine", "h100", "--model", "llama2-7b", "--no-recompute-activations"],
+        *["--micro-batch-size", "16", "--json"],
+    )
+    assert code == 0 and json.loads(out)["fits"] is False

@@ -1,5 +1,5 @@
-"""Stage 4: one profiled offload step; the share of its device->host copy time that
-overlaps kernels on other streams (on the CPU: ops on other threads)."""
+"""One profiled offload step: the share of its device->host copy time that overlaps
+kernels on other streams (on the CPU: ops on other threads)."""
 
 from __future__ import annotations
 
@@ -31,18 +31,12 @@ def split_events(events, cuda: bool) -> tuple[list[Event], list[Event]]:
     return copies, kernels
 
 
-def profiled_share(device: str) -> dict:
-    cuda = device.startswith("cuda")
-    cfg = toy.MEDIUM if cuda else toy.TINY
-    m = toy.model(device, **cfg)
-    opt = toy.zero(
-        m, device, dtype=torch.bfloat16, cpu_offload=True, bucket_size=1 << 24 if cuda else 3000
-    )
-    batch = [toy.tokens(cfg, 4 if cuda else 2, 0, device)]
-    toy.step(opt, m, batch, torch.bfloat16)  # warm-up: buffers, streams, kernels chosen
+def profiled_share(opt, m, batches) -> dict:
+    """Profile one step of ``opt`` (already warmed up) over ``batches``."""
+    cuda = opt.device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
-        toy.step(opt, m, batch, torch.bfloat16)
+        toy.step(opt, m, batches)
         if cuda:
             torch.cuda.synchronize()
     opt.flush()

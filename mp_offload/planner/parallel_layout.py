@@ -30,7 +30,8 @@ class Layout:
 
     @property
     def tokens_per_second(self) -> float:
-        step = self.speed.step_overlap if self.run.overlap else self.speed.step_sync
+        overlap = self.run.options.overlap_cpu_optimizer
+        step = self.speed.step_overlap if overlap else self.speed.step_sync
         return self.speed.tokens_per_step / step
 
 
@@ -76,15 +77,28 @@ def plan_layout(
     """``run`` laid out as TP=tp x DP=world/tp, with ``batch_per_rank`` sequences per DP
     rank per step in micro-batches of ``run.micro_batch``."""
     k = max(1, batch_per_rank // run.micro_batch)
-    r = replace(run, tp=tp, dp=world // tp, micro_batches=k)
+    r = replace(run, tp=tp, dp=world // tp).with_options(micro_batches=k)
     if pick_fraction and r.mode == "offload":
         # with the overlap: the share of the least exposed optimizer time, of those that fit
-        cost = overlap_exposed(r.cfg, r, machine, batch_per_rank) if r.overlap else None
+        overlap = r.options.overlap_cpu_optimizer
+        cost = overlap_exposed(r.cfg, r, machine, batch_per_rank) if overlap else None
         f, plan = pick_offload_fraction(r, hw, cost)
-        r = replace(r, offload_fraction=f)
+        r = r.at_fraction(f)
     else:
         plan = plan_job(r, hw)
     return Layout(r, plan, speed(r.cfg, r, machine, batch_per_rank), batch_per_rank)
+
+
+@dataclass
+class Search:
+    fits: list[Layout]  # best first
+    misses: list[Layout]  # allowed by the flags but too large, by TP
+    refused: dict[int, str]  # {TP: why not} for every TP not in ``fits``
+
+    @property
+    def nearest_miss(self) -> Layout | None:
+        """The miss of the highest TP: the least weight per GPU."""
+        return self.misses[-1] if self.misses else None
 
 
 def search_layouts(
@@ -96,27 +110,49 @@ def search_layouts(
     batch_per_rank: int | None,
     global_batch: int | None,
     pick_fraction: bool,
-) -> tuple[list[Layout], dict[int, str]]:
-    """(every layout the flags allow, best first; {TP: why not} for the rest, including
-    those that do not fit). ``global_batch`` given: each layout keeps it
+) -> Search:
+    """Every layout the flags allow, planned. ``global_batch`` given: each layout keeps it
     (``batch_per_rank`` = global / DP); else ``batch_per_rank`` sequences per DP rank."""
     allowed = tp_choices(args, world, hw.devices_per_node)
-    layouts, refused = [], {tp: why for tp, why in allowed.items() if why}
+    found = Search([], [], {tp: why for tp, why in allowed.items() if why})
     for tp in (t for t, why in allowed.items() if not why):
         per_rank = global_batch // (world // tp) if global_batch else batch_per_rank
         lay = plan_layout(run, hw, machine, tp, world, per_rank, pick_fraction)
         if lay.plan.fits:
-            layouts.append(lay)
+            found.fits.append(lay)
         else:
-            refused[tp] = "does not fit: " + ", ".join(
-                w
-                for w, ok in (("device", lay.plan.fits_device), ("host", lay.plan.fits_host))
-                if not ok
-            )
-    return best_first(layouts), refused
+            found.misses.append(lay)
+            found.refused[tp] = "does not fit: " + lay.plan.shortfall()
+    found.fits = best_first(found.fits)
+    return found
 
 
-def format_layouts(layouts: list[Layout], refused: dict[int, str], world: int) -> str:
+def relaxed(args: Args, run: Run, sequence_parallel: bool = True) -> tuple[Args, Run, list[str]]:
+    """``args`` and ``run`` with the memory savers a plan turns on when nothing fits as
+    asked: micro-batch 1, sequence parallelism (when ``sequence_parallel``: it changes
+    nothing at TP=1), recomputation; and the flags of those that were not on already
+    (none: nothing to retry)."""
+    m, t = args.model, args.train
+    sp = sequence_parallel and not m.sequence_parallel
+    turned = ["--micro-batch-size 1"] if t.micro_batch_size > 1 else []
+    turned += ["--sequence-parallel"] if sp else []
+    turned += [] if m.recompute_activations else ["--recompute-activations"]
+    if not turned:
+        return args, run, []
+    out = copy.deepcopy(args)
+    out.train.micro_batch_size = 1
+    out.model = replace(m, sequence_parallel=m.sequence_parallel or sp, recompute_activations=True)
+    return out, replace(run, cfg=out.model, micro_batch=1), turned
+
+
+def without_sequence_parallel(args: Args, lay: Layout) -> tuple[Args, Run]:
+    """A TP=1 layout found with sequence parallelism turned on: the same without it."""
+    args.model = replace(args.model, sequence_parallel=False)
+    return args, replace(lay.run, cfg=args.model)
+
+
+def format_layouts(found: Search, world: int) -> str:
+    layouts, refused = found.fits, found.refused
     lines = [
         f"layouts on {world} GPU(s), best first (most tokens/s, then least host memory):",
         f"  {'':2}{'TPxDP':>6}{'offload F':>11}{'device GiB':>12}{'host GiB/node':>15}"
@@ -124,7 +160,7 @@ def format_layouts(layouts: list[Layout], refused: dict[int, str], world: int) -
     ]
     for i, lay in enumerate(layouts):
         r, p = lay.run, lay.plan
-        f = f"{r.offload_fraction:.2f}" if r.mode == "offload" else "-"
+        f = f"{r.options.offload_fraction:.2f}" if r.mode == "offload" else "-"
         lines.append(
             f"  {'*' if i == 0 else ' ':2}{f'{r.tp}x{r.dp}':>6}{f:>11}"
             f"{p.device_peak / GiB:12.1f}{p.host_node_peak / GiB:15.1f}"
