@@ -176,15 +176,14 @@ def threads_per_rank(requested: int | None = None, gpu: bool = False) -> int:
 
 
 def host_threads(requested: int | None = None, gpu: bool = False) -> tuple[int, str | None]:
-    """``threads_per_rank``, and a warning when the machine is busy (``busy_machine``):
-    then one thread, unless ``--cpu-threads-per-rank`` (``requested``) chose. Every rank
-    of the node calls it at once, just after the process groups are made, so the job's
-    own ranks sleep while it counts the other jobs' runnable tasks."""
+    """``threads_per_rank``, and a warning when the machine is busy (``busy_machine``,
+    which may lower the count). Every rank of the node calls it at once, just after the
+    process groups are made, so the job's own ranks sleep while it counts the other
+    jobs' runnable tasks."""
     n = threads_per_rank(requested, gpu)
     ranks = max(1, env_int("LOCAL_WORLD_SIZE", 1))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    warning = busy_machine(ranks, n, available_cores(), other_runnable(), load)
-    return (n if warning is None or requested is not None else 1), warning
+    return busy_machine(ranks, n, available_cores(), other_runnable(), load, requested is not None)
 
 
 def apply_cpu_threads(n: int) -> str:
