@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import HANG_TIMEOUT, ROOT
 
 
 @pytest.mark.parametrize(
@@ -151,7 +151,7 @@ def test_tiny_script_model_llama_adds_the_llama_flags(tmp_path):
         env=dict(os.environ, MODEL="bert"),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_TIMEOUT,
     )
     assert res.returncode == 2 and "MODEL must be gpt or llama" in res.stderr
 

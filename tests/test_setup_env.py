@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
+from helpers import HANG_TIMEOUT, ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import setup_stamp  # noqa: E402
 
@@ -60,7 +60,7 @@ def _setup(tmp_path, **env):
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_TIMEOUT,
     )
     calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
     (tmp_path / "calls").unlink(missing_ok=True)
@@ -164,7 +164,7 @@ from setuptools.dist import Distribution
 
 setuptools.setup = lambda **kw: kw
 ns = runpy.run_path("setup.py")
-barrier = threading.Barrier(len(ns["ext_modules"]), timeout=30)
+barrier = threading.Barrier(len(ns["ext_modules"]), timeout=120)
 built = []
 
 def compile_one(self, ext):  # passes the barrier only if every extension is in flight at once
@@ -196,4 +196,44 @@ def test_setup_py_compiles_the_extensions_side_by_side_and_says_so(tmp_path):
     assert sorted(line.split()[0] for line in lines[1:]) == [
         "mp_offload._cpu_adam",
         "mp_offload._host_ops",
+    ]
+
+
+def test_the_test_script_starts_a_worker_per_usable_core(tmp_path):
+    """scripts/test.sh sets OMP_NUM_THREADS=1 for the tests, which `nproc` honours: the
+    workers are counted from the cores first."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/bash\necho "$@"\n')
+    fake.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(fake), SKIP_SETUP="1", OMP_NUM_THREADS="1")
+    env.pop("PYTEST_WORKERS", None)
+    r = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts/test.sh"), "-x"],
+        env=env, capture_output=True, text=True, timeout=HANG_TIMEOUT,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    cores = len(os.sched_getaffinity(0))
+    assert r.stdout.split() == ["-m", "pytest", "-q", "-n", str(min(cores, 4)), "--dist"] + [
+        "worksteal",
+        "-x",
+    ]
+
+
+def test_tests_without_the_build_step_say_the_set_up_command_in_one_line(tmp_path):
+    """C++ extensions not built (here: hidden from the import system at start-up, as if
+    absent): pytest ends at once with one line naming the set-up command."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['mp_offload._cpu_adam'] = None  # not built\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+         os.path.join(ROOT, "tests", "test_lint.py")],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=HANG_TIMEOUT,
+    )  # fmt: skip
+    assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert lines == [
+        "Exit: tests: no module mp_offload._cpu_adam (not set up): run bash scripts/setup_env.sh"
+        " first"
     ]
