@@ -369,6 +369,18 @@ def _checked_args(argv) -> tuple[Args, int]:
     return args, world
 
 
+def offload_note(o) -> str:
+    """Where the optimizer state lives, for the start-up line: F=0 offloads nothing."""
+    fraction = 1.0 if o.optimizer_offload_fraction is None else o.optimizer_offload_fraction
+    if not o.cpu_offload:
+        return ""
+    if fraction == 0:
+        return " (offload fraction 0: all optimizer state on the device, ZeRO-2)"
+    if fraction < 1:
+        return f" (cpu offload of {fraction:g} of the optimizer state)"
+    return " (cpu offload)"
+
+
 def build_model_and_optimizer(args: Args, device: torch.device):
     """The GPT (the same full weights for every TP size) and its optimizer."""
     torch.manual_seed(args.train.seed)
@@ -380,8 +392,7 @@ def build_model_and_optimizer(args: Args, device: torch.device):
     log.info(
         f"{'Llama' if llama else 'GPT'}: {num_parameters(args.model, tp) / 1e6:.2f}M parameters, "
         f"TP={tp} DP={ps.get_data_parallel_world_size()} device={device.type} "
-        f"optimizer={args.optim.optimizer}"
-        f"{' (cpu offload)' if args.optim.cpu_offload else ''}"
+        f"optimizer={args.optim.optimizer}{offload_note(args.optim)}"
     )
     report = optimizer.memory_report()
     if report:
