@@ -8,7 +8,14 @@ The loop lives in mp_offload.training; this file only calls it.
 """
 
 import mp_offload.lifeline  # noqa: F401 - records the launcher before the slow imports
-from mp_offload.training import pretrain
+from mp_offload.config import ConfigError, checked
+from mp_offload.early_exit import refuse
 
 if __name__ == "__main__":
+    try:  # a bad flag is one line before torch is imported (seconds; a minute under load)
+        checked()
+    except ConfigError as e:
+        refuse(str(e))
+    from mp_offload.training import pretrain
+
     pretrain()

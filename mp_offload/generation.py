@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -31,7 +29,8 @@ from .checkpoint import (
 )
 from .checkpoint.on_disk import tokenizer_args
 from .data.tokenizer import TOKENIZER_TYPES, tokenizer_for
-from .distributed import QUIET_RANK_WAIT_S, first_error, is_reporting_rank, say
+from .distributed import first_error, is_reporting_rank
+from .early_exit import say, wait_for_the_launcher
 from .help_format import DefaultsHelpFormatter
 from .model.gpt import GPTModel
 from .paths import closest_existing
@@ -308,10 +307,8 @@ def _refuse(msg: str):
             dist.barrier()
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
-    elif not is_reporting_rank():
-        # the launcher's SIGTERM, once the reporting rank has exited, ends the wait
-        signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
-        time.sleep(QUIET_RANK_WAIT_S)
+    else:
+        wait_for_the_launcher(1)
     sys.exit(1)
 
 
