@@ -1,6 +1,7 @@
 """The pretraining loop; ``pretrain_gpt.py`` is a thin entry point over ``pretrain``.
 
-Order of one run: parse + validate + ``resolve`` the flags (final from then on), then
+Order of one run: parse + validate + ``resolve`` the flags (final from then on; a bad flag
+was already refused before torch was imported, by pretrain_gpt.py), then
 check the input files and load the tokenizer (every rank, before any collective) ->
 process groups -> data (which fixes the vocabulary: the run's final ``Args`` are the
 flags ``with_data``) -> model (fp32 on the CPU, the same full weights for every TP
@@ -38,7 +39,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .checkpoint.on_disk import is_complete
-from .config import Args, ConfigError, config_warnings, parse, resolve
+from .config import Args, ConfigError, checked, config_warnings
 from .config_file import write_run_config
 from .data.build import RunData, batch_iterator, build_datasets
 from .distributed import (
@@ -50,7 +51,6 @@ from .distributed import (
     claim_report,
     comm_failure,
     current_phase,
-    env_int,
     fail,
     first_error,
     host_threads,
@@ -321,25 +321,24 @@ def _check_resume(args: Args, start: int) -> None:
 
 
 def _checked_args(argv) -> tuple[Args, int]:
-    """The final flags (``resolve``d), parsed and checked on every rank before any
-    collective (fail() on error), and the world size they are for."""
+    """The final flags (``config.checked``), checked on every rank before any collective
+    (fail() on error), and the world size they are for."""
     try:
-        args, given = parse(argv)
+        return checked(argv)
     except ConfigError as e:
         fail(str(e))
-    world = env_int("WORLD_SIZE", 1)
-    if args.parallel.world_size is not None:  # a dry run plans for any size; a real run
-        if not args.train.dry_run and args.parallel.world_size != world:  # must agree
-            fail(
-                f"--world-size {args.parallel.world_size} disagrees with the launcher's "
-                f"WORLD_SIZE {world} (--world-size is for --dry-run)"
-            )
-        world = args.parallel.world_size
-    try:
-        args = resolve(args, world, given)
-    except ConfigError as e:
-        fail(str(e))
-    return args, world
+
+
+def offload_note(o) -> str:
+    """Where the optimizer state lives, for the start-up line: F=0 offloads nothing."""
+    fraction = 1.0 if o.optimizer_offload_fraction is None else o.optimizer_offload_fraction
+    if not o.cpu_offload:
+        return ""
+    if fraction == 0:
+        return " (offload fraction 0: all optimizer state on the device, ZeRO-2)"
+    if fraction < 1:
+        return f" (cpu offload of {fraction:g} of the optimizer state)"
+    return " (cpu offload)"
 
 
 def build_model_and_optimizer(args: Args, device: torch.device):
@@ -353,8 +352,7 @@ def build_model_and_optimizer(args: Args, device: torch.device):
     log.info(
         f"{'Llama' if llama else 'GPT'}: {num_parameters(args.model, tp) / 1e6:.2f}M parameters, "
         f"TP={tp} DP={ps.get_data_parallel_world_size()} device={device.type} "
-        f"optimizer={args.optim.optimizer}"
-        f"{' (cpu offload)' if args.optim.cpu_offload else ''}"
+        f"optimizer={args.optim.optimizer}{offload_note(args.optim)}"
     )
     report = optimizer.memory_report()
     if report:
