@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from helpers import ROOT
+from helpers import HANG_TIMEOUT, ROOT
 from test_reliability import ERROR, PRETRAIN, TINY, _env, assert_one_line, run_pretrain, snapshot
 
 from mp_offload.checkpoint import read_latest
@@ -151,7 +151,7 @@ def test_a_second_signal_stops_at_once_saving_nothing_more(tmp_path):
         job.send_signal(signal.SIGINT)
         time.sleep(1)
         job.send_signal(signal.SIGINT)
-        _, err = job.communicate(timeout=50)  # before the step's 60 s are over
+        _, err = job.communicate(timeout=HANG_TIMEOUT)  # the line says it did not wait
     finally:
         job.kill()
     res = subprocess.CompletedProcess(job.args, job.returncode, "", err)
@@ -180,7 +180,7 @@ def _signalled_when(job, ready, sig) -> subprocess.CompletedProcess:
         while not ready() and time.time() < deadline:
             time.sleep(0.01)
         job.send_signal(sig)
-        _, err = job.communicate(timeout=60)
+        _, err = job.communicate(timeout=HANG_TIMEOUT)
     finally:
         job.kill()
     return subprocess.CompletedProcess(job.args, job.returncode, "", err)
