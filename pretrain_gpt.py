@@ -7,8 +7,17 @@
 The loop lives in mp_offload.training; this file only calls it.
 """
 
-import mp_offload.lifeline  # noqa: F401 - records the launcher before the slow imports
-from mp_offload.training import pretrain
+import mp_offload.lifeline  # records the launcher before the slow imports
+from mp_offload.config import ConfigError, checked
+from mp_offload.early_exit import refuse
+
+mp_offload.lifeline.stop_while_starting()  # until the run's own handlers take over
 
 if __name__ == "__main__":
+    try:  # a bad flag is one line before torch is imported (seconds; a minute under load)
+        checked()
+    except ConfigError as e:
+        refuse(str(e))
+    from mp_offload.training import pretrain
+
     pretrain()

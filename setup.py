@@ -1,6 +1,9 @@
 """Build mp_offload and its C++ extensions (pybind11, no torch headers): the CPU Adam and
-the host-side gradient accumulation."""
+the host-side gradient accumulation, compiled side by side."""
 
+import os
+import sys
+import time
 from glob import glob
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
@@ -25,6 +28,38 @@ ext_modules = [
     )
     for name in ("cpu_adam", "host_ops")
 ]
+
+
+def _progress(line: str) -> None:
+    """A progress line on stderr, and in $MP_OFFLOAD_BUILD_PROGRESS (scripts/setup_env.sh
+    shows that file's lines while pip, which hides the build's output, runs)."""
+    sys.stderr.write(f"mp_offload build: {line}\n")  # one write: the builds run in threads
+    sys.stderr.flush()
+    path = os.environ.get("MP_OFFLOAD_BUILD_PROGRESS")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+class ParallelBuildExt(build_ext):
+    """Compiles the extensions at the same time (one compiler each, up to the cores: the CPU
+    Adam alone is minutes of CPU, and waited for the host ops before), saying what it does."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = max(1, min(len(self.extensions or ()), os.cpu_count() or 1))
+
+    def build_extensions(self):
+        names = ", ".join(src for ext in self.extensions for src in ext.sources)
+        _progress(f"compiling {names} ({self.parallel} at a time)")
+        super().build_extensions()
+
+    def build_extension(self, ext):
+        start = time.monotonic()
+        super().build_extension(ext)
+        _progress(f"{ext.name} ready after {time.monotonic() - start:.0f} s")
+
 
 setup(
     name="mp_offload",
@@ -52,5 +87,5 @@ setup(
         ]
     },
     ext_modules=ext_modules,
-    cmdclass={"build_ext": build_ext},
+    cmdclass={"build_ext": ParallelBuildExt},
 )

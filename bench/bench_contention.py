@@ -17,7 +17,9 @@ The iteration times are the runs' own (``elapsed_ms`` of ``log.jsonl``), less th
 
   python bench/bench_contention.py [--iters 10] [--warmup 2] [--hogs 2] [--pairs 1]
                                    [--nproc 4] [--tp 2] [--hog-session same|own]
-                                   [--json FILE]
+                                   [--json FILE] [-- PRETRAIN_FLAGS...]
+
+Flags after ``--`` go to the job (e.g. ``-- --cpu-threads-per-rank 2``).
 """
 
 from __future__ import annotations
@@ -58,7 +60,10 @@ def _args():
     ap.add_argument("--hog-session", choices=("same", "own"), default="same")
     ap.add_argument("--timeout", type=float, default=900, help="seconds a run may take")
     ap.add_argument("--json", default=None, help="also write the figures here")
-    args = ap.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = ap.parse_args(argv[:cut])
+    args.job_flags = argv[cut + 1 :]
     for name in ("iters", "pairs", "nproc", "tp"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -94,7 +99,7 @@ def run_job(args, run_dir: str) -> list[float]:
     )
     later = str(args.iters + 1)  # no evaluation, checkpoint or sample inside the timed loop
     flags = ["--log-interval", "1", "--eval-interval", later, "--save-interval", later]
-    flags += ["--eval-iters", "1", "--sample-prompt", ""]
+    flags += ["--eval-iters", "1", "--sample-prompt", "", *args.job_flags]
     res = subprocess.run(
         ["bash", SCRIPT, *flags],
         cwd=ROOT,
@@ -148,7 +153,10 @@ def main() -> None:
                 order.append((kind, load, time.perf_counter() - t0, statistics.median(times)))
     quiet, loaded = statistics.median(runs["quiet"]), statistics.median(runs["loaded"])
     ratio = loaded / quiet
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; job: NPROC={args.nproc} TP={args.tp}")
+    extra = " " + " ".join(args.job_flags) if args.job_flags else ""
+    print(
+        f"CPU: {cpu_model()}, {os.cpu_count()} cores; job: NPROC={args.nproc} TP={args.tp}{extra}"
+    )
     print(f"loaded: {args.hogs} CPU-bound processes in the {args.hog_session} session")
     print(f"{'run':8s} {'load1 at start':>14s} {'wall s':>8s} {'median s/iter':>14s}")
     for kind, load, wall, med in order:

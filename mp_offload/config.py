@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 import sys
 import typing
 
@@ -27,11 +28,11 @@ from .config_schema import (
     ParallelConfig,
     TrainingConfig,
 )
+from .early_exit import reporting_rank
 from .fields import field_problems, flag_fields, unwrap_optional
 from .help_format import DefaultsHelpFormatter
 from .model.config import GPTConfig
-from .optimizer.options import FLAGS, OptimizerOptions, option_fields, render
-from .parallel_state import ParallelConfigError, validate_parallel_sizes
+from .parallel_sizes import ParallelConfigError, validate_parallel_sizes
 
 __all__ = [  # the schema's names too: callers import the run's flags from here
     "CONFIG_CLASSES",
@@ -45,6 +46,7 @@ __all__ = [  # the schema's names too: callers import the run's flags from here
     "ParallelConfig",
     "TrainingConfig",
     "build_parser",
+    "checked",
     "config_problems",
     "config_warnings",
     "given_flags",
@@ -64,9 +66,7 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
     def print_help(self, file=None):
-        from .distributed import is_reporting_rank
-
-        if is_reporting_rank():
+        if reporting_rank():  # parsing precedes the process group
             super().print_help(file)
 
 
@@ -219,7 +219,7 @@ def given_flags(argv=None) -> frozenset[str]:
 
 
 def _data_path_problems(d: DataConfig):
-    from .data.gpt_dataset import parse_data_path, parse_split
+    from .data.data_path import parse_data_path, parse_split
 
     if d.data_path is not None and len(d.data_path) > 1:
         if len(d.data_path) % 2:
@@ -288,7 +288,7 @@ def _data_problems(d: DataConfig, t: TrainingConfig, given: frozenset):
     yield from _tokenizer_problems(d)
     if d.mock_data:
         return
-    from .data.gpt_dataset import parse_split
+    from .data.data_path import parse_split
 
     try:
         train, valid, _ = parse_split(d.split)
@@ -346,9 +346,20 @@ def _training_problems(args: Args, world_size: int, given: frozenset):
 
 def _mode_problems(args: Args) -> list[str]:
     """The ZeRO optimizer's mode combinations: its own table (``optimizer.options.RULES``),
-    in flag names."""
-    if args.optim.optimizer != "adam":
+    in flag names. Asked only when a mode flag is on: the table's dtypes need torch, which
+    a plain command line's flag errors come before."""
+    o = args.optim
+    modes = (
+        o.store_param_remainders,
+        o.overlap_cpu_optimizer,
+        o.dpu_warmup_steps is not None,
+        o.optimizer_offload_fraction is not None,
+        o.exp_avg_dtype != "fp32" or o.exp_avg_sq_dtype != "fp32",
+    )
+    if o.optimizer != "adam" or not any(modes):
         return []
+    from .optimizer.options import FLAGS, OptimizerOptions, option_fields, render
+
     options, broken = OptimizerOptions.checked(**option_fields(args))
     return [render(r, options, FLAGS) for r in broken]
 
@@ -391,6 +402,22 @@ def resolve(args: Args, world_size: int, given: frozenset = frozenset()) -> Args
         num_micro_batches=gbs // (t.micro_batch_size * dp),
     )
     return dataclasses.replace(args, train=train)
+
+
+def checked(argv=None) -> tuple[Args, int]:
+    """pretrain_gpt.py's final flags (``resolve``d) and the world size they are for
+    (``WORLD_SIZE``, or --world-size on a dry run); ConfigError naming the flag. No torch:
+    pretrain_gpt.py calls it before importing torch, then the run again on every rank."""
+    args, given = parse(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.parallel.world_size is not None:  # a dry run plans for any size; a real run
+        if not args.train.dry_run and args.parallel.world_size != world:  # must agree
+            raise ConfigError(
+                f"--world-size {args.parallel.world_size} disagrees with the launcher's "
+                f"WORLD_SIZE {world} (--world-size is for --dry-run)"
+            )
+        world = args.parallel.world_size
+    return resolve(args, world, given), world
 
 
 def config_warnings(args: Args) -> list[str]:

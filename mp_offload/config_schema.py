@@ -12,7 +12,10 @@ from dataclasses import dataclass
 
 from .fields import derived_field, flag_field
 from .model.config import GPTConfig
-from .optimizer.base import DEFAULT_BUCKET_SIZE
+
+# Elements per gradient bucket: optimizer.base.DEFAULT_BUCKET_SIZE, the same number (a test
+# holds them equal), written here so the flags are read without importing torch.
+DEFAULT_BUCKET_SIZE = 5_000_000
 
 _f = flag_field
 

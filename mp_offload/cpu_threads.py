@@ -15,7 +15,8 @@ only thing done at import): by default a team's threads spin for milliseconds af
 parallel region, and on a busy or oversubscribed host that spin takes the core their own
 rank's training thread, or a peer rank, needs (one rank with 2 threads on a loaded 2-core
 host: 9.7 s per iteration spinning, 0.76 s passive). When the machine is busy anyway
-(``busy_machine``: other runnable tasks besides the job), a rank takes one thread.
+(``busy_machine``: other runnable tasks besides the job) the run says so in one line, and
+takes one thread per rank where the threads would spin.
 """
 
 from __future__ import annotations
@@ -121,17 +122,37 @@ def other_runnable(window_s: float = 0.1, samples: int = 11, path: str = "/proc/
     return round(max(0.0, statistics.median(counts) * min(1.0, share)), 1)
 
 
-def busy_machine(ranks: int, threads: int, cores: int, others: float, load: float) -> str | None:
-    """A warning when other jobs take at least a core and the job's ``ranks`` x
-    ``threads`` do not fit beside them on its ``cores``; None otherwise (the CPU demo's 4
-    ranks on 2 quiet cores are oversubscribed by design, and run at their quiet speed)."""
+def openmp_spins() -> bool:
+    """Whether this process's idle OpenMP threads spin (torch loaded before the policy, or
+    ``OMP_WAIT_POLICY=ACTIVE``)."""
+    return spinning_runtime or os.environ.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE"
+
+
+def busy_machine(
+    ranks: int, threads: int, cores: int, others: float, load: float, requested: bool = False
+) -> tuple[int, str | None]:
+    """The host threads of a rank and a warning, when other jobs take at least a core and
+    the job's ``ranks`` x ``threads`` do not fit beside them on its ``cores``; else
+    (``threads``, None): the CPU demo's 4 ranks on 2 quiet cores are oversubscribed by
+    design and run at their quiet speed. A busy machine takes one thread per rank only
+    where idle OpenMP threads spin: sleeping ones cost nothing, and fewer threads would
+    only shrink the job's share of the CPU (one rank beside two CPU-bound processes on 2
+    cores: 1.6 s per iteration with 2 threads, 2.8 s with 1). ``requested``: the thread
+    count came from --cpu-threads-per-rank, and stays."""
     if others < 1 or others + ranks * threads <= cores:
-        return None
-    return (
+        return threads, None
+    taken = threads if requested or not openmp_spins() else 1
+    if requested:
+        action = f"keeping --cpu-threads-per-rank {threads}"
+    elif taken < threads:
+        action = "taking 1 host thread per rank (idle OpenMP threads spin in this process)"
+    else:
+        action = f"keeping {taken} host thread(s) per rank (idle OpenMP threads sleep)"
+    return taken, (
         f"warning: this machine is busy: {others:g} runnable tasks of other jobs (load "
         f"average {load:.1f}) + {ranks} rank(s) x {threads} host thread(s) > {cores} usable "
-        f"core(s); taking 1 host thread per rank (--cpu-threads-per-rank to choose); steps "
-        f"will be slower than on a quiet machine. Fewer ranks compete less: the CPU demo on "
-        f"one rank is NPROC=1 TP=1 bash scripts/pretrain_gpt_tiny_cpu.sh, another job "
-        f"takes a smaller torchrun --nproc-per-node"
+        f"core(s); {action}; steps will be slower than on a quiet machine. Fewer ranks "
+        f"compete less: the CPU demo on one rank is NPROC=1 TP=1 bash "
+        f"scripts/pretrain_gpt_tiny_cpu.sh, another job takes a smaller torchrun "
+        f"--nproc-per-node"
     )

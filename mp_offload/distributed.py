@@ -12,7 +12,6 @@ collective. ``fail`` prints the reason once for the whole job and exits;
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import sys
 import time
@@ -28,19 +27,13 @@ from .cpu_threads import (
     openmp_wait,
     other_runnable,
 )
+from .early_exit import PROG, reporting_rank, say, wait_for_the_launcher
 from .numa import Binding, bind_to_gpu
-
-PROG = "pretrain_gpt.py"
 
 
 def env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
-
-# Before the process group exists, a rank that is not the reporting one waits this long
-# (for the launcher to stop it) before exiting quietly, so that it never ends the job
-# before the reporting rank has printed the reason.
-QUIET_RANK_WAIT_S = 30.0
 
 _BINDING = Binding()  # this rank's NUMA binding (``init_distributed``)
 _STORE = None  # the rendezvous store: ranks claim the one report of a failure there
@@ -63,21 +56,7 @@ def is_reporting_rank() -> bool:
     is the same process on one node and one line per node's log on several."""
     if dist.is_initialized():
         return dist.get_rank() == 0
-    for name in ("LOCAL_RANK", "RANK"):
-        if name in os.environ:
-            return env_int(name, 0) == 0
-    return True
-
-
-def say(msg: str) -> None:
-    """Write ``msg`` to stderr as one write(2) per line (ranks share the launcher's pipe,
-    and print()'s separate writes of text and newline can interleave)."""
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.write(2, "".join(f"{line}\n" for line in msg.splitlines()).encode())
-    except (OSError, ValueError):  # the launcher (and its pipe) may be gone
-        pass
+    return reporting_rank()
 
 
 def _claim_report() -> bool:
@@ -121,10 +100,8 @@ def fail(msg: str, code: int = 2, *, everywhere: bool = True) -> None:
             say(text)
         if dist.is_initialized():
             _quiet_barrier()
-        elif not is_reporting_rank() and env_int("WORLD_SIZE", 1) > 1:
-            # the launcher's SIGTERM, once the reporting rank has exited, ends the wait
-            signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
-            time.sleep(QUIET_RANK_WAIT_S)
+        else:
+            wait_for_the_launcher(code)
     elif _claim_report():
         say(text)
     sys.exit(code)
@@ -199,15 +176,14 @@ def numa_report(device: torch.device) -> str:
 
 
 def host_threads(requested: int | None = None, gpu: bool = False) -> tuple[int, str | None]:
-    """``threads_per_rank``, and a warning when the machine is busy (``busy_machine``):
-    then one thread, unless ``--cpu-threads-per-rank`` (``requested``) chose. Every rank
-    of the node calls it at once, just after the process groups are made, so the job's
-    own ranks sleep while it counts the other jobs' runnable tasks."""
+    """``threads_per_rank``, and a warning when the machine is busy (``busy_machine``,
+    which may lower the count). Every rank of the node calls it at once, just after the
+    process groups are made, so the job's own ranks sleep while it counts the other
+    jobs' runnable tasks."""
     n = threads_per_rank(requested, gpu)
     ranks = max(1, env_int("LOCAL_WORLD_SIZE", 1))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    warning = busy_machine(ranks, n, available_cores(), other_runnable(), load)
-    return (n if warning is None or requested is not None else 1), warning
+    return busy_machine(ranks, n, available_cores(), other_runnable(), load, requested is not None)
 
 
 def apply_cpu_threads(n: int) -> str:
@@ -326,6 +302,27 @@ def _rendezvous(rank: int, world: int, timeout: timedelta):
             f"processes with the same MASTER_ADDR and MASTER_PORT, or WORLD_SIZE=1 for one "
             f"process (--distributed-timeout-minutes sets the wait)"
         ) from None
+
+
+def store_client(timeout_s: float):
+    """A connection of its own to this job's rendezvous store (the keys ``_rendezvous``
+    and ``fail`` use), whose every call gives up after ``timeout_s``: for a thread that
+    must not block while the main one waits in a collective. None for a lone process
+    (its store lives in memory) or when the store cannot be reached."""
+    if not isinstance(_STORE, dist.PrefixStore):
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        client = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except (KeyError, ValueError, RuntimeError):
+        return None
+    return dist.PrefixStore(f"attempt_{attempt}", client)
 
 
 def init_distributed(device: str | None = None, timeout_minutes: float = 10.0) -> torch.device:

@@ -12,6 +12,10 @@ Both hooks read an environment variable and do nothing without it:
   MP_OFFLOAD_FAULT_STOP=<rank>:<iteration>          SIGSTOP that global rank as it starts
                                                     that iteration (the others then wait
                                                     in the TP and DP groups' collectives)
+  MP_OFFLOAD_FAULT_SLOW=<iteration>:<secs>          make that iteration's step last secs
+                                                    longer on every rank (a long step: a
+                                                    signal does not shorten it); rank 0
+                                                    says so on stderr as it starts
 """
 
 from __future__ import annotations
@@ -57,6 +61,15 @@ def before_iteration(iteration: int) -> None:
         rank, at = spec.split(":")
         if iteration == int(at) and os.environ.get("RANK", "0") == rank:
             os.kill(os.getpid(), signal.SIGSTOP)
+    spec = os.environ.get("MP_OFFLOAD_FAULT_SLOW")
+    if spec:
+        at, seconds = spec.split(":")
+        if iteration == int(at):
+            if os.environ.get("RANK", "0") == "0":
+                os.write(2, f"fault: the step of iteration {at} lasts {seconds} s more\n".encode())
+            deadline = time.monotonic() + float(seconds)
+            while time.monotonic() < deadline:  # as compute would: signals do not end it
+                time.sleep(max(0.0, deadline - time.monotonic()))
 
 
 def checkpoint_point(point: str, iteration: int) -> None:

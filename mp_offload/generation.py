@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -28,9 +29,11 @@ from .checkpoint import (
 )
 from .checkpoint.on_disk import tokenizer_args
 from .data.tokenizer import TOKENIZER_TYPES, tokenizer_for
-from .distributed import first_error
+from .distributed import first_error, is_reporting_rank
+from .early_exit import say, wait_for_the_launcher
 from .help_format import DefaultsHelpFormatter
 from .model.gpt import GPTModel
+from .paths import closest_existing
 from .tensor_parallel import gather_from_tp_region
 from .tensor_parallel.utils import TP_ATTRIBUTES
 
@@ -243,7 +246,7 @@ def _setup(tp: int):
         try:
             ps.initialize_model_parallel(tp)
         except ps.ParallelConfigError as e:  # every rank holds the same sizes
-            raise SystemExit(f"generate: {e}") from None
+            _refuse(f"generate: {e}")
     elif tp != 1:
         raise SystemExit(
             f"generate: --tensor-model-parallel-size {tp} needs torchrun with "
@@ -257,6 +260,9 @@ def _load(a, device):
     SystemExit for all of them: one bad rank must not hang the rest."""
     error, loaded = None, None
     try:
+        missing = _load_problem(a.load)
+        if missing:
+            raise ValueError(missing)
         ckpt = resolve_checkpoint(a.load, a.iteration)
         full = FullTensors(ckpt)
         saved = dict(full.common().get("args", {}), data=tokenizer_args(ckpt, full.common()))
@@ -284,26 +290,53 @@ def _load(a, device):
         error = str(e) if str(e).startswith("--") else f"{type(e).__name__}: {e}"
     error = first_error(error)
     if error:
-        raise SystemExit(f"generate: {error}")
+        _refuse(f"generate: {error}")
     return loaded
 
 
+def _refuse(msg: str):
+    """Stop with ``msg``, which every rank of the job reached, printed once: by a lone
+    process as its SystemExit; under torchrun by the reporting rank, while the others
+    wait for it (a barrier, or before the process group exists the launcher's stop)."""
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        raise SystemExit(msg)
+    if is_reporting_rank():
+        say(msg)
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    else:
+        wait_for_the_launcher(1)
+    sys.exit(1)
+
+
+def _load_problem(load: str) -> str | None:
+    """--load names nothing: "no such directory", with the closest existing one."""
+    if os.path.exists(load):
+        return None
+    guess = closest_existing(load)
+    hint = f"; did you mean {guess}?" if guess else ""
+    return f"--load {load}: no such directory{hint}"
+
+
 def _checked_args(argv) -> argparse.Namespace:
-    """The flags, every problem found before loading anything (SystemExit, one line)."""
+    """The flags, every problem found before loading anything (one line, once per job)."""
     from .config import unknown_flag_problems
 
     parser = build_parser()
     a, extra = parser.parse_known_args(argv)
     if extra:  # with the closest flag, as pretrain_gpt.py does
-        raise SystemExit(f"generate: {unknown_flag_problems(extra, parser)[0]}")
+        _refuse(f"generate: {unknown_flag_problems(extra, parser)[0]}")
     problem = sampling_problem(a)
     if problem:
-        raise SystemExit(f"generate: {problem}")
+        _refuse(f"generate: {problem}")
     if a.greedy and a.top_p < 1.0:
-        raise SystemExit("generate: --greedy and --top-p exclude each other")
+        _refuse("generate: --greedy and --top-p exclude each other")
     out_dir = os.path.dirname(os.path.abspath(a.output_json)) if a.output_json else None
     if out_dir and not os.path.isdir(out_dir):  # found now, not after generating
-        raise SystemExit(f"generate: --output-json {a.output_json}: no directory {out_dir}")
+        _refuse(f"generate: --output-json {a.output_json}: no directory {out_dir}")
     return a
 
 

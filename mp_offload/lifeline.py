@@ -10,7 +10,9 @@ recorded when this module is imported (``pretrain_gpt.py`` imports it before tor
 which takes seconds), and ``exit_with_parent`` checks it is still the parent after the
 request, so a launcher that died in between is noticed too.
 
-No torch here: importing this module must be instant.
+No torch here: importing this module must be instant. For the same reason it also holds
+``stop_while_starting``: a Ctrl-C or SIGTERM during the slow imports that follow ends the
+process with one line, until the run installs its own handlers (``stopping.py``).
 """
 
 from __future__ import annotations
@@ -56,3 +58,27 @@ def exit_with_parent(sig: int = signal.SIGTERM) -> str | None:
             f"stopping (nothing trained yet)"
         )
     return None
+
+
+def _is_reporting_rank() -> bool:
+    """LOCAL_RANK 0, else RANK 0 (``distributed.is_reporting_rank`` before torch)."""
+    for name in ("LOCAL_RANK", "RANK"):
+        if name in os.environ:
+            return os.environ[name] == "0"
+    return True
+
+
+def stop_while_starting(prog: str = "pretrain_gpt.py") -> None:
+    """SIGINT/SIGTERM until the run's own handlers take over: one line (once per node),
+    exit 128 + the signal, instead of a KeyboardInterrupt traceback from inside an import
+    or the silent death of SIGTERM's default."""
+
+    def handler(signum, frame):
+        if _is_reporting_rank():
+            name = signal.Signals(signum).name
+            line = f"{prog}: error: {name} came during start-up: stopping now, nothing trained\n"
+            os.write(2, line.encode())
+        os._exit(128 + signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)

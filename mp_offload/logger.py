@@ -101,6 +101,30 @@ def _device_fields(rec: dict) -> str:
     return out
 
 
+def sample_block(text: str, longest_blank_run: int = 2) -> str:
+    """``text`` as an indented block. A run of more than ``longest_blank_run`` blank or
+    whitespace-only lines (an early model's sample is often newlines and indentation only)
+    is one line saying how many; the JSON log keeps the text as it is."""
+    out: list[str] = []
+    blank: list[str] = []
+
+    def flush():
+        if len(blank) > longest_blank_run:
+            out.append(f"    | ({len(blank)} blank lines)")
+        else:
+            out.extend("    | " + line for line in blank)
+        blank.clear()
+
+    for line in text.splitlines() or [""]:
+        if line.strip():
+            flush()
+            out.append("    | " + line)
+        else:
+            blank.append(line)
+    flush()
+    return "\n".join(out)
+
+
 def hms(seconds: float) -> str:
     """``h:mm:ss`` (``m:ss`` under an hour)."""
     s = max(0, round(seconds))
@@ -120,7 +144,8 @@ class Logger:
         # Progress: set by start_loop (the loop's first iteration, its last, and when).
         self.total_iters: int | None = None
         self._loop_first, self._loop_start = 0, self.start
-        self.last_eval: dict[str, float] = {}  # split -> its latest loss (for the summary)
+        # split -> (iteration, loss) of its latest evaluation (for the summary)
+        self.last_eval: dict[str, tuple[int, float]] = {}
         self.tb = None
         if is_main and cfg.tensorboard_dir:
             try:
@@ -203,7 +228,7 @@ class Logger:
         if not self.is_main or loss is None:
             return
         ppl = math.exp(min(loss, 50.0))
-        self.last_eval[split] = loss
+        self.last_eval[split] = (iteration, loss)
         self._record({"iteration": iteration, f"{split}_loss": loss, f"{split}_ppl": ppl})
         log.info(f" {split} loss at iteration {iteration} | lm loss {loss:.4f} | ppl {ppl:.2f}")
 
@@ -212,8 +237,7 @@ class Logger:
         if not self.is_main:
             return
         self._record({"iteration": iteration, "sample": text})
-        body = "\n".join("    | " + line for line in text.splitlines() or [""])
-        log.info(f" sample at iteration {iteration} (greedy):\n{body}")
+        log.info(f" sample at iteration {iteration} (greedy):\n{sample_block(text)}")
 
     def close(self) -> None:
         """Close every sink (again: a no-op)."""
@@ -225,6 +249,22 @@ class Logger:
             tb.close()
         if wb:
             wb.finish()
+
+
+def final_losses(summary: dict, last_eval: dict[str, tuple[int, float]]) -> str:
+    """The last training loss and each split's last evaluation, with the iteration each
+    belongs to (an evaluation may be older than the last step: a stopped run's last one,
+    or the iteration-0 baseline)."""
+    items = [(summary["iteration"], f"train {summary['loss']:.4f}")] if "loss" in summary else []
+    items += [
+        (i, f"{split} {loss:.4f} (ppl {math.exp(min(loss, 50.0)):.1f})")
+        for split, (i, loss) in last_eval.items()
+    ]
+    if not items:
+        return "-"
+    if len({i for i, _ in items}) == 1:
+        return f"at iteration {items[0][0]}: " + " | ".join(text for _, text in items)
+    return " | ".join(f"{text} at iteration {i}" for i, text in items)
 
 
 def run_summary(
@@ -240,10 +280,7 @@ def run_summary(
     seq, it = args.model.seq_length, summary["iteration"]
     seconds = time.time() - logger.start
     session = (summary["consumed_samples"] - start_consumed) * seq
-    losses = ([f"train {summary['loss']:.4f}"] if "loss" in summary else []) + [
-        f"{split} {loss:.4f} (ppl {math.exp(min(loss, 50.0)):.1f})"
-        for split, loss in logger.last_eval.items()
-    ]
+    losses = final_losses(summary, logger.last_eval)
     lines = [
         " run summary:",
         f"   iterations  {it}/{args.train.train_iters}"
@@ -251,7 +288,7 @@ def run_summary(
         f" in {hms(seconds)} (start-up, training and evaluation)",
         f"   tokens      {summary['consumed_samples'] * seq:,} trained on in all; this "
         f"session {session:,} ({session / max(seconds, 1e-9):,.0f} tokens/s overall)",
-        f"   final loss  {' | '.join(losses) or '-'}",
+        f"   final loss  {losses}",
     ]
     if "overlap_steps" in summary:  # --overlap-cpu-optimizer (this session's steps)
         n, r = summary["overlap_steps"], summary["overlap_replays"]

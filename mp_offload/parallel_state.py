@@ -22,9 +22,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# The flag checks need no torch: pretrain_gpt.py runs them before importing it.
+from .parallel_sizes import ParallelConfigError, validate_parallel_sizes
 
-class ParallelConfigError(ValueError):
-    """An invalid parallel layout; the message names the flag and the numbers."""
+__all__ = ["ParallelConfigError", "validate_parallel_sizes"]  # and the module's own names
 
 
 class ParallelStateError(RuntimeError):
@@ -73,32 +74,6 @@ class ParallelGroup:
 
 _TP: ParallelGroup | None = None
 _DP: ParallelGroup | None = None
-
-
-def validate_parallel_sizes(
-    world_size: int,
-    tp: int,
-    *,
-    num_attention_heads: int | None = None,
-    hidden_size: int | None = None,
-) -> None:
-    """Reject layouts that cannot be split evenly, naming the flag at fault."""
-    if tp < 1:
-        raise ParallelConfigError(f"--tensor-model-parallel-size must be >= 1, got {tp}")
-    if world_size % tp != 0:
-        raise ParallelConfigError(
-            f"--tensor-model-parallel-size {tp} does not divide the world size {world_size} "
-            f"(number of processes)"
-        )
-    if num_attention_heads is not None and num_attention_heads % tp != 0:
-        raise ParallelConfigError(
-            f"--num-attention-heads {num_attention_heads} is not divisible by "
-            f"--tensor-model-parallel-size {tp}"
-        )
-    if hidden_size is not None and hidden_size % tp != 0:
-        raise ParallelConfigError(
-            f"--hidden-size {hidden_size} is not divisible by --tensor-model-parallel-size {tp}"
-        )
 
 
 def rank_layout(world_size: int, tp: int) -> tuple[list[list[int]], list[list[int]]]:

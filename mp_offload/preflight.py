@@ -60,8 +60,10 @@ def _data_prefixes(args: Args) -> list[str]:
 def check_inputs(args: Args):
     """ConfigError with one line per problem of the run's files; else the tokenizer of
     --data-path (None for mock data and the default corpus, which brings its own)."""
+    from .stopping import stop_grace_problem
+
     d = args.data
-    found = _output_problems(args)
+    found = _output_problems(args) + [p for p in (stop_grace_problem(),) if p]
     tokenizer = None
     if not d.mock_data and d.data_path is not None:
         for prefix in _data_prefixes(args):

@@ -1,6 +1,7 @@
 """The pretraining loop; ``pretrain_gpt.py`` is a thin entry point over ``pretrain``.
 
-Order of one run: parse + validate + ``resolve`` the flags (final from then on), then
+Order of one run: parse + validate + ``resolve`` the flags (final from then on; a bad flag
+was already refused before torch was imported, by pretrain_gpt.py), then
 check the input files and load the tokenizer (every rank, before any collective) ->
 process groups -> data (which fixes the vocabulary: the run's final ``Args`` are the
 flags ``with_data``) -> model (fp32 on the CPU, the same full weights for every TP
@@ -21,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import signal
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,7 +39,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .checkpoint.on_disk import is_complete
-from .config import Args, ConfigError, config_warnings, parse, resolve
+from .config import Args, ConfigError, checked, config_warnings
 from .config_file import write_run_config
 from .data.build import RunData, batch_iterator, build_datasets
 from .distributed import (
@@ -51,7 +51,6 @@ from .distributed import (
     claim_report,
     comm_failure,
     current_phase,
-    env_int,
     fail,
     first_error,
     host_threads,
@@ -67,6 +66,7 @@ from .memory_check import check_memory
 from .model.gpt import GPTModel, flops_per_token, num_parameters
 from .optimizer import Optimizer, StepResult, build_optimizer
 from .phase_timer import PhaseTimer
+from .stopping import StopFlag, restore_handlers, stop_outside_the_loop
 from .tensor_parallel import model_parallel_seed
 
 
@@ -169,35 +169,6 @@ def _sample(sampler: TextSampler | None, model, optimizer, device, iteration, lo
         logger.sample(iteration, sampler(model, autocast(optimizer, device)))
 
 
-class _StopFlag:
-    """SIGINT/SIGTERM finish the current step, then the loop exits cleanly; ``restore``
-    puts back the handlers it replaced (the caller's, once the loop is over)."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.requested = False
-        self.previous = {sig: signal.signal(sig, self._handler) for sig in self.SIGNALS}
-
-    def _handler(self, signum, frame):
-        self.requested = True
-
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def __enter__(self) -> _StopFlag:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.restore()
-
-    def agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=ps.comm_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() > 0
-
-
 def _save(args: Args, iteration: int, consumed: int, model, optimizer, skips=None) -> None:
     set_phase(f"the checkpoint save at iteration {iteration}")
     t0 = time.perf_counter()
@@ -262,7 +233,7 @@ def train(
     start_iteration: int = 0,
     consumed_samples: int = 0,
     sampler: TextSampler | None = None,
-    stop: _StopFlag | None = None,
+    stop: StopFlag | None = None,
 ) -> dict:
     """Iterate from ``start_iteration`` to --train-iters (or --exit-interval, or a signal
     that ``stop`` caught), evaluating (and sampling) and saving on their intervals;
@@ -350,25 +321,24 @@ def _check_resume(args: Args, start: int) -> None:
 
 
 def _checked_args(argv) -> tuple[Args, int]:
-    """The final flags (``resolve``d), parsed and checked on every rank before any
-    collective (fail() on error), and the world size they are for."""
+    """The final flags (``config.checked``), checked on every rank before any collective
+    (fail() on error), and the world size they are for."""
     try:
-        args, given = parse(argv)
+        return checked(argv)
     except ConfigError as e:
         fail(str(e))
-    world = env_int("WORLD_SIZE", 1)
-    if args.parallel.world_size is not None:  # a dry run plans for any size; a real run
-        if not args.train.dry_run and args.parallel.world_size != world:  # must agree
-            fail(
-                f"--world-size {args.parallel.world_size} disagrees with the launcher's "
-                f"WORLD_SIZE {world} (--world-size is for --dry-run)"
-            )
-        world = args.parallel.world_size
-    try:
-        args = resolve(args, world, given)
-    except ConfigError as e:
-        fail(str(e))
-    return args, world
+
+
+def offload_note(o) -> str:
+    """Where the optimizer state lives, for the start-up line: F=0 offloads nothing."""
+    fraction = 1.0 if o.optimizer_offload_fraction is None else o.optimizer_offload_fraction
+    if not o.cpu_offload:
+        return ""
+    if fraction == 0:
+        return " (offload fraction 0: all optimizer state on the device, ZeRO-2)"
+    if fraction < 1:
+        return f" (cpu offload of {fraction:g} of the optimizer state)"
+    return " (cpu offload)"
 
 
 def build_model_and_optimizer(args: Args, device: torch.device):
@@ -382,8 +352,7 @@ def build_model_and_optimizer(args: Args, device: torch.device):
     log.info(
         f"{'Llama' if llama else 'GPT'}: {num_parameters(args.model, tp) / 1e6:.2f}M parameters, "
         f"TP={tp} DP={ps.get_data_parallel_world_size()} device={device.type} "
-        f"optimizer={args.optim.optimizer}"
-        f"{' (cpu offload)' if args.optim.cpu_offload else ''}"
+        f"optimizer={args.optim.optimizer}{offload_note(args.optim)}"
     )
     report = optimizer.memory_report()
     if report:
@@ -440,7 +409,7 @@ def _run(flags: Args, device, logger: Logger, tokenizer=None) -> dict:
     valid_consumed = (start // t.eval_interval + 1) * per_eval if start and t.eval_interval else 0
     train_iter = batch_iterator(data.train, args, consumed, device)
     valid_iter = batch_iterator(data.valid, args, valid_consumed, device)
-    with _StopFlag() as stop:
+    with StopFlag(args.ckpt.save) as stop:
         summary = train(
             args,
             model,
@@ -533,6 +502,7 @@ def pretrain(argv=None) -> dict:
         except ConfigError as e:  # a PLAN_* variable out of range
             fail(str(e))
         return {}
+    handlers = stop_outside_the_loop(args.ckpt.save)  # the loop's StopFlag takes over
     device, tokenizer = _start(args)
     logger, lock = None, None
     try:
@@ -558,3 +528,4 @@ def pretrain(argv=None) -> dict:
         ps.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+        restore_handlers(handlers)

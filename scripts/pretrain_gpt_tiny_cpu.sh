@@ -83,8 +83,19 @@ set +e
 RC=$?
 set -e
 if [ "$RC" -ne 0 ]; then
-  echo "pretrain_gpt_tiny_cpu.sh: training stopped (exit $RC) after $((SECONDS - START)) s;" \
-       "run the same command again to resume from the latest checkpoint in $SAVE_DIR" >&2
+  # Resuming is advice only where a checkpoint exists (the latest pointer is written last);
+  # exit 2 is a configuration or input error: nothing ran.
+  SAVED=""
+  [ -f "$SAVE_DIR/latest_checkpointed_iteration.txt" ] && SAVED=yes
+  if [ "$RC" -eq 2 ]; then
+    NEXT="correct what the error above names, then run it again"
+    [ -n "$SAVED" ] && NEXT+=" (it resumes from the latest checkpoint in $SAVE_DIR)"
+  elif [ -n "$SAVED" ]; then
+    NEXT="run the same command again to resume from the latest checkpoint in $SAVE_DIR"
+  else
+    NEXT="no checkpoint was saved in $SAVE_DIR: running it again starts from scratch"
+  fi
+  echo "pretrain_gpt_tiny_cpu.sh: training stopped (exit $RC) after $((SECONDS - START)) s; $NEXT" >&2
   exit "$RC"
 fi
 

@@ -1,7 +1,26 @@
+import importlib.util
 import os
 import sys
 
 import pytest
+
+SETUP = "bash scripts/setup_env.sh"
+
+
+def missing_build() -> str | None:
+    """The first of torch and the C++ extensions this Python cannot import (found, not
+    imported), or None."""
+    for name in ("torch", "mp_offload._cpu_adam", "mp_offload._host_ops"):
+        try:
+            found = importlib.util.find_spec(name)
+        except ImportError:
+            found = None
+        if found is None:
+            return name
+    return None
+
+
+_MISSING = missing_build()
 
 # Tests run many ranks on two cores: one thread each, and helpers importable by spawned ranks.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -9,7 +28,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # import arranges; here torch is imported first). Read when the runtime loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
+if _MISSING is None:
+    import torch
 
 # The gloo tests run on the CPU even on a GPU machine (more ranks than GPUs there);
 # the CUDA tests ask for the device explicitly (--device cuda).
@@ -17,6 +37,12 @@ os.environ.setdefault("MP_OFFLOAD_DEVICE", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))
 # The device proof (device_proof/, beside bench/) is not part of the installed package.
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def pytest_configure(config):
+    """Without the build step, one line naming it instead of an ImportError per module."""
+    if _MISSING is not None:
+        pytest.exit(f"tests: no module {_MISSING} (not set up): run {SETUP} first", returncode=4)
 
 
 def pytest_collection_modifyitems(config, items):

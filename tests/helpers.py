@@ -14,6 +14,11 @@ import os
 #: the repository's root (tests run scripts and tools from there).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+#: the limit of a quick subprocess (a torch import, a refusal): a guard against a hang, not a
+#: speed test, so far above its time on a loaded machine (a torch import alone took minutes
+#: at load 18 on 2 cores).
+HANG_TIMEOUT = 600
+
 _TINY_GPT = dict(
     num_layers=2,
     hidden_size=32,

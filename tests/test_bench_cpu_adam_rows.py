@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import HANG_TIMEOUT, ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import cpu_adam_rows as cr  # noqa: E402
@@ -96,7 +96,7 @@ def test_refusal_names_sizes_only_when_over_the_available_share():
     assert "MemAvailable" in msg and "\n" not in msg
 
 
-def _bench(*args, timeout=60):
+def _bench(*args, timeout=HANG_TIMEOUT):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     cmd = [sys.executable, BENCH, "--threads", "1", "--no-deepspeed", *map(str, args)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -118,7 +118,7 @@ def test_the_makers_allocate_what_the_catalogue_declares():
     )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, ROOT + "/bench"]))
     res = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=HANG_TIMEOUT
     )
     assert res.returncode == 0, res.stderr[-2000:]  # Pool asserts each buffer's bytes
     assert "torch_ref" not in res.stdout  # a persistent buffer lives in the parent pool

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import HANG_TIMEOUT, ROOT
 
 BENCH = os.path.join(ROOT, "bench")
 
@@ -145,7 +145,7 @@ def test_plots_without_matplotlib(tmp_path, e2e_report):
         [sys.executable, "-c", code, BENCH, str(src), str(png)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_TIMEOUT,
     )
     assert res.returncode == 0, res.stderr
     assert "matplotlib is not installed" in res.stdout

@@ -144,24 +144,38 @@ def test_other_runnable_counts_the_kernels_runnable_tasks_less_the_reader(tmp_pa
     ],
 )
 def test_busy_machine_warns_when_the_job_does_not_fit_beside_other_work(
-    ranks, threads, cores, others, busy
+    ranks, threads, cores, others, busy, monkeypatch
 ):
-    line = ct.busy_machine(ranks, threads, cores, others, load=7.25)
-    assert (line is not None) == busy
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setattr(ct, "spinning_runtime", False)
+    taken, line = ct.busy_machine(ranks, threads, cores, others, load=7.25)
+    assert (line is not None) == busy and taken == threads  # sleeping threads: all kept
     if busy:
         assert "\n" not in line and line.startswith("warning: this machine is busy: ")
         assert f"{others:g} runnable tasks of other jobs (load average 7.2)" in line
         assert f"{ranks} rank(s) x {threads} host thread(s) > {cores} usable core(s)" in line
-        assert "1 host thread per rank" in line and "NPROC=1 TP=1" in line
+        assert f"keeping {threads} host thread(s) per rank" in line and "NPROC=1 TP=1" in line
 
 
-def test_a_busy_machine_gives_one_host_thread_per_rank_unless_the_flag_chose(monkeypatch):
+@pytest.mark.parametrize("spins", ["active", "torch first"])
+def test_a_busy_machine_takes_one_host_thread_per_rank_where_idle_threads_spin(spins, monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE" if spins == "active" else "PASSIVE")
+    monkeypatch.setattr(ct, "spinning_runtime", spins == "torch first")
+    taken, line = ct.busy_machine(2, 8, 16, 3.0, load=3.0)
+    assert taken == 1 and "taking 1 host thread per rank" in line
+    assert ct.busy_machine(2, 8, 16, 3.0, load=3.0, requested=True)[0] == 8  # the flag's
+    assert ct.busy_machine(2, 4, 16, 3.0, load=3.0) == (4, None)  # not busy: all kept
+
+
+def test_host_threads_counts_the_other_jobs_and_keeps_the_flags_choice(monkeypatch):
     monkeypatch.setattr(ct.os, "sched_getaffinity", lambda pid: set(range(8)))
     monkeypatch.setattr(ct, "cgroup_cpu_limit", lambda root=None: None)
+    monkeypatch.setattr(ct, "spinning_runtime", True)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(d, "other_runnable", lambda: 0.0)
     assert d.host_threads() == (4, None)
     monkeypatch.setattr(d, "other_runnable", lambda: 6.0)
     threads, line = d.host_threads()
     assert threads == 1 and "6 runnable tasks of other jobs" in line
-    assert d.host_threads(3)[0] == 3  # --cpu-threads-per-rank 3 stays, with the warning
+    threads, line = d.host_threads(3)
+    assert threads == 3 and "keeping --cpu-threads-per-rank 3" in line

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from helpers import HANG_TIMEOUT
 
 from device_proof import equivalence as eq
 from device_proof import report as rp
@@ -205,7 +206,7 @@ def _script(*args, **env):
 
 
 def test_without_a_gpu_or_the_flag_it_exits_2_with_one_line():
-    _, err = _script("--cpu-rehersal").communicate(timeout=60)  # refused on any machine
+    _, err = _script("--cpu-rehersal").communicate(timeout=HANG_TIMEOUT)  # refused anywhere
     assert "unknown argument '--cpu-rehersal'" in err
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: without the flag the script runs the proof")

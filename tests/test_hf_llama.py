@@ -389,3 +389,65 @@ def test_finetune_from_an_import_with_the_printed_flags(hf_models, tmp_path):
     with open(log) as f:
         got = [r["loss"] for r in map(json.loads, f) if "loss" in r]
     assert abs(got[0] - want) <= 1e-5 * want, (got, want)
+
+
+@pytest.mark.parametrize("with_tokenizer", [True, False])
+def test_the_import_prints_a_complete_finetune_recipe(
+    hf_models, tmp_path, capsys, monkeypatch, bbpe_dir, with_tokenizer
+):
+    """Tokenizer, sequence length and a learning rate: the printed training command is
+    accepted by pretrain_gpt.py's checks as it stands, and both commands name the same
+    tokenizer (the model's own tokenizer.json when the directory has one)."""
+    import shlex
+    import shutil
+
+    from mp_offload.config import checked
+
+    hf_dir = str(tmp_path / "hf")
+    shutil.copytree(hf_models["gqa"][0], hf_dir)
+    if with_tokenizer:
+        shutil.copy(os.path.join(bbpe_dir, "tokenizer.json"), hf_dir)
+    capsys.readouterr()
+    save = str(tmp_path / "ck")
+    _import(hf_dir, save, 2)
+    lines = capsys.readouterr().out.strip().splitlines()
+    commands = [shlex.split(x) for x in lines if x.startswith("  python ")]
+    prep, run = commands
+    assert prep[:2] == ["python", "tools/preprocess_data.py"]
+    flags = run[run.index("pretrain_gpt.py") + 1 :]
+    tok = lambda cmd: cmd[cmd.index("--tokenizer-type") : cmd.index("--tokenizer-type") + 4]
+    assert tok(prep) == tok(flags)
+    want = hf_dir if with_tokenizer else "TOKENIZER_DIR"
+    assert tok(flags) == ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", want]
+    assert flags[flags.index("--seq-length") + 1] == str(POS)  # the import's
+    assert float(flags[flags.index("--lr") + 1]) == 2e-5
+    assert flags[flags.index("--load") + 1] == save and "--finetune" in flags
+    assert (
+        prep[prep.index("--output-prefix") + 1] + "_text_document"
+        == (flags[flags.index("--data-path") + 1])
+    )
+    monkeypatch.setenv("WORLD_SIZE", run[run.index("--nproc-per-node") + 1])
+    args, world = checked(flags)
+    assert world == 2 and args.parallel.tensor_model_parallel_size == 2
+    assert ("no tokenizer.json" in "\n".join(lines)) != with_tokenizer
+
+
+def test_the_readmes_finetune_recipe_is_what_the_import_prints(hf_models, tmp_path, capsys):
+    """The README's five lines and the converter agree, word for word, on everything but
+    the paths and what the import fills in."""
+    import shlex
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    blocks = [x for x in readme.split("```")[1::2] if "--hf-in hf_dir" in x and "--finetune" in x]
+    lines = blocks[0].split("\n")
+    ours = [shlex.split(x) for x in lines if "preprocess_data.py" in x or "--finetune" in x]
+    capsys.readouterr()
+    _import(hf_models["gqa"][0], str(tmp_path / "ck"), 2)
+    out = capsys.readouterr().out.replace(hf_models["gqa"][0], "hf_dir")
+    printed = [shlex.split(x) for x in out.splitlines() if x.startswith("  python ")]
+    assert ours[0] == [w.replace("TOKENIZER_DIR", "hf_dir") for w in printed[0]]
+    tail = lambda cmd: cmd[cmd.index("--data-path") :]
+    assert (
+        tail(ours[1])[:-4] == [w.replace("TOKENIZER_DIR", "hf_dir") for w in tail(printed[1])][:-4]
+    )

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import HANG_TIMEOUT, ROOT
 
 
 @pytest.mark.parametrize(
@@ -151,7 +151,7 @@ def test_tiny_script_model_llama_adds_the_llama_flags(tmp_path):
         env=dict(os.environ, MODEL="bert"),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_TIMEOUT,
     )
     assert res.returncode == 2 and "MODEL must be gpt or llama" in res.stderr
 
@@ -166,3 +166,43 @@ def test_launch_scripts_name_the_thread_flag_not_omp_num_threads():
             assert "OMP_NUM_THREADS" not in f.read().replace("OMP_NUM_THREADS is ignored", ""), name
     with open(os.path.join(scripts, "common.sh")) as f:
         assert "--cpu-threads-per-rank" in f.read()
+
+
+# A Python for the tiny script: no GPU, and a job that ends with $RC (stderr: its line).
+FAILING_JOB = """#!/bin/bash
+case "$1" in
+  -c) echo 0 ;;
+  *torchrun_quiet.py) echo "pretrain_gpt.py: error: the job's line" >&2; exit "$RC" ;;
+esac
+"""
+
+
+@pytest.mark.parametrize(
+    "rc,saved,advice",
+    [
+        (2, False, "correct what the error above names, then run it again"),
+        (2, True, "correct what the error above names, then run it again (it resumes from"),
+        (1, True, "run the same command again to resume from the latest checkpoint in"),
+        (1, False, "no checkpoint was saved in "),
+    ],
+)
+def test_the_tiny_scripts_last_line_advises_resuming_only_from_a_checkpoint(
+    tmp_path, rc, saved, advice
+):
+    fake = tmp_path / "python"
+    fake.write_text(FAILING_JOB)
+    fake.chmod(0o755)
+    run_dir = tmp_path / "run"
+    if saved:
+        (run_dir / "ckpt").mkdir(parents=True)
+        (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").write_text("50\n")
+    env = dict(os.environ, PYTHON=str(fake), SKIP_SETUP="1", RUN_DIR=str(run_dir), RC=str(rc))
+    res = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "pretrain_gpt_tiny_cpu.sh")],
+        env=env, capture_output=True, text=True, timeout=HANG_TIMEOUT,
+    )  # fmt: skip
+    assert res.returncode == rc
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"pretrain_gpt_tiny_cpu.sh: training stopped (exit {rc}) after ")
+    assert advice in last
+    assert ("resume" in last) == saved

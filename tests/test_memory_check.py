@@ -95,3 +95,25 @@ def test_a_model_ten_times_too_big_for_this_host_is_refused_in_one_line():
         ).groups()
     )
     assert need > 8 * have and f"GiB is available ({source})" in line, line
+
+
+def test_a_gpu_short_of_memory_is_named_with_the_flag_that_fits(monkeypatch, tmp_path):
+    """The device side (no GPU needed: its free memory is given): a 1.3B-like GPT without
+    offload needs more than the GPU has free; --cpu-offload is offered."""
+    import torch
+
+    from mp_offload import memory_check
+
+    argv = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16"]
+    argv += ["--seq-length", "1024", "--micro-batch-size", "1", "--train-iters", "10"]
+    args = resolve(parse_args([*argv, "--mock-data", "--bf16"]), 1)
+    need = rank_needs(args, 1, cuda=True)
+    monkeypatch.setenv("MP_OFFLOAD_MEMINFO", _meminfo(tmp_path, 10**12 // 1024))
+    monkeypatch.setattr(memory_check, "device_available", lambda d: need.device_total - 1)
+    line = memory_problem(args, 1, 1, torch.device("cuda", 0))
+    assert line.startswith(
+        f"not enough memory: each rank needs {need.device_total / GiB:.1f} GiB on its GPU"
+    ), line
+    assert "of cuda:0 is free; it would fit with --cpu-offload (or --skip" in line, line
+    monkeypatch.setattr(memory_check, "device_available", lambda d: need.device_total)
+    assert memory_problem(args, 1, 1, torch.device("cuda", 0)) is None

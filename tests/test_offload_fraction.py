@@ -449,3 +449,26 @@ def test_checkpoint_saved_at_one_fraction_loads_at_another(tmp_path, capfd):
         for r, w in zip(got, want):
             for key in r:
                 assert abs(r[key] - w[key]) <= tol * abs(w[key]), (fraction, tp, key, r, w)
+
+
+@pytest.mark.parametrize(
+    "flags,note",
+    [
+        ([], ""),
+        (["--cpu-offload"], " (cpu offload)"),
+        (["--cpu-offload", "--optimizer-offload-fraction", "1"], " (cpu offload)"),
+        (
+            ["--cpu-offload", "--optimizer-offload-fraction", "0.5"],
+            " (cpu offload of 0.5 of the optimizer state)",
+        ),
+        (
+            ["--cpu-offload", "--optimizer-offload-fraction", "0"],
+            " (offload fraction 0: all optimizer state on the device, ZeRO-2)",
+        ),
+    ],
+)
+def test_the_start_up_line_says_where_the_optimizer_state_lives(flags, note):
+    from mp_offload.config import parse_args
+    from mp_offload.training import offload_note
+
+    assert offload_note(parse_args(["--mock-data", *flags]).optim) == note

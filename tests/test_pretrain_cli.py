@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, tiny_model_flags
+from helpers import HANG_TIMEOUT, ROOT, tiny_model_flags
 
 MODEL = dict(hidden_size=64, seq_length=32, vocab_size=128, make_vocab_size_divisible_by=None)
 RUN = [
@@ -211,3 +211,35 @@ def test_llama_flags_tp2_sequence_parallel_equals_tp1(tmp_path):
         assert abs(a - b) <= 1e-5 * abs(a), f"iteration {i + 1}: TP=1 {a} vs TP=2+SP {b}"
     assert sum(runs[2][-5:]) / 5 < sum(runs[2][:5]) / 5 - 0.2, runs[2]  # 2 samples a step
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").exists()
+
+
+@pytest.mark.parametrize(
+    "flags,line",
+    [
+        (["--hidden-size", "30"], "--hidden-size 30 is not divisible by --num-attention-heads 4"),
+        (["--num-layer", "2"], "did you mean --num-layers?"),
+        (["--split", "1,x"], "--split 1,x: part 'x' is not a number"),
+        (["--lr", "1e-3", "--min-lr", "1e-2"], "--min-lr 0.01 exceeds --lr 0.001"),
+    ],
+)
+def test_a_flag_error_comes_before_torch_is_imported(flags, line):
+    """A bad flag costs no torch import (seconds on a quiet machine, a minute on a busy
+    one): the import log of the failing process has no torch in it."""
+    res = subprocess.run(
+        [sys.executable, "-X", "importtime", os.path.join(ROOT, "pretrain_gpt.py")]
+        + ["--num-attention-heads", "4", "--mock-data", "--train-iters", "2", *flags],
+        capture_output=True, text=True, timeout=HANG_TIMEOUT, cwd=ROOT,
+    )  # fmt: skip
+    ours = [x for x in res.stderr.splitlines() if not x.startswith("import time:")]
+    assert res.returncode == 2 and len(ours) == 1, res.stderr[-3000:]
+    assert ours[0].startswith("pretrain_gpt.py: error: ") and line in ours[0], ours
+    imported = {x.rsplit("|", 1)[1].strip() for x in res.stderr.splitlines() if "|" in x}
+    assert "torch" not in imported and "numpy" not in imported
+
+
+def test_the_flags_bucket_default_is_the_optimizers():
+    """config_schema holds the number without importing the optimizer (torch)."""
+    from mp_offload.config_schema import DEFAULT_BUCKET_SIZE
+    from mp_offload.optimizer.base import DEFAULT_BUCKET_SIZE as optimizer_default
+
+    assert DEFAULT_BUCKET_SIZE == optimizer_default

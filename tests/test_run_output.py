@@ -77,7 +77,7 @@ def test_progress_samples_and_summary(tmp_path, capsys):
     assert " iterations  6/6 in " in summary
     assert " tokens      192 trained on in all; this session 192 " in summary  # 6 x 2 x 16
     assert re.search(
-        r"final loss  train \d\.\d{4} \| valid \d\.\d{4} \(ppl [\d.]+\) \| "
+        r"final loss  at iteration 6: train \d\.\d{4} \| valid \d\.\d{4} \(ppl [\d.]+\) \| "
         r"test \d\.\d{4}",
         summary,
     ), summary
@@ -338,3 +338,32 @@ def test_wandb_project_logs_when_installed_and_warns_once_when_not(monkeypatch, 
     Logger(LoggingConfig(wandb_project="p"), is_main=True).close()
     warned = [ln for ln in capsys.readouterr().out.splitlines() if "wandb" in ln]
     assert len(warned) == 1 and "--wandb-project p: wandb is not installed" in warned[0]
+
+
+def test_a_sample_of_blank_lines_prints_as_one_line():
+    """An early model's sample is often newlines and indentation: not 24 empty lines."""
+    from mp_offload.logger import sample_block
+
+    assert sample_block("def parse(" + "\n        " * 12) == (
+        "    | def parse(\n    | (12 blank lines)"
+    )
+    two = "a\n\n\nb"  # two blank lines between definitions stay as they are
+    assert sample_block(two) == "    | a\n    | \n    | \n    | b"
+    assert sample_block("x\n \n\n  \n\ny") == "    | x\n    | (4 blank lines)\n    | y"
+    assert sample_block("") == "    | "
+
+
+def test_the_summarys_losses_name_their_iterations():
+    """A stopped run's last evaluation (here the iteration-0 baseline) is not passed off
+    as the final one."""
+    from mp_offload.logger import final_losses
+
+    evals = {"valid": (0, 8.3465)}
+    assert final_losses({"iteration": 30, "loss": 6.5}, evals) == (
+        "train 6.5000 at iteration 30 | valid 8.3465 (ppl 4215.4) at iteration 0"
+    )
+    evals = {"valid": (30, 6.0), "test": (30, 6.25)}
+    assert final_losses({"iteration": 30, "loss": 6.5}, evals) == (
+        "at iteration 30: train 6.5000 | valid 6.0000 (ppl 403.4) | test 6.2500 (ppl 518.0)"
+    )
+    assert final_losses({"iteration": 0}, {}) == "-"

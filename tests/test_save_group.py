@@ -33,6 +33,7 @@ def test_the_save_timeout_follows_the_largest_rank(monkeypatch):
 
 
 def _slow_rank_worker(rank, world, port, root):
+    dist.barrier()  # both ranks' first group is up before either tears it down
     dist.destroy_process_group()  # again, with the short timeout the test is about
     dist.init_process_group(
         "gloo",

@@ -156,3 +156,28 @@ def _long_functions() -> list[str]:
 def test_no_function_over_70_lines():
     long = _long_functions()
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def _short_subprocess_limits() -> list[str]:
+    """Literal ``timeout=`` values under 120 s in the tests' calls (a subprocess's limit is
+    a guard against a hang: tests/helpers.py HANG_TIMEOUT)."""
+    out = []
+    folder = os.path.join(ROOT, "tests")
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(folder, name)) as f:
+            tree = ast.parse(f.read(), name)
+        for node in ast.walk(tree):
+            for kw in getattr(node, "keywords", []) if isinstance(node, ast.Call) else []:
+                value = kw.value
+                if kw.arg == "timeout" and isinstance(value, ast.Constant):
+                    if isinstance(value.value, (int, float)) and value.value < 120:
+                        out.append(f"{name}:{node.lineno} timeout={value.value}")
+    return out
+
+
+def test_no_subprocess_limit_a_loaded_machine_would_reach():
+    """A torch import alone takes minutes on a loaded 2-core machine."""
+    short = _short_subprocess_limits()
+    assert not short, short

@@ -101,3 +101,13 @@ def test_common_sh_refuses_a_master_port_in_use():
         )  # fmt: skip
     assert res.returncode == 2
     assert f"MASTER_PORT {port} is in use on this host (another job?)" in res.stderr, res.stderr
+
+
+def test_the_readmes_launch_examples_go_through_the_quiet_launcher():
+    """A newcomer copies the README's commands: an error must stay one line there too."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    blocks = text.split("```")[1::2]
+    commands = [line.strip() for b in blocks for line in b.splitlines()]
+    assert not [c for c in commands if c.startswith("torchrun ")]
+    assert sum("scripts/torchrun_quiet.py --nproc-per-node" in c for c in commands) == 2

@@ -179,3 +179,39 @@ def test_save_merged_and_hf_import_carry_the_tokenizer(tmp_path):
         "tokenizer_type": "HuggingFaceTokenizer",
         "tokenizer_model": str(tmp_path / "hf"),
     }
+
+
+def test_generate_on_a_misspelt_directory_names_the_closest_one(tmp_path, monkeypatch):
+    from mp_offload.generation import main
+
+    (tmp_path / "runs" / "tiny_cpu" / "ckpt").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["--load", "runs/tiny_cpu/ckp"])
+    assert str(e.value) == (
+        "generate: --load runs/tiny_cpu/ckp: no such directory; did you mean runs/tiny_cpu/ckpt?"
+    )
+    with pytest.raises(SystemExit) as e:
+        main(["--load", "elsewhere/x"])
+    assert str(e.value) == "generate: --load elsewhere/x: no such directory"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags,line",
+    [
+        (["--top-p", "0"], "generate: --top-p must be > 0 and <= 1, got 0"),
+        (["--max-new-token", "2"], "did you mean --max-new-tokens?"),
+        ([], "no such directory"),
+    ],
+)
+def test_a_generate_error_under_torchrun_is_printed_once(tmp_path, flags, line):
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + [os.path.join(ROOT, "tools", "generate.py"), "--load", str(tmp_path / "nockpt")]
+        + flags,
+        capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT,
+    )  # fmt: skip
+    assert res.returncode != 0
+    ours = [x for x in res.stderr.splitlines() if x.startswith("generate: ")]
+    assert len(ours) == 1 and line in ours[0], res.stderr[-3000:]

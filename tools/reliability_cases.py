@@ -12,6 +12,7 @@ from reliability_cases_checkpoints import checkpoint_cases
 from reliability_cases_config import configuration_cases
 from reliability_cases_data import data_cases, data_flag_cases
 from reliability_cases_runtime import runtime_cases
+from reliability_cases_stops import stop_cases
 from reliability_cases_tools import tool_cases
 from reliability_runs import (
     TINY,
@@ -95,4 +96,5 @@ def all_cases() -> list:
         + runtime_cases()
         + tool_cases()
         + issue23_cases()
+        + stop_cases()
     )

@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from ..model.config import model_flags
+from ..finetune_recipe import finetune_recipe
 from ..optimizer.base import DEFAULT_BUCKET_SIZE
 from . import on_disk as fmt
 from .errors import CheckpointError, ConversionError
@@ -141,11 +141,9 @@ def main(argv=None) -> int:
                 dtype=DTYPES[a.dtype],
                 seed=a.seed,
             )
-            flags = " ".join(model_flags(FullTensors(out).config))
-            print(
-                f"imported {a.hf_in} -> {out} (TP={a.tensor_model_parallel_size}); train "
-                f"from it with pretrain_gpt.py --load {a.save} --finetune {flags}"
-            )
+            cfg, tp = FullTensors(out).config, a.tensor_model_parallel_size
+            print(f"imported {a.hf_in} -> {out} (TP={tp})")
+            print(finetune_recipe(a.hf_in, a.save, cfg, tp))
             return 0
         ckpt = resolve_checkpoint(a.load, a.iteration)
         if a.save_merged:

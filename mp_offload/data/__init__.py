@@ -8,7 +8,8 @@
   preprocess.py       JSONL / plain text -> MMIDIDX files (tools/preprocess_data.py)
   indexed_dataset.py  Megatron's "MMIDIDX" .bin/.idx format: builder and mmap reader
   gpt_dataset.py      GPT samples over the token stream (cached index arrays),
-                      --data-path / --split parsing, train/valid/test datasets
+                      train/valid/test datasets
+  data_path.py        --data-path / --split parsing (no torch: read with the flags)
   blended_dataset.py  weighted blends of several datasets
   samplers.py         PretrainingSampler (resumable, one slice per DP rank) and collate
   default_corpus.py   the zero-download default: the Python stdlib's own source

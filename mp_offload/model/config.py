@@ -10,7 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..fields import field_problems, flag_field
-from ..tensor_parallel.utils import pad_vocab_size
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's rule: pad to a multiple of make_vocab_size_divisible_by * tp."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")

@@ -31,7 +31,8 @@ from .options import KEYWORDS, MOMENT_DTYPES, IllegalModes, OptimizerOptions
 _ALIASES = {"gradient_accumulation_steps": "micro_batches", "overlap": "overlap_cpu_optimizer"}
 _MODES = {"offload_fraction", "store_param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype",
           "overlap_cpu_optimizer", "dpu_warmup_steps", "micro_batches", "accumulate_on_device",
-          "bucket_size", "cpu_offload", "reduce_dtype", "loss_scale", "accumulate_dtype"}  # fmt: skip
+          "bucket_size", "cpu_offload", "reduce_dtype", "loss_scale",
+          "accumulate_dtype"}  # fmt: skip
 
 
 def _named_groups(params) -> list[dict]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..model.config import pad_vocab_size  # noqa: F401 - defined without torch, re-exported
+
 TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
 
@@ -64,9 +66,3 @@ def divide(numerator: int, denominator: int, what: str = "value") -> int:
     if numerator % denominator != 0:
         raise ValueError(f"{what} {numerator} is not divisible by {denominator}")
     return numerator // denominator
-
-
-def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's rule: pad to a multiple of make_vocab_size_divisible_by * tp."""
-    multiple = divisible_by * tp
-    return ((vocab_size + multiple - 1) // multiple) * multiple
