@@ -26,10 +26,12 @@ iteration's overlapped step time over its synchronous one.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
+import threading
 import time
 
 
@@ -86,22 +88,26 @@ def pretrain_flags(overlap: bool) -> list[str]:
     return flags + (["--overlap-cpu-optimizer"] if overlap else [])
 
 
-class Timed:
-    """Seconds spent in a callable since the last ``take()``."""
+class Sections:
+    """Seconds per named phase of the training thread (``ZeroOptimizer.set_phase_timer``);
+    a phase's time includes the phases inside it."""
 
-    def __init__(self, fn):
-        self.fn, self.total = fn, 0.0
+    def __init__(self):
+        self.total: dict[str, float] = {}
+        self._main = threading.main_thread()
 
-    def __call__(self, *a, **k):
+    @contextlib.contextmanager
+    def section(self, name: str):
         t0 = time.perf_counter()
         try:
-            return self.fn(*a, **k)
+            yield
         finally:
-            self.total += time.perf_counter() - t0
+            if threading.current_thread() is self._main:  # not the overlap's worker
+                self.total[name] = self.total.get(name, 0.0) + time.perf_counter() - t0
 
-    def take(self) -> float:
-        t, self.total = self.total, 0.0
-        return t
+    def take(self) -> dict[str, float]:
+        out, self.total = self.total, {}
+        return out
 
 
 class Run:
@@ -114,10 +120,8 @@ class Run:
         self.args = resolve(args, 1, given)
         self.model, self.opt = build_model_and_optimizer(self.args, device)
         self.overlap, self.device = overlap, device
-        self.backward = self.opt.backward = Timed(self.opt.backward)
-        if not overlap:  # the synchronous step's own Adam and copies up
-            self.adam = self.opt._adam = Timed(self.opt._adam)
-            self.upload = self.opt._upload = Timed(self.opt._upload)
+        self.phases = Sections()  # the optimizer's own phase hook: nothing patched
+        self.opt.set_phase_timer(self.phases.section)
         self.rows: list[dict] = []
         self.losses: list[float] = []
 
@@ -130,16 +134,19 @@ class Run:
         out = train_step(self.model, self.opt, iter([tokens]), 1, 1e-4, dp, self.device)
         step = time.perf_counter() - t0
         self.losses.append(out.loss)
-        row = dict(step=step, backward=self.backward.take(), optimizer=out.optimizer_ms / 1e3)
+        ph = self.phases.take()
+        backward = ph.get("backward: autograd compute", 0.0)
+        row = dict(step=step, backward=backward, optimizer=out.optimizer_ms / 1e3)
         row["forward"] = out.phases["phase_forward_backward_ms"] / 1e3 - row["backward"]
         if self.overlap:
-            st = self.opt.overlap
-            row["worker"] = sum(z - a for a, z in st._spans)
+            st = self.opt.schedule
+            row["worker"] = st.record["host_worker_ms"] / 1e3
             row["hidden"] = st.record["host_hidden_ms"] / 1e3
             row["exposed"] = st.record["host_exposed_ms"] / 1e3
             row["replayed"] = st.record["replayed"]
         else:
-            row["adam"], row["upload"] = self.adam.take(), self.upload.take()
+            row["adam"] = ph.get("Adam (C++ CPU Adam, own slice)", 0.0)
+            row["upload"] = ph.get("publish: copy up + clone", 0.0)
         if timed:
             self.rows.append(row)
 

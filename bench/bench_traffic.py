@@ -80,8 +80,8 @@ def measure(pretrain_argv) -> dict:
             signal.signal(s, h)
     opt = captured[0]
     return dict(
-        bytes_down=opt.reducer.bytes_down,
-        bytes_up=opt.bytes_up,
+        bytes_down=0 if opt.host_side is None else opt.host_side.bytes_down,
+        bytes_up=0 if opt.host_side is None else opt.host_side.bytes_up,
         steps=opt.step_count,
         iterations=summary["iteration"],
         owned=opt.layout.slice_numel,

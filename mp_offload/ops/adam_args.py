@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from mp_offload import _cpu_adam as _C
+import mp_offload._cpu_adam as _C  # the extension module itself, not the package
 
 DTYPE_CODES = {
     torch.float32: _C.DTYPE_FLOAT32,

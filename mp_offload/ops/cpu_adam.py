@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from mp_offload import _cpu_adam as _C
+import mp_offload._cpu_adam as _C  # the extension module itself, not the package
 from mp_offload.cpu_threads import default_threads_per_rank
 from mp_offload.ops.adam_args import (
     DTYPE_CODES,

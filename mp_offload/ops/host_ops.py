@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 try:
-    from .. import _host_ops as _C
+    import mp_offload._host_ops as _C  # the extension module itself, not the package
 except ImportError:  # not built: torch fallback below
     _C = None
 

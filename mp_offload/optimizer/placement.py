@@ -180,20 +180,9 @@ def placement(layout, o: OptimizerOptions, device_type: str) -> Placement:
     ]
     pieces = tuple(c for c in chunks[:first] if c) if o.offloaded else ()
     buffers += _state(o, n, share, 0 if reads_staging else copies, pieces)
-    return Placement(
-        o,
-        tuple(buffers),
-        o.offloaded,
-        device_buckets,
-        share,
-        actual,
-        reads_staging,
-        chunk_dtype,
-        writes_flat,
-        pinned,
-        pieces,
-        tuple(chunks),
-    )
+    return Placement(o, tuple(buffers), o.offloaded, device_buckets, share, actual,
+                     reads_staging, chunk_dtype, writes_flat, pinned, pieces,
+                     tuple(chunks))  # fmt: skip
 
 
 def allocate(buf: Buffer, device: torch.device) -> list[torch.Tensor]:

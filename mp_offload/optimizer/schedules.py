@@ -167,6 +167,7 @@ class Overlapped(Synchronous):
             replayed=int(replayed),
             host_hidden_ms=hidden,
             host_exposed_ms=self._wait_ms + replay_ms,
+            host_worker_ms=sum(e - s for s, e in self._spans) * 1e3,
         )
 
     def stats(self) -> dict:
