@@ -67,9 +67,16 @@ def instrument(ph: Phases, model, opt) -> None:
     the model's forward through module hooks."""
     opt.set_phase_timer(ph.section)
     open_sections = []
-    model.register_forward_pre_hook(lambda *_: open_sections.append(ph.section("forward")))
-    model.register_forward_pre_hook(lambda *_: open_sections[-1].__enter__())
-    model.register_forward_hook(lambda *_: open_sections.pop().__exit__(None, None, None))
+
+    def enter(*_):
+        open_sections.append(ph.section("forward"))
+        open_sections[-1].__enter__()
+
+    def leave(*_):
+        open_sections.pop().__exit__(None, None, None)  # returns None: the output stays
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave)
 
 
 def _split_worker_argv(argv):
