@@ -305,24 +305,14 @@ def _rendezvous(rank: int, world: int, timeout: timedelta):
 
 
 def store_client(timeout_s: float):
-    """A connection of its own to this job's rendezvous store (the keys ``_rendezvous``
-    and ``fail`` use), whose every call gives up after ``timeout_s``: for a thread that
-    must not block while the main one waits in a collective. None for a lone process
-    (its store lives in memory) or when the store cannot be reached."""
-    if not isinstance(_STORE, dist.PrefixStore):
-        return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    try:
-        client = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-        )
-    except (KeyError, ValueError, RuntimeError):
-        return None
-    return dist.PrefixStore(f"attempt_{attempt}", client)
+    """This job's rendezvous store (the keys ``_rendezvous`` and ``fail`` use) for a
+    thread that must not block while the main one waits in a collective: its calls there
+    are quick ``check``/``add``/``get`` of keys that exist. The same client as the process
+    group's (a second TCPStore client, torn down at interpreter exit after the process
+    group, could abort the process). None for a lone process (its store lives in memory).
+    ``timeout_s`` is kept for the callers: the shared client keeps the rendezvous's."""
+    del timeout_s
+    return _STORE if isinstance(_STORE, dist.PrefixStore) else None
 
 
 def init_distributed(device: str | None = None, timeout_minutes: float = 10.0) -> torch.device:

@@ -165,7 +165,11 @@ class _Watchdog:
     def __init__(self, flag: StopFlag):
         self.flag, self.rank, self.world = flag, dist.get_rank(), dist.get_world_size()
         self.period = min(5.0, max(0.1, flag.grace / 5))
-        self.store = store_client(min(5.0, max(1.0, flag.grace / 4)))
+        # The store connection and the heartbeats start with a stop request: a run that
+        # is never asked to stop keeps no second client of the store (at interpreter exit
+        # its C++ teardown, after the process group's, could abort the process).
+        self.store = None
+        self._store_timeout = min(5.0, max(1.0, flag.grace / 4))
         self.keys = [f"{_ALIVE}{r}" for r in range(self.world)]
         self.seen: dict[int, tuple] = {}  # peer -> (its counter, when it last moved)
         self.signals = 0
@@ -174,7 +178,6 @@ class _Watchdog:
         os.set_blocking(write_fd, False)
         self._write_fd = write_fd
         self._old_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        self._beat()
         self.thread = threading.Thread(target=self._run, name="stop-watchdog", daemon=True)
         self.thread.start()
 
@@ -184,6 +187,8 @@ class _Watchdog:
                 self._signals(os.read(self._read_fd, 64))
             if self._done.is_set():
                 return
+            if self.flag.requested and self.store is None:
+                self.store = store_client(self._store_timeout)
             self._beat()
             if self.flag.requested:
                 stalled = self._stalled()
@@ -276,11 +281,16 @@ class _Watchdog:
         except BlockingIOError:  # full of signal bytes: it wakes anyway
             pass
         self.thread.join(timeout=self.period + 10.0)
+        if self.store is None:  # a peer that is asked to stop later must not wait for this one
+            self.store = store_client(self._store_timeout)
         if self.store is not None:
             try:
                 self.store.set(self.keys[self.rank], str(_DONE))
             except Exception:  # noqa: BLE001 - nobody to tell
                 pass
+        # The client connection goes now, not at interpreter exit (after the process
+        # group's teardown, where a C++ store's destruction can abort the process).
+        self.store = None
         signal.set_wakeup_fd(self._old_wakeup)
         os.close(self._read_fd)
         os.close(self._write_fd)
