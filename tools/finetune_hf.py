@@ -49,8 +49,13 @@ class _StopFlag:
 
     def __init__(self):
         self.requested = False
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handler)
+        self.previous = {
+            s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)
+        }
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
     def _handler(self, signum, frame):
         self.requested = True
@@ -239,31 +244,37 @@ def train(args, model, opt, examples, tokenizer, device, world, rank, start=(0, 
     log = open(args.log_json, "a") if args.log_json and rank == 0 else None  # noqa: SIM115
     stop, (it, consumed), saved = _StopFlag(), start, None
     started, first = time.perf_counter(), start[0]
+    save = lambda: _say(f"saved {run_state.save(opt, args.save, it, consumed, _settings(args))}")
     model.train()
-    while it < args.train_iters:
-        t0 = time.perf_counter()
-        lr = sched.get_lr(consumed)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        loss, tokens = _step(model, opt, batches, examples, consumed, pad_id, device, world)
-        it, consumed = it + 1, consumed + gbs
-        tokens_s = tokens / (time.perf_counter() - t0)
-        done = it - first
-        rec = _progress(args, it, loss, lr, opt.last_step, tokens_s, started, done, opt, device)
+    try:
+        while it < args.train_iters:
+            t0 = time.perf_counter()
+            lr = sched.get_lr(consumed)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            loss, tokens = _step(model, opt, batches, examples, consumed, pad_id, device, world)
+            it, consumed = it + 1, consumed + gbs
+            tokens_s = tokens / (time.perf_counter() - t0)
+            done = it - first
+            rec = _progress(args, it, loss, lr, opt.last_step, tokens_s, started, done, opt, device)
+            if log:
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+            stopping = stop.agreed()
+            if args.save and (stopping or (args.save_interval and it % args.save_interval == 0)):
+                save()
+                saved = it
+            if stopping:
+                _say(
+                    f"stopped at iteration {it} by a signal" + ("" if args.save else " (no --save)")
+                )
+                break
+    finally:
+        stop.restore()
         if log:
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-        stopping = stop.agreed()
-        if args.save and (stopping or (args.save_interval and it % args.save_interval == 0)):
-            _say(f"saved {run_state.save(opt, args.save, it, consumed, _settings(args))}")
-            saved = it
-        if stopping:
-            _say(f"stopped at iteration {it} by a signal" + ("" if args.save else " (no --save)"))
-            break
-    if log:
-        log.close()
-    if args.save and saved != it:
-        _say(f"saved {run_state.save(opt, args.save, it, consumed, _settings(args))}")
+            log.close()
+    if args.save and saved != it and it > first:
+        save()
         saved = it
     return it, saved
 
