@@ -252,3 +252,18 @@ def test_dp2_lowers_the_loss_exports_and_resumes_bitwise(tmp_path, model_dirs, d
     initial = AutoModelForCausalLM.from_pretrained(model_dirs[arch]).eval()
     before, after = (_dataset_loss(m, tok, data["prompt"]) for m in (initial, exported.eval()))
     assert after < 0.9 * before, (before, after)
+
+
+@pytest.mark.slow
+def test_bad_input_under_torchrun_is_one_line(tmp_path, model_dirs):
+    """Both ranks find the bad line before any process group exists; rank 0 says it once
+    (torchrun's own report filtered by scripts/torchrun_quiet.py, as the scripts run it)."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n{"prompt": "b", "completion": "c"}\n')
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "torchrun_quiet.py"), "--standalone",
+           "--nproc-per-node=2", TOOL, "--hf-model", model_dirs["qwen2"], "--data", str(bad),
+           "--train-iters", "2"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert res.returncode != 0
+    says = f"--data {bad}:2: no \"text\" (the file's first line is 'text' format)"
+    assert res.stderr.strip().splitlines() == [f"finetune_hf.py: error: {says}"]
