@@ -110,6 +110,24 @@ def load(opt, path: str, seed: int) -> dict:
     return trainer
 
 
+def _caster(opt, dtype: torch.dtype):
+    """fp32 master -> ``dtype`` by the rule the optimizer makes its bf16 weights with
+    (with offload: split_fp32's, which rounds ties away from zero where ``Tensor.to`` rounds
+    them to even), so the export holds the bits the trained model computed with."""
+    from ..optimizer.host_state import split_rounding, to_low
+
+    split = dtype == torch.bfloat16 and split_rounding(opt.zero.placement)
+
+    def cast(w: torch.Tensor) -> torch.Tensor:
+        if w.dtype == dtype:
+            return w
+        out = torch.empty(w.shape, dtype=dtype)
+        to_low(out, w, split)
+        return out
+
+    return cast
+
+
 def export(model, opt, tokenizer, out_dir: str, dtype: torch.dtype) -> bool:
     """``save_pretrained`` of the model with its trainable weights from the fp32 master,
     cast to ``dtype``, and the tokenizer (collective; rank 0 writes). Tied weights stay
@@ -118,7 +136,8 @@ def export(model, opt, tokenizer, out_dir: str, dtype: torch.dtype) -> bool:
     full = opt.full_weights()
     if full is None:
         return False
-    trained = {id(model.get_parameter(n)): w.to(dtype) for n, w in full.items()}
+    cast = _caster(opt, dtype)
+    trained = {id(model.get_parameter(n)): cast(w) for n, w in full.items()}
     state = {}
     for key, value in model.state_dict(keep_vars=True).items():
         out = trained.get(id(value))
