@@ -198,3 +198,24 @@ def test_bench_planner_cli_tiny():
     lines = out.splitlines()
     assert lines[1].split()[:2] == ["question", "this"]
     assert lines[2].startswith("one H200, 7B, global batch 4") and float(lines[2].split()[-1]) > 0
+
+
+def test_bench_any_model_tiny(tmp_path):
+    """A tiny Llama in the user loop, both optimizers paired: the ratio, the bytes per
+    parameter (torch: weights, grads, two moments in fp32 = 16; ours: bf16 weights and
+    buckets, the rest on the host), and the same model learning alike on both sides."""
+    out = tmp_path / "any.json"
+    stdout = run_bench(
+        "bench_any_model.py",
+        *("--hidden", 32, "--layers", 1, "--heads", 2, "--ffn", 64, "--vocab", 128),
+        *("--seq", 16, "--pairs", 2, "--warmup", 1, "--threads", 1, "--json", out),
+    )
+    assert "step-time ratio OffloadAdamW / AdamW(fused): median" in stdout
+    assert "| OffloadAdamW(dtype=torch.bfloat16) |" in stdout
+    rep = json.loads(out.read_text())
+    assert rep["ratio_median"] > 0 and len(rep["ratios"]) == 2
+    assert rep["device_bytes_per_param"]["torch"] == pytest.approx(16.0)
+    # bf16 weights in one flat buffer (bucket alignment pads it by a little)
+    assert 2 * rep["params"] <= rep["ours_bytes"]["device"]["params"] < 2.1 * rep["params"]
+    assert rep["device_bytes_per_param"]["ours"] < 4.1
+    assert rep["losses"]["ours"] == pytest.approx(rep["losses"]["torch"], rel=0.02)
