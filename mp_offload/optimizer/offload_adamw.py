@@ -78,7 +78,8 @@ def _refuse_ddp(params: list[torch.Tensor]) -> None:
     ids = {id(p) for p in params}
     ddp = torch.nn.parallel.DistributedDataParallel
     for obj in gc.get_objects():
-        if isinstance(obj, ddp) and any(id(p) in ids for p in obj.parameters()):
+        # type(), not isinstance(): an object's __class__ may be a deprecation shim that warns
+        if issubclass(type(obj), ddp) and any(id(p) in ids for p in obj.parameters()):
             raise ValueError(
                 "OffloadAdamW averages the gradients over the data-parallel ranks itself: "
                 "pass the unwrapped model's parameters (model.module.parameters()), not DDP's"
