@@ -223,3 +223,14 @@ def test_bad_input_is_one_line():
     with pytest.raises(RuntimeError, match="pass clip_grad= to OffloadAdamW"):
         torch.nn.utils.clip_grad_norm_(list(m.parameters())[:2], 1.0)
     opt.step()
+
+
+def _ddp_worker(rank, world):
+    m = Odd()
+    ddp = torch.nn.parallel.DistributedDataParallel(m)
+    with pytest.raises(ValueError, match="averages the gradients .* itself"):
+        _ours(ddp.parameters())
+
+
+def test_a_ddp_wrapped_model_is_refused_in_one_line():
+    run_distributed(_ddp_worker, 1)
