@@ -281,8 +281,8 @@ class _Watchdog:
         except BlockingIOError:  # full of signal bytes: it wakes anyway
             pass
         self.thread.join(timeout=self.period + 10.0)
-        if self.store is None:  # a peer that is asked to stop later must not wait for this one
-            self.store = store_client(self._store_timeout)
+        # Only a run asked to stop touches the store (a peer asked later, with this rank
+        # gone, gives up on it after the grace: the latest checkpoint stays as it is).
         if self.store is not None:
             try:
                 self.store.set(self.keys[self.rank], str(_DONE))
