@@ -9,7 +9,7 @@ The loop lives in mp_offload.training; this file only calls it.
 
 import mp_offload.lifeline  # records the launcher before the slow imports
 from mp_offload.config import ConfigError, checked
-from mp_offload.early_exit import refuse
+from mp_offload.early_exit import finished, refuse
 
 mp_offload.lifeline.stop_while_starting()  # until the run's own handlers take over
 
@@ -21,3 +21,4 @@ if __name__ == "__main__":
     from mp_offload.training import pretrain
 
     pretrain()
+    finished()

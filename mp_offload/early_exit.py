@@ -57,3 +57,13 @@ def refuse(msg: str, code: int = 2) -> None:
         say("\n".join(f"{PROG}: error: {line}" for line in msg.splitlines() or [""]))
     wait_for_the_launcher(code)
     sys.exit(code)
+
+
+def finished() -> None:
+    """End a process whose run finished (its process group destroyed, its files closed)
+    at once: the C++ runtime's teardown at interpreter exit has aborted a rank now and
+    then ("terminate called without an active exception", exit -6) after a complete
+    run, which torchrun then reports as the job's failure."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
