@@ -110,4 +110,4 @@ def test_the_readmes_launch_examples_go_through_the_quiet_launcher():
     blocks = text.split("```")[1::2]
     commands = [line.strip() for b in blocks for line in b.splitlines()]
     assert not [c for c in commands if c.startswith("torchrun ")]
-    assert sum("scripts/torchrun_quiet.py --nproc-per-node" in c for c in commands) == 2
+    assert sum("scripts/torchrun_quiet.py --nproc-per-node" in c for c in commands) == 3

@@ -315,3 +315,6 @@ def main(argv=None):
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     main()
+    from mp_offload.early_exit import finished
+
+    finished()  # at once: the C++ teardown at exit has aborted a finished rank
