@@ -63,7 +63,10 @@ def finished() -> None:
     """End a process whose run finished (its process group destroyed, its files closed)
     at once: the C++ runtime's teardown at interpreter exit has aborted a rank now and
     then ("terminate called without an active exception", exit -6) after a complete
-    run, which torchrun then reports as the job's failure."""
+    run, which torchrun then reports as the job's failure. Only under torchrun: a plain
+    process (a dry run, a caller that reads its own figures at exit) exits as usual."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
