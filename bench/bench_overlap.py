@@ -1,4 +1,4 @@
-"""The step time with and without --overlap-cpu-optimizer, paired in one run (issue 22).
+"""The step time with and without --overlap-cpu-optimizer, paired in one run.
 
 One rank on the CPU, bf16 (``--dtype fp32`` too), through the real training path: the
 flags parsed and resolved as pretrain_gpt.py does, the model and the optimizer built by

@@ -1,4 +1,4 @@
-"""Peak host RSS of a short run with and without ``--save`` (issue 20 item 4).
+"""Peak host RSS of a short run with and without ``--save``.
 
 Each variant is a fresh ``pretrain_gpt.py`` process (mock data, a 25.3M-parameter GPT on
 the CPU, bf16, ``--cpu-offload``) that reports its own peak RSS (``getrusage`` max RSS) at

@@ -1,6 +1,5 @@
 """The planner chooses the layout (TP, DP, F), answers "how long for N tokens", names the
-GPU its speed is priced for, and plans the device memory the GPU really reports (issue 23
-items 7, 8, 9)."""
+GPU its speed is priced for, and plans the device memory the GPU really reports."""
 
 import math
 import re

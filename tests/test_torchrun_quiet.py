@@ -1,4 +1,4 @@
-"""scripts/torchrun_quiet.py: torchrun without its own failure report (issue 23 item 10),
+"""scripts/torchrun_quiet.py: torchrun without its own failure report,
 and common.sh's MASTER_PORT check."""
 
 import os

@@ -1,4 +1,4 @@
-"""The cases the reliability probe found unclear or silent (issue 23 item 12): each one
+"""The cases the reliability probe found unclear or silent: each one
 ends with a line naming the flag, the file or the number."""
 
 import os

@@ -1,6 +1,7 @@
 """The cases of docs/RELIABILITY.md, by area: each a real command with the outcome due
 (see tools/reliability_probe.py for how they are judged). The areas' cases are in
-tools/reliability_cases_<area>.py; this module holds issue 23's cases and all_cases().
+tools/reliability_cases_<area>.py; this module holds the fault cases (a stopped rank, a
+full disk, ...) and all_cases().
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ def _sh(*cmd) -> list:
     return ["bash", "-c", " && ".join(cmd)]
 
 
-def issue23_cases() -> list:
-    """The cases of issue 23: a stopped rank, fp16 divergence, a full disk mid-save, stale
+def fault_cases() -> list:
+    """The fault cases: a stopped rank, fp16 divergence, a full disk mid-save, stale
     locks, and what the probe found unclear or silent."""
     run = shlex.join(pretrain(*TINY))
     gen = lambda *a: tool("generate", "--load", "$D/ck-base", *a)
@@ -95,6 +96,6 @@ def all_cases() -> list:
         + checkpoint_cases()
         + runtime_cases()
         + tool_cases()
-        + issue23_cases()
+        + fault_cases()
         + stop_cases()
     )
