@@ -20,7 +20,7 @@ Memory freed in the process stays in it (glibc: no mmap for big blocks, no trim;
 this project's development host is one) memory given back to the kernel goes to the
 host, and taking it again costs ~2 ms per MB in page faults; torch's foreach AdamW
 allocates ~12 B per element each step, which made it and the row after it 10-100%
-slower (docs/PERFORMANCE.md, "1b, fourth look"). "faults" in the JSON counts the page
+slower (docs/performance_journal.md, "1b, fourth look"). "faults" in the JSON counts the page
 faults of each row's timed steps (0 expected for ours).
 
 "GB/s eff." = bytes the step must move per element x elements / time:
