@@ -2,6 +2,10 @@
 legal offload mode runs race-free with late copies and equals the synchronous CPU run
 bit for bit, and each ordering mistake injected into the optimizer is caught."""
 
+import inspect
+import textwrap
+import threading
+
 import pytest
 import torch
 from helpers import tiny_gpt_config
@@ -12,6 +16,7 @@ from mp_offload import parallel_state as ps
 from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer import host_accumulator, host_side, reducer
 from mp_offload.optimizer.options import legal_modes
+from mp_offload.optimizer.streams import CudaStreams
 
 SINGLE = ps.ParallelGroup.single()
 HP = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, clip_grad=0.0)
@@ -112,3 +117,75 @@ def test_an_accumulator_that_does_not_wait_for_the_copy_is_caught(monkeypatch):
         _run(HOST_SUMS, RaceStreams())
     assert isinstance(e.value.__cause__, StreamRace), e.value
     assert "read the destination of the copy down" in str(e.value.__cause__)
+
+
+def _without(method, statement: str):
+    """``method`` compiled from its production source with ``statement`` replaced by
+    ``pass``: the mistake is made in the real code, at its real line numbers."""
+    lines, first = inspect.getsourcelines(method)
+    source = textwrap.dedent("".join(lines))
+    assert source.count(statement) == 1, f"{statement!r} is not in {method.__qualname__}"
+    code = "\n" * (first - 1) + source.replace(statement, "pass")
+    scope: dict = {}
+    exec(compile(code, inspect.getsourcefile(method), "exec"), method.__globals__, scope)
+    return scope[method.__name__]
+
+
+def _copy_line() -> int:
+    """The line of ``CudaStreams.copy_down``'s copy: the site a report must name."""
+    lines, first = inspect.getsourcelines(CudaStreams.copy_down)
+    return first + next(i for i, line in enumerate(lines) if "dst.copy_(src" in line)
+
+
+WAIT_STREAM = "self.stream.wait_stream(compute)"
+RECORD_STREAM = "src.record_stream(self.stream)"
+
+
+def _bucket_through_the_seam(streams) -> None:
+    """One bucket's copy down as the reducer and the host side drive it (DP=1)."""
+    bucket, stage = torch.arange(8.0), torch.zeros(8)
+    landed = streams.copy_down(stage, bucket)
+    assert stage.isnan().all(), "a copy down is late until something orders it"
+    streams.wait(landed)  # the host worker
+    streams.host_access(reads=(stage,))
+    streams.before_reuse(landed)
+    bucket.fill_(-1.0)  # the next bucket
+    assert torch.equal(stage, torch.arange(8.0))
+
+
+@pytest.mark.parametrize("statement", [WAIT_STREAM, RECORD_STREAM])
+def test_the_seam_is_green_under_the_fake_until_a_statement_is_removed(monkeypatch, statement):
+    _bucket_through_the_seam(RaceStreams())
+    monkeypatch.setattr(CudaStreams, "copy_down", _without(CudaStreams.copy_down, statement))
+    with pytest.raises(StreamRace, match=f"streams.py:{_copy_line()} "):
+        _bucket_through_the_seam(RaceStreams())
+
+
+def test_a_worker_threads_wait_lands_only_what_its_event_covers():
+    streams = RaceStreams()
+    first, second = torch.arange(4.0), torch.arange(4.0) + 10
+    got_first, got_second = torch.zeros(4), torch.zeros(4)
+    landed = streams.copy_down(got_first, first)
+    streams.copy_down(got_second, second)
+    worker = threading.Thread(target=streams.wait, args=(landed,))
+    worker.start()
+    worker.join()
+    assert torch.equal(got_first, first) and got_second.isnan().all()
+    with pytest.raises(StreamRace, match="read the destination of the copy down"):
+        streams.host_access(reads=(got_second,))
+
+
+def _caught_at_the_copy(options, match):
+    """Caught, naming the seam's copy and the host side's call that issued it."""
+    site = rf"optimizer/streams.py:{_copy_line()} \(copy_down\) called from "
+    _caught(options, site + r"optimizer/host_side.py:\d+ \(_queue_down\)" + match)
+
+
+def test_a_removed_wait_stream_is_caught(monkeypatch):
+    monkeypatch.setattr(CudaStreams, "copy_down", _without(CudaStreams.copy_down, WAIT_STREAM))
+    _caught_at_the_copy(BF16, ".*did not wait for the compute stream")
+
+
+def test_a_removed_record_stream_is_caught(monkeypatch):
+    monkeypatch.setattr(CudaStreams, "copy_down", _without(CudaStreams.copy_down, RECORD_STREAM))
+    _caught_at_the_copy(BF16, ".*not recorded on the copy's stream")
