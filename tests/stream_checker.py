@@ -29,6 +29,10 @@ a torch function mode around the seam's copy methods. The model, the worst a GPU
   stream), so it is done at once; but the host may rewrite its source only after it
   synchronized an event recorded after the copy: a host kernel that writes it earlier
   fails.
+- Device memory is what the copies move across: the source of a copy down, the
+  destination of a copy up (their storages are kept alive, so the address of one is never
+  a host buffer's later). A host kernel handed device memory fails, as a CPU-only kernel
+  handed a CUDA tensor does on a GPU. (The tensors themselves are CPU tensors.)
 """
 
 from __future__ import annotations
@@ -143,6 +147,7 @@ class FakeCuda:
         # in the current copy_down: the copies down issued, the record_stream calls made
         self.issued: list[_Copy] = []
         self.recorded: list[tuple[int, FakeStream]] = []  # (the storage's address, stream)
+        self.device_memory: dict[int, tuple] = {}  # address -> (its storage, what it is)
 
     # ------------------------------------------------------------- the module's face
     def Stream(self, device=None, priority=0):  # noqa: N802 - torch.cuda's name
@@ -184,6 +189,7 @@ class FakeCuda:
                 dst.copy_(src)  # the device's readers are queued behind it
                 if _span(dst) != _span(src):  # not a CPU device's in-place params
                     s.copies.append(_Copy(dst, src, src, _site(), s, up=True, landed=True))
+                    self._on_device(dst, f"the destination of the copy up at {_site()}")
                 return
             site = _site()
             if s.knows < self.compute.knows:
@@ -193,7 +199,12 @@ class FakeCuda:
                 )
             s.copies.append(_Copy(dst, src, src.detach().clone(), site, s))
             self.issued.append(s.copies[-1])
+            self._on_device(src, f"the source of the copy down at {site}")
             dst.fill_(float("nan")) if dst.is_floating_point() else dst.zero_()
+
+    def _on_device(self, t: torch.Tensor, what: str) -> None:
+        storage = t.untyped_storage()
+        self.device_memory.setdefault(storage.data_ptr(), (storage, what))
 
     def _land(self, c: _Copy) -> None:
         if c.landed:
@@ -301,6 +312,13 @@ class RaceStreams(CudaStreams):
             super().copy_up(dst, src)
 
     def host_access(self, reads=(), writes=()) -> None:
+        for t in (*reads, *writes):
+            on_device = self.fake.device_memory.get(t.untyped_storage().data_ptr())
+            if on_device is not None:
+                raise StreamRace(
+                    f"a host kernel was handed device memory ({on_device[1]}): a CPU-only "
+                    f"kernel cannot read a CUDA tensor"
+                )
         for c in self.fake.pending():
             for t in reads:
                 if not c.up and _overlaps(_span(t), _span(c.dst)):

@@ -119,13 +119,13 @@ def test_an_accumulator_that_does_not_wait_for_the_copy_is_caught(monkeypatch):
     assert "read the destination of the copy down" in str(e.value.__cause__)
 
 
-def _without(method, statement: str):
+def _without(method, statement: str, instead: str = "pass"):
     """``method`` compiled from its production source with ``statement`` replaced by
-    ``pass``: the mistake is made in the real code, at its real line numbers."""
+    ``instead``: the mistake is made in the real code, at its real line numbers."""
     lines, first = inspect.getsourcelines(method)
     source = textwrap.dedent("".join(lines))
     assert source.count(statement) == 1, f"{statement!r} is not in {method.__qualname__}"
-    code = "\n" * (first - 1) + source.replace(statement, "pass")
+    code = "\n" * (first - 1) + source.replace(statement, instead)
     scope: dict = {}
     exec(compile(code, inspect.getsourcefile(method), "exec"), method.__globals__, scope)
     return scope[method.__name__]
@@ -189,3 +189,14 @@ def test_a_removed_wait_stream_is_caught(monkeypatch):
 def test_a_removed_record_stream_is_caught(monkeypatch):
     monkeypatch.setattr(CudaStreams, "copy_down", _without(CudaStreams.copy_down, RECORD_STREAM))
     _caught_at_the_copy(BF16, ".*not recorded on the copy's stream")
+
+
+def test_a_host_kernel_handed_device_memory_is_caught(monkeypatch):
+    # the host sum reads the reduced chunk on the device instead of its staging copy
+    own = "self.grads[lo : lo + b.chunk], stage, micro)"
+    wrong = _without(host_side.HostSide._queue_down, own, own.replace("stage", "out"))
+    monkeypatch.setattr(host_side.HostSide, "_queue_down", wrong)
+    with pytest.raises(RuntimeError) as e:
+        _run(HOST_SUMS, RaceStreams())
+    assert isinstance(e.value.__cause__, StreamRace), e.value
+    assert "handed device memory (the source of the copy down at" in str(e.value.__cause__)
