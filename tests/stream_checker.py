@@ -42,6 +42,7 @@ import threading
 import traceback
 from dataclasses import dataclass
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -143,7 +144,7 @@ class FakeCuda:
         self.compute = FakeStream(self, "compute")
         self.streams = [self.compute]
         self._current = threading.local()
-        self.landed = self.orders = 0
+        self.landed = self.orders = self.ups = 0  # copies down landed, waits, copies up
         # in the current copy_down: the copies down issued, the record_stream calls made
         self.issued: list[_Copy] = []
         self.recorded: list[tuple[int, FakeStream]] = []  # (the storage's address, stream)
@@ -189,6 +190,7 @@ class FakeCuda:
                 dst.copy_(src)  # the device's readers are queued behind it
                 if _span(dst) != _span(src):  # not a CPU device's in-place params
                     s.copies.append(_Copy(dst, src, src, _site(), s, up=True, landed=True))
+                    self.ups += 1
                     self._on_device(dst, f"the destination of the copy up at {_site()}")
                 return
             site = _site()
@@ -291,6 +293,10 @@ class RaceStreams(CudaStreams):
     def orders(self) -> int:
         return self.fake.orders
 
+    @property
+    def ups(self) -> int:
+        return self.fake.ups
+
     def copy_down(self, dst, src, after=None):
         fake = self.fake
         fake.tick()
@@ -332,3 +338,22 @@ class RaceStreams(CudaStreams):
                         f"a host kernel wrote the source of the copy up at {c.site} before "
                         f"waiting on an event recorded after it"
                     )
+
+
+@contextlib.contextmanager
+def gpu_placement():
+    """The optimizer places its buffers as on a GPU (the host staging pinned, new params
+    uploaded from a param staging, never written in place) though its tensors are the
+    CPU's: the placement the streams above stand for. Pinning is a no-op here."""
+    from mp_offload.optimizer import placement as where
+    from mp_offload.optimizer import zero
+    from mp_offload.optimizer.host_memory import host_empty
+
+    def unpinned(numel, dtype, pin):
+        return host_empty(numel, dtype, pin, register=lambda t, nbytes: None)
+
+    real = zero.placement
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(zero, "placement", lambda layout, o, device_type: real(layout, o, "cuda"))
+        patch.setattr(where, "host_empty", unpinned)
+        yield
