@@ -124,7 +124,7 @@ class FakeEvent:
         self.knows = 0
 
     def record(self, stream=None) -> None:
-        stream = stream or self.cuda.current_stream()
+        stream = self.cuda.current_stream() if stream is None else stream
         with self.cuda.lock:
             self.copies = [c for c in stream.copies if not c.seen]
             self.knows = stream.knows
