@@ -184,16 +184,15 @@ class FakeCuda:
 
     def issue(self, dst, src) -> None:
         """``dst.copy_(src, non_blocking=True)`` on the current stream."""
-        s = self.current_stream()
+        s, site = self.current_stream(), _site()
         with self.lock:
             if s is self.compute:
                 dst.copy_(src)  # the device's readers are queued behind it
-                if _span(dst) != _span(src):  # not a CPU device's in-place params
-                    s.copies.append(_Copy(dst, src, src, _site(), s, up=True, landed=True))
+                if _span(dst) != _span(src):  # not a CPU placement's in-place params
+                    s.copies.append(_Copy(dst, src, src, site, s, up=True, landed=True))
                     self.ups += 1
-                    self._on_device(dst, f"the destination of the copy up at {_site()}")
+                    self._on_device(dst, f"the destination of the copy up at {site}")
                 return
-            site = _site()
             if s.knows < self.compute.knows:
                 raise StreamRace(
                     f"the copy down at {site} may read its source before the compute "
