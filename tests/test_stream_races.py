@@ -99,12 +99,16 @@ def _caught(options, match):
 
 
 def _without(method, statement: str, instead: str = "pass"):
-    """``method`` compiled from its production source with ``statement`` replaced by
-    ``instead``: the mistake is made in the real code, at its real line numbers."""
+    """``method`` compiled from its production source with the line that is
+    ``statement`` (its comment aside) made ``instead``: the mistake is made in the real
+    code, at its real line numbers."""
     lines, first = inspect.getsourcelines(method)
-    source = textwrap.dedent("".join(lines))
-    assert source.count(statement) == 1, f"{statement!r} is not in {method.__qualname__}"
-    code = "\n" * (first - 1) + source.replace(statement, instead)
+    lines = textwrap.dedent("".join(lines)).splitlines(keepends=True)
+    hits = [i for i, line in enumerate(lines) if line.split("#")[0].strip() == statement]
+    assert len(hits) == 1, f"{statement!r} is not a line of {method.__qualname__}"
+    indent = lines[hits[0]][: len(lines[hits[0]]) - len(lines[hits[0]].lstrip())]
+    lines[hits[0]] = indent + instead + "\n"
+    code = "\n" * (first - 1) + "".join(lines)
     scope: dict = {}
     exec(compile(code, inspect.getsourcefile(method), "exec"), method.__globals__, scope)
     return scope[method.__name__]
@@ -147,8 +151,12 @@ def test_the_seam_is_green_under_the_fake_until_a_statement_is_removed(monkeypat
 
 
 def test_a_collectives_wait_orders_the_copy_without_wait_stream(monkeypatch):
-    monkeypatch.setattr(CudaStreams, "copy_down", _without(CudaStreams.copy_down, WAIT_STREAM))
+    real = CudaStreams.copy_down
+    monkeypatch.setattr(CudaStreams, "copy_down", _without(real, WAIT_STREAM))
     _bucket_through_the_seam(RaceStreams(), after=_Collective())  # DP > 1: no wait_stream
+    monkeypatch.setattr(CudaStreams, "copy_down", _without(real, "after.wait()"))
+    with pytest.raises(StreamRace, match="did not wait for the compute stream"):
+        _bucket_through_the_seam(RaceStreams(), after=_Collective())
 
 
 def test_a_worker_threads_wait_lands_only_what_its_event_covers():
@@ -223,7 +231,25 @@ def test_an_accumulator_that_does_not_wait_for_the_copy_is_caught(monkeypatch):
 
 def test_a_host_kernel_handed_device_memory_is_caught(monkeypatch):
     # the host sum reads the reduced chunk on the device instead of its staging copy
-    own = "self.grads[lo : lo + b.chunk], stage, micro)"
+    own = "job = self._accumulate(b, self.grads[lo : lo + b.chunk], stage, micro)"
     wrong = _without(host_side.HostSide._queue_down, own, own.replace("stage", "out"))
     monkeypatch.setattr(host_side.HostSide, "_queue_down", wrong)
     _caught(HOST_SUMS, r"handed device memory \(the source of the copy down at")
+
+
+# Every other ordering statement of the seam, removed, is caught in a run too.
+ORDERING = [
+    ("copy_down", "done.record(self.stream)", "HOST_SUMS", "read the destination of the copy"),
+    ("before_reuse", "self.cuda.current_stream().wait_event(event)", "BF16", "rewritten before"),
+    ("drain", "done.record(self.stream)", "BF16", "read the destination of the copy down"),
+    ("drain", "done.synchronize()", "BF16", "read the destination of the copy down"),
+    ("record", "done.record()", "BF16", "wrote the source of the copy up"),
+]
+
+
+@pytest.mark.parametrize("method, statement, options, match", ORDERING)
+def test_each_ordering_statement_of_the_seam_is_needed(monkeypatch, method, statement, options,
+                                                        match):  # fmt: skip
+    cut = _without(getattr(CudaStreams, method), statement)
+    monkeypatch.setattr(CudaStreams, method, cut)
+    _caught(globals()[options], match)
