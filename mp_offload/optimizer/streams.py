@@ -7,8 +7,9 @@ object:
   overlap the rest of backward instead of queueing behind its kernels; events are
   blocking (a waiting thread sleeps instead of spinning).
 - ``HostStreams``: a CPU "device": copies are synchronous, events are None.
-- the tests' race checker (``tests/fake_cuda.py``) implements the same face with copies
-  that complete late unless ordered, to catch a missing wait on the CPU.
+- the tests' race checker (``tests/stream_checker.py``) runs ``CudaStreams`` itself on
+  the CPU under a fake ``torch.cuda`` whose copies complete late unless ordered, to
+  catch a missing wait, ``wait_stream`` or ``record_stream`` without a GPU.
 ``host_access`` is called where a C++ kernel reads or writes host memory through raw
 pointers (invisible to torch): a no-op here, a check in the race checker.
 """
@@ -66,23 +67,25 @@ class HostStreams:
 
 class CudaStreams(HostStreams):
     """Copies down on a side stream; copies up on the compute stream (the forward that
-    reads them is queued behind them); blocking events."""
+    reads them is queued behind them); blocking events. ``cuda``: the ``torch.cuda``
+    module (the race checker passes its fake)."""
 
     asynchronous = True
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, cuda=torch.cuda):
         super().__init__(device)
-        self.stream = torch.cuda.Stream(device)
+        self.cuda = cuda
+        self.stream = cuda.Stream(device)
 
     def copy_down(self, dst, src, after=None):
-        compute = torch.cuda.current_stream()
-        with torch.cuda.stream(self.stream):
+        compute = self.cuda.current_stream()
+        with self.cuda.stream(self.stream):
             if after is not None:
                 after.wait()  # NCCL: this stream waits for the collective, the host does not
             else:
                 self.stream.wait_stream(compute)
             dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event(blocking=True)
+            done = self.cuda.Event(blocking=True)
             done.record(self.stream)
         src.record_stream(self.stream)  # the caching allocator: in use on the copy stream
         return done
@@ -91,16 +94,16 @@ class CudaStreams(HostStreams):
         dst.copy_(src, non_blocking=True)
 
     def record(self):
-        done = torch.cuda.Event(blocking=True)
+        done = self.cuda.Event(blocking=True)
         done.record()
         return done
 
     def before_reuse(self, event) -> None:
         if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+            self.cuda.current_stream().wait_event(event)
 
     def drain(self) -> None:
-        done = torch.cuda.Event(blocking=True)
+        done = self.cuda.Event(blocking=True)
         done.record(self.stream)
         done.synchronize()
 
