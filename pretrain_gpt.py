@@ -7,11 +7,11 @@
 The loop lives in mp_offload.training; this file only calls it.
 """
 
-import mp_offload.lifeline  # records the launcher before the slow imports
+import mp_offload.runtime.lifeline  # records the launcher before the slow imports
 from mp_offload.config import ConfigError, checked
-from mp_offload.early_exit import finished, refuse
+from mp_offload.runtime.early_exit import finished, refuse
 
-mp_offload.lifeline.stop_while_starting()  # until the run's own handlers take over
+mp_offload.runtime.lifeline.stop_while_starting()  # until the run's own handlers take over
 
 if __name__ == "__main__":
     try:  # a bad flag is one line before torch is imported (seconds; a minute under load)

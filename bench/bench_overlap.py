@@ -66,9 +66,9 @@ os.environ["OMP_NUM_THREADS"] = "1"
 import torch  # noqa: E402
 
 from mp_offload.config import parse, resolve  # noqa: E402
-from mp_offload.distributed import init_distributed  # noqa: E402
 from mp_offload.ops import cpu_adam  # noqa: E402
 from mp_offload.planner.overlap_schedule import buckets, schedule  # noqa: E402
+from mp_offload.runtime.distributed import init_distributed  # noqa: E402
 
 
 def pretrain_flags(overlap: bool) -> list[str]:

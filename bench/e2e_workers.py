@@ -91,7 +91,7 @@ def _setup(pretrain_argv):
     from mp_offload import parallel_state as ps
     from mp_offload.config import parse, resolve
     from mp_offload.data.build import build_datasets
-    from mp_offload.distributed import init_distributed
+    from mp_offload.runtime.distributed import init_distributed
     from mp_offload.training import with_data
 
     args, given = parse(pretrain_argv)

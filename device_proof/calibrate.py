@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from mp_offload.cpu_threads import available_cores
-from mp_offload.logger import device_peak_tflops
+from mp_offload.runtime.cpu_threads import available_cores
+from mp_offload.runtime.logger import device_peak_tflops
 
 from .report import check, fig
 

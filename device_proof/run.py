@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mp_offload.distributed import apply_cpu_threads, threads_per_rank
+from mp_offload.runtime.distributed import apply_cpu_threads, threads_per_rank
 
 from . import calibrate as cal
 from . import equivalence as eq

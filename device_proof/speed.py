@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mp_offload.cpu_threads import available_cores
 from mp_offload.model.gpt import GPTConfig
 from mp_offload.ops.traffic import adam_arrays, bytes_per_element
 from mp_offload.planner.throughput import Machine, step_time
+from mp_offload.runtime.cpu_threads import available_cores
 
 from . import toy
 from .equivalence import BF16

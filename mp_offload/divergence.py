@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from .logger import log
+from .runtime.logger import log
 
 
 class TrainingError(RuntimeError):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shlex
 
-from .model.config import GPTConfig, model_flags
+from .model.gpt_config import GPTConfig, model_flags
 
 FINETUNE_LR = "2e-5"
 DATA_PREFIX = "data/finetune"

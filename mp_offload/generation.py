@@ -28,12 +28,12 @@ from .checkpoint import (
     resolve_checkpoint,
 )
 from .checkpoint.on_disk import tokenizer_args
+from .config.help import DefaultsHelpFormatter
 from .data.tokenizer import TOKENIZER_TYPES, tokenizer_for
-from .distributed import first_error, is_reporting_rank
-from .early_exit import say, wait_for_the_launcher
-from .help_format import DefaultsHelpFormatter
 from .model.gpt import GPTModel
 from .paths import closest_existing
+from .runtime.distributed import first_error, is_reporting_rank
+from .runtime.early_exit import say, wait_for_the_launcher
 from .tensor_parallel import gather_from_tp_region
 from .tensor_parallel.utils import TP_ATTRIBUTES
 
@@ -232,7 +232,7 @@ def _prompt_ids(tok, text: str) -> list[int]:
 def _setup(tp: int):
     """Join torchrun's world when there is one, through the run's own start-up (its
     rendezvous message and timeout); returns (device, created_group)."""
-    from .distributed import DeviceError, RendezvousError, init_distributed, pick_device
+    from .runtime.distributed import DeviceError, RendezvousError, init_distributed, pick_device
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     created = world > 1 and not dist.is_initialized()

@@ -266,8 +266,8 @@ def check_memory(args, device: torch.device, tokenizer=None) -> None:
     """Collective, before anything is allocated: every rank stops with the first rank's
     reason (exit 2) when the run does not fit (unless --skip-memory-check). ``tokenizer``:
     the run's, whose vocabulary the model will have (else --vocab-size)."""
-    from .distributed import fail, first_error
-    from .logger import log
+    from .runtime.distributed import fail, first_error
+    from .runtime.logger import log
 
     if args.train.skip_memory_check:
         log.info("memory check skipped (--skip-memory-check)")

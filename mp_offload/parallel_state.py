@@ -25,6 +25,11 @@ import torch.distributed as dist
 # The flag checks need no torch: pretrain_gpt.py runs them before importing it.
 from .parallel_sizes import ParallelConfigError, validate_parallel_sizes
 
+# The tensor collectives, named once: torch >= 2.13 renamed them (``*_single``); the
+# older names keep older releases working.
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 __all__ = ["ParallelConfigError", "validate_parallel_sizes"]  # and the module's own names
 
 

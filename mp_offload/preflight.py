@@ -1,6 +1,6 @@
 """Checks of a run's inputs on every rank before any process group starts.
 
-After the flags (config.py), everything else that can be checked without the other
+After the flags (config/flags.py), everything else that can be checked without the other
 ranks: the --data-path files, the tokenizer files (the tokenizer is loaded here, once,
 and handed to the data pipeline), and the places the run will write its logs. Every
 problem is one line naming the flag and the fix; the job prints them once and exits 2.
@@ -60,7 +60,7 @@ def _data_prefixes(args: Args) -> list[str]:
 def check_inputs(args: Args):
     """ConfigError with one line per problem of the run's files; else the tokenizer of
     --data-path (None for mock data and the default corpus, which brings its own)."""
-    from .stopping import stop_grace_problem
+    from .runtime.stopping import stop_grace_problem
 
     d = args.data
     found = _output_problems(args) + [p for p in (stop_grace_problem(),) if p]

@@ -29,7 +29,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import faults, lifeline
 from . import parallel_state as ps
 from .checkpoint import (
     CheckpointError,
@@ -40,9 +39,16 @@ from .checkpoint import (
 )
 from .checkpoint.on_disk import is_complete
 from .config import Args, ConfigError, checked, config_warnings
-from .config_file import write_run_config
+from .config.file import write_run_config
 from .data.build import RunData, batch_iterator, build_datasets
-from .distributed import (
+from .divergence import Skips, TrainingError, check_loss
+from .generation import TextSampler
+from .lr_scheduler import LRScheduler
+from .memory_check import check_memory
+from .model.gpt import GPTModel, flops_per_token, num_parameters
+from .optimizer import Optimizer, StepResult, build_optimizer
+from .runtime import faults, lifeline
+from .runtime.distributed import (
     DeviceError,
     RendezvousError,
     StartupError,
@@ -58,15 +64,9 @@ from .distributed import (
     numa_report,
     set_phase,
 )
-from .divergence import Skips, TrainingError, check_loss
-from .generation import TextSampler
-from .logger import Logger, log, run_summary
-from .lr_scheduler import LRScheduler
-from .memory_check import check_memory
-from .model.gpt import GPTModel, flops_per_token, num_parameters
-from .optimizer import Optimizer, StepResult, build_optimizer
-from .phase_timer import PhaseTimer
-from .stopping import StopFlag, restore_handlers, stop_outside_the_loop
+from .runtime.logger import Logger, log, run_summary
+from .runtime.phase_timer import PhaseTimer
+from .runtime.stopping import StopFlag, restore_handlers, stop_outside_the_loop
 from .tensor_parallel import model_parallel_seed
 
 

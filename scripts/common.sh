@@ -18,7 +18,7 @@
 #
 # Host threads: each rank's CPU Adam, host gradient sums and torch's intra-op pool take the
 # node's usable cores divided among its ranks, less one per rank on a GPU for the threads
-# that launch kernels (mp_offload/cpu_threads.py); the start-up line says how many.
+# that launch kernels (mp_offload/runtime/cpu_threads.py); the start-up line says how many.
 # OMP_NUM_THREADS is ignored on purpose (torchrun sets it to 1 for every multi-process job);
 # append --cpu-threads-per-rank N to a script's command to choose.
 set -euo pipefail

@@ -13,7 +13,7 @@ worker's own traceback (a bug) is kept.
 Stopping. torchrun runs in a session of its own, so a Ctrl-C (SIGINT to the terminal's
 process group) or a SIGTERM reaches it once, from here; this says what happens next in
 one line and passes the signal on; torchrun passes it to every worker. Each worker
-finishes its step, saves and exits (mp_offload/stopping.py), however long the step takes:
+finishes its step, saves and exits (mp_offload/runtime/stopping.py), however long the step takes:
 torchrun is given TORCH_ELASTIC_SHUTDOWN_TIMEOUT = an hour (its own default, 30 s, would
 SIGKILL a long step unsaved), unless the caller set it. A worker left stopped (SIGSTOP)
 after others have exited can neither save nor exit: it is killed, with a line naming it.

@@ -116,7 +116,7 @@ _TIMING = (
 
 
 def _clean(rs):
-    # phase_*_ms: the per-phase timers (mp_offload/phase_timer.py)
+    # phase_*_ms: the per-phase timers (mp_offload/runtime/phase_timer.py)
     return [
         {k: v for k, v in r.items() if k not in _TIMING and not k.startswith("phase_")} for r in rs
     ]

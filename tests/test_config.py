@@ -179,7 +179,7 @@ def test_config_file_keys_and_flags_override_it(tmp_path):
     ],
 )
 def test_config_file_errors_name_the_key(tmp_path, capsys, text, needle):
-    from mp_offload.config_file import load_config_file
+    from mp_offload.config.file import load_config_file
 
     path = _yaml(tmp_path, text)
     with pytest.raises(ConfigError) as e:
@@ -220,7 +220,7 @@ def test_flags_given_in_a_config_file_count_as_given(tmp_path):
 
 
 def test_parse_reads_argv_and_the_config_file_once(tmp_path, monkeypatch):
-    from mp_offload import config
+    from mp_offload.config import flags as config
 
     path = _yaml(tmp_path, "eval-interval: 5\nlr: 1e-3\n")
     reads = []
@@ -234,7 +234,7 @@ def test_parse_reads_argv_and_the_config_file_once(tmp_path, monkeypatch):
 
 def test_dumped_config_reads_back_as_the_same_run(tmp_path):
     from mp_offload.config import resolve
-    from mp_offload.config_file import dump_config
+    from mp_offload.config.file import dump_config
 
     args = parse_args(
         [

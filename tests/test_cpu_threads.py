@@ -1,4 +1,4 @@
-"""The one CPU-thread rule (mp_offload/cpu_threads.py): affinity and cgroup quota per
+"""The one CPU-thread rule (mp_offload/runtime/cpu_threads.py): affinity and cgroup quota per
 rank, one core kept for launching on a GPU, OMP_NUM_THREADS ignored, nothing at import."""
 
 import os
@@ -61,7 +61,7 @@ def test_threads_per_rank_honours_the_quota_keeps_a_launch_core_and_ignores_omp(
 
 def test_the_cpu_adam_sets_nothing_at_import_and_uses_the_rule_at_first_use():
     code = (
-        "import mp_offload.ops.cpu_adam as ca, mp_offload.cpu_threads as ct\n"
+        "import mp_offload.ops.cpu_adam as ca, mp_offload.runtime.cpu_threads as ct\n"
         "assert not ca._threads_chosen\n"
         "ct.available_cores = lambda root=None: 12\n"
         "print(ca.get_num_threads(), ca._threads_chosen)\n"
@@ -87,7 +87,7 @@ def test_every_threaded_entry_point_applies_the_rule_first(first_call):
     """The remainder and split/join kernels run threaded too: whichever is called first
     must apply the thread rule, not run with the module's built-in count."""
     code = (
-        "import torch, mp_offload.ops.cpu_adam as ca, mp_offload.cpu_threads as ct\n"
+        "import torch, mp_offload.ops.cpu_adam as ca, mp_offload.runtime.cpu_threads as ct\n"
         "ct.available_cores = lambda root=None: 12\n"
         f"{first_call}\n"
         "print(ca._threads_chosen, ca._C.get_num_threads())\n"
@@ -112,7 +112,7 @@ def test_importing_mp_offload_makes_idle_openmp_threads_sleep_before_torch_loads
     show = "import os; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('KMP_BLOCKTIME'))"
     assert _fresh(f"import mp_offload; {show}") == ["PASSIVE", "0"]
     assert _fresh(f"import mp_offload; {show}", OMP_WAIT_POLICY="ACTIVE") == ["ACTIVE", "0"]
-    report = "import mp_offload.cpu_threads as ct; print(ct.openmp_wait())"
+    report = "import mp_offload.runtime.cpu_threads as ct; print(ct.openmp_wait())"
     assert _fresh(f"import mp_offload; {report}") == ["OpenMP", "waits", "passive"]
     # torch first, without a policy: its runtime spins, and the start-up line says so
     assert "spinning" in _fresh(f"import torch, mp_offload; {report}")

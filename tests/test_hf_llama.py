@@ -341,7 +341,7 @@ def test_finetune_from_an_import_with_the_printed_flags(hf_models, tmp_path):
     them unset) and sequence parallelism: its first loss is the imported model's loss
     on the first global batch."""
     from mp_offload.data.loader import MockGPTDataset
-    from mp_offload.model.config import model_flags
+    from mp_offload.model.gpt_config import model_flags
 
     hf_dir, _ = hf_models["gqa"]
     save = str(tmp_path / "ck")

@@ -18,8 +18,7 @@ from dist_helpers import loss_and_grads, merged_grad, run_distributed
 
 from mp_offload import parallel_state as ps
 from mp_offload.config import ConfigError, parse_args, validate
-from mp_offload.model.gpt import GPTConfig, GPTModel, flops_per_token, num_parameters
-from mp_offload.model.layers import (
+from mp_offload.model.block import (
     ParallelAttention,
     ParallelMLP,
     RotaryEmbedding,
@@ -27,6 +26,7 @@ from mp_offload.model.layers import (
     apply_rotary,
     build_norm,
 )
+from mp_offload.model.gpt import GPTConfig, GPTModel, flops_per_token, num_parameters
 from mp_offload.planner import estimate_activations
 from mp_offload.tensor_parallel import model_parallel_seed
 
@@ -152,7 +152,7 @@ def test_gqa_attention_is_attention_with_repeated_kv_heads(groups, rotary):
 def test_gqa_without_a_grouped_kernel_repeats_kv_heads(monkeypatch):
     """Where SDPA has no fused grouped kernel (CUDA before sm80, fp32) the K/V heads are
     repeated before the call; same result."""
-    import mp_offload.model.layers as layers
+    import mp_offload.model.block as layers
 
     monkeypatch.setattr(layers, "sdpa_takes_groups", lambda q: False)
     torch.manual_seed(1)

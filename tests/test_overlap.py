@@ -372,7 +372,7 @@ def test_the_run_summary_gives_the_replay_rate():
     import time
     from types import SimpleNamespace as NS
 
-    from mp_offload.logger import run_summary
+    from mp_offload.runtime.logger import run_summary
 
     args = NS(model=NS(seq_length=16), train=NS(train_iters=8), ckpt=NS(save=None))
     logger = NS(start=time.time(), last_eval={})

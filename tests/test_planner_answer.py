@@ -233,7 +233,7 @@ def test_printed_launch_command_trains_the_named_model(preset, extra, capsys):
 
 
 def test_model_flags_leave_default_options_out_and_name_each_once():
-    from mp_offload.model.config import model_flags
+    from mp_offload.model.gpt_config import model_flags
 
     base = GPTConfig(**tiny_gpt_config())
     assert "--layernorm-epsilon" not in model_flags(base)

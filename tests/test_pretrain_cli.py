@@ -238,8 +238,8 @@ def test_a_flag_error_comes_before_torch_is_imported(flags, line):
 
 
 def test_the_flags_bucket_default_is_the_optimizers():
-    """config_schema holds the number without importing the optimizer (torch)."""
-    from mp_offload.config_schema import DEFAULT_BUCKET_SIZE
+    """config.schema holds the number without importing the optimizer (torch)."""
+    from mp_offload.config.schema import DEFAULT_BUCKET_SIZE
     from mp_offload.optimizer.base import DEFAULT_BUCKET_SIZE as optimizer_default
 
     assert DEFAULT_BUCKET_SIZE == optimizer_default

@@ -412,7 +412,7 @@ def _data_error_worker(rank, world, prefix, out_dir):
     from mp_offload import parallel_state as ps
     from mp_offload.data import gpt_dataset
     from mp_offload.data.build import build_datasets
-    from mp_offload.distributed import StartupError
+    from mp_offload.runtime.distributed import StartupError
 
     if rank == 1:  # only this rank's disk is full
 

@@ -324,7 +324,7 @@ class _FakeWandb:
 
 def test_wandb_project_logs_when_installed_and_warns_once_when_not(monkeypatch, capsys):
     from mp_offload.config import LoggingConfig
-    from mp_offload.logger import Logger
+    from mp_offload.runtime.logger import Logger
 
     fake = _FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
@@ -342,7 +342,7 @@ def test_wandb_project_logs_when_installed_and_warns_once_when_not(monkeypatch, 
 
 def test_a_sample_of_blank_lines_prints_as_one_line():
     """An early model's sample is often newlines and indentation: not 24 empty lines."""
-    from mp_offload.logger import sample_block
+    from mp_offload.runtime.logger import sample_block
 
     assert sample_block("def parse(" + "\n        " * 12) == (
         "    | def parse(\n    | (12 blank lines)"
@@ -356,7 +356,7 @@ def test_a_sample_of_blank_lines_prints_as_one_line():
 def test_the_summarys_losses_name_their_iterations():
     """A stopped run's last evaluation (here the iteration-0 baseline) is not passed off
     as the final one."""
-    from mp_offload.logger import final_losses
+    from mp_offload.runtime.logger import final_losses
 
     evals = {"valid": (0, 8.3465)}
     assert final_losses({"iteration": 30, "loss": 6.5}, evals) == (

@@ -1,4 +1,4 @@
-"""The run's tokenizer: the checks of the tokenizer flags (config.py) and the tokenizer
+"""The run's tokenizer: the checks of the tokenizer flags (config/flags.py) and the tokenizer
 rebuilt from the args a checkpoint records (tokenizer_for)."""
 
 import pytest

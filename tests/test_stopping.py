@@ -1,6 +1,6 @@
 """Stops that always end saved, or with one line saying why not: Ctrl-C or SIGTERM during
 a step longer than torchrun's own 30 s grace, under a stalled (SIGSTOPped) peer, twice,
-and during start-up (mp_offload/stopping.py, scripts/torchrun_quiet.py)."""
+and during start-up (mp_offload/runtime/stopping.py, scripts/torchrun_quiet.py)."""
 
 import json
 import os

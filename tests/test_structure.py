@@ -119,25 +119,28 @@ def test_the_planner_and_the_config_file_reach_only_what_they_need():
     planner = {m for m in graph if m.startswith("mp_offload.planner")}
     reach = {(m, d) for m in planner for d in graph[m] if d.startswith("mp_offload.checkpoint")}
     assert not reach, reach
-    assert graph["mp_offload.config_file"] <= {"mp_offload.config_schema", "mp_offload.fields"}
+    assert graph["mp_offload.config.file"] <= {
+        "mp_offload.config.schema",
+        "mp_offload.config.fields",
+    }
 
 
-def test_no_planner_module_shares_a_base_name_with_another_module():
-    """One name, one module: a planner module named like one elsewhere in the package
-    (``layout``, ``flags``) is read as the other in docs, tracebacks and reviews. The
-    planner's command lines live in the planner too, but for the one-line
-    ``mp_offload/plan.py`` that names the command."""
-    paths = _modules().values()
+def test_no_two_modules_share_a_base_name():
+    """One name, one module: two modules named alike (``layout``, ``config``, ``overlap``)
+    are read as each other in docs, tracebacks and reviews."""
     base = lambda path: os.path.splitext(os.path.basename(path))[0]  # noqa: E731
-    planner = os.path.join(ROOT, PACKAGE, "planner")
-    elsewhere = {base(p) for p in paths if not p.startswith(planner + os.sep)}
-    shared = sorted(
-        base(p)
-        for p in paths
-        if p.startswith(planner + os.sep) and base(p) in elsewhere - {"__init__", "__main__"}
-    )
-    assert not shared, f"planner modules named like another module of the package: {shared}"
+    names = sorted(base(p) for p in _modules().values())
+    shared = {n for n in names if names.count(n) > 1} - {"__init__", "__main__"}
+    assert not shared, f"modules of the package named alike: {sorted(shared)}"
     assert not os.path.exists(os.path.join(ROOT, PACKAGE, "dry_run.py"))
+
+
+def test_the_package_top_holds_its_floors():
+    """The runtime and the configuration are floors of their own, not loose top modules."""
+    top = {n[:-3] for n in os.listdir(os.path.join(ROOT, PACKAGE)) if n.endswith(".py")}
+    loose = top & {"distributed", "logger", "faults", "lifeline", "cpu_threads", "phase_timer"}
+    loose |= top & {"config_schema", "config_file", "fields", "help_format", "dry_run"}
+    assert not loose, f"modules that belong to runtime/, config/ or planner/: {sorted(loose)}"
 
 
 def _long_functions() -> list[str]:

@@ -131,7 +131,7 @@ def test_generate_unknown_flag_says_did_you_mean(ckpt):
 
 
 def test_the_progress_line_on_the_cpu_has_no_device_fields():
-    from mp_offload.logger import _device_fields
+    from mp_offload.runtime.logger import _device_fields
 
     rec = dict(loss_scale=1.0, skipped_iterations=0, tokens_per_sec=10.0, tflops_per_device=0.001)
     rec.update(peak_device_gb=0.0, peak_host_gb=0.3, host_device_bytes_per_param=4.0)

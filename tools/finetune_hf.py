@@ -118,7 +118,7 @@ def _start_group(world: int):
     import torch
     import torch.distributed as dist
 
-    from mp_offload.distributed import DeviceError, pick_device
+    from mp_offload.runtime.distributed import DeviceError, pick_device
 
     try:
         device = pick_device()
@@ -315,6 +315,6 @@ def main(argv=None):
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     main()
-    from mp_offload.early_exit import finished
+    from mp_offload.runtime.early_exit import finished
 
     finished()  # at once: the C++ teardown at exit has aborted a finished rank

@@ -20,7 +20,7 @@ def raise_agreed(error: str | None) -> None:
     Checks run on every rank before this one collective, so a failure on one rank
     stops all of them with the same message instead of leaving the others hanging.
     """
-    from ..distributed import first_error  # deferred: the offline tools never need it
+    from ..runtime.distributed import first_error  # deferred: the offline tools never need it
 
     first = first_error(error)
     if first:

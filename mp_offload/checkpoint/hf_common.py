@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from ..model.config import SHAPE_FIELDS
+from ..model.gpt_config import SHAPE_FIELDS
 from ..tensor_parallel.random import get_rng_tracker, model_parallel_seed
 from .errors import ConversionError
 from .on_disk import rng_state

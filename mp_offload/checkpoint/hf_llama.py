@@ -4,7 +4,7 @@ Owns the name map between our parameters and Llama's, the row rules that split o
 weights into Llama's separate ones (and join them back), and the two configs. Like
 ``hf_gpt2`` it holds one full parameter of the source at a time.
 
-Our layout (model/layers.py) against Llama's (HF transformers' ``modeling_llama``):
+Our layout (model/block.py) against Llama's (HF transformers' ``modeling_llama``):
 - ``attn.qkv`` fuses q_proj, k_proj, v_proj along the output rows. With G query groups
   (--group-query-attention) the rows, viewed as [G, a/G + 2, d, ...] (a heads of d
   channels), hold q = [:, :-2], k = [:, -2], v = [:, -1]; without it they are

@@ -36,9 +36,9 @@ import shutil
 
 import torch
 
-from .. import faults
-from ..model.config import OPTION_FIELDS, SHAPE_FIELDS, GPTConfig
+from ..model.gpt_config import OPTION_FIELDS, SHAPE_FIELDS, GPTConfig
 from ..optimizer.layout import layout_from_description
+from ..runtime import faults
 from ..tensor_parallel.random import get_rng_tracker
 from ..tensor_parallel.utils import merge_partitions, split_for_rank
 from .errors import CheckpointError

@@ -22,8 +22,8 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from .. import faults
 from .. import parallel_state as ps
+from ..runtime import faults
 from . import on_disk as fmt
 from .errors import CheckpointError
 from .save_group import planned_bytes, save_group

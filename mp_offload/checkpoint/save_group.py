@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .. import parallel_state as ps
-from ..distributed import collective_timeout_minutes
+from ..runtime.distributed import collective_timeout_minutes
 
 # The slowest storage a save is expected to reach: a shared network file system under
 # every rank of a node at once (e.g. 8 ranks on a 2.5 Gb/s link); written, then read back.

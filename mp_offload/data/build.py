@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel_state as ps
-from ..distributed import agreed, set_phase
-from ..logger import log
+from ..runtime.distributed import agreed, set_phase
+from ..runtime.logger import log
 from .checks import check_token_ids, load_tokenizer, tokenizer_description
 from .loader import BatchIterator, MockGPTDataset, SizedPlaceholder
 from .tokenizer import tokenizer_for

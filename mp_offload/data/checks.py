@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from ..distributed import StartupError
+from ..runtime.distributed import StartupError
 from .indexed_dataset import MMapIndexedDataset, data_file_path, index_file_path
 
 

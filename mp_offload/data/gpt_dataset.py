@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..logger import log
+from ..runtime.logger import log
 from .data_path import parse_data_path, parse_split
 from .indexed_dataset import MMapIndexedDataset
 

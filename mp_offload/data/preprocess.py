@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..help_format import DefaultsHelpFormatter
+from ..config.help import DefaultsHelpFormatter
 from .indexed_dataset import (
     IndexedDatasetBuilder,
     best_dtype,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..help_format import DefaultsHelpFormatter
+from ..config.help import DefaultsHelpFormatter
 from . import BadInput
 
 MOMENTS = ("fp32", "bf16", "8bit")

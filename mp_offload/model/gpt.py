@@ -31,8 +31,8 @@ from ..tensor_parallel import (
 )
 from ..tensor_parallel.layers import init_normal, resolve_tp_group
 from ..tensor_parallel.utils import set_defaults_if_not_set
-from .config import POSITION_EMBEDDINGS, GPTConfig
-from .layers import RotaryEmbedding, TransformerBlock, build_norm, dropout
+from .block import RotaryEmbedding, TransformerBlock, build_norm, dropout
+from .gpt_config import POSITION_EMBEDDINGS, GPTConfig
 
 
 class GPTModel(nn.Module):

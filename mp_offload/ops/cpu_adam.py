@@ -26,7 +26,7 @@ docstrings). The kernel reads and writes the halves in place: no fp32 master,
 no separate bf16 copy. ``adam_step(..., bf16_rounding="split")`` rounds a bf16
 ``param_out`` by the same rule, so both paths can hand the device the same bits.
 
-Threads default to the run's one rule (``mp_offload/cpu_threads.py``: the cores of
+Threads default to the run's one rule (``mp_offload/runtime/cpu_threads.py``: the cores of
 the affinity mask and cgroup quota shared among the node's ranks), applied at the first
 call that needs it, not at import. ``set_num_threads(n)`` overrides it and holds whatever
 OMP_NUM_THREADS says (torchrun sets it to 1 per worker): the kernel passes n in a
@@ -42,7 +42,6 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 import mp_offload._cpu_adam as _C  # the extension module itself, not the package
-from mp_offload.cpu_threads import default_threads_per_rank
 from mp_offload.ops.adam_args import (
     DTYPE_CODES,
     MOMENT_DTYPES,
@@ -63,6 +62,7 @@ from mp_offload.ops.adam_args import (
     moment_bufs,
     ptr,
 )
+from mp_offload.runtime.cpu_threads import default_threads_per_rank
 
 __all__ = [
     "Q8_BLOCK",

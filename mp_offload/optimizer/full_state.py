@@ -9,13 +9,11 @@ saved at one DP size loads at any other (each rank copies back its own pieces).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ..parallel_state import comm_device
+from ..parallel_state import all_gather_tensor, comm_device
 from .sides import fill
 
 KEYS = ("master", "exp_avg", "exp_avg_sq")
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _slice(opt, key: str) -> torch.Tensor:
@@ -34,7 +32,7 @@ def _flat(opt, key: str) -> torch.Tensor:
     for b in layout.buckets:
         chunk = mine[b.slice_offset : b.slice_offset + b.chunk].to(dev)
         whole = torch.empty(b.numel, device=dev)
-        _all_gather(whole, chunk, group=opt.dp_group.torch_group())
+        all_gather_tensor(whole, chunk, group=opt.dp_group.torch_group())
         out[b.start : b.end] = whole.cpu()
     return out
 

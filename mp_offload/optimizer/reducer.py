@@ -20,14 +20,11 @@ reduce-scatter and one chunk a bucket per step, for any k.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from ..parallel_state import reduce_scatter_tensor
 from .layout import FlatLayout
 from .placement import BUCKET_BUFFERS, Placement, allocate
 from .side import Micro, no_phase
-
-# torch >= 2.13 renamed the tensor collectives; keep working on older releases too.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class BucketBuffers:
@@ -216,7 +213,7 @@ class GradientReducer:
         if self.dp.size > 1:  # x / 1 is x exactly: one DP rank skips the pass over the bucket
             data.div_(self.dp.size)  # average before summing: keeps fp16 sums in range
             out = torch.empty(b.chunk, dtype=data.dtype, device=self.device)
-            work = _reduce_scatter(out, data, group=self.dp.torch_group(), async_op=True)
+            work = reduce_scatter_tensor(out, data, group=self.dp.torch_group(), async_op=True)
         else:
             out = data
         token = self.routes[b.index].launched(b, out, work, self._micro())

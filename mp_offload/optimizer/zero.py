@@ -15,9 +15,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
-from ..parallel_state import ParallelGroup
+from ..parallel_state import ParallelGroup, all_gather_tensor
 from .adam_calls import StepHyper, step_hyper, stepped_slots
 from .base import StepResult
 from .checkpoint_parts import install_slice, memory_bytes, memory_line, state_parts, stats
@@ -33,9 +32,6 @@ from .schedules import schedule_for
 from .side import no_phase
 from .sides import fill, make_sides
 from .streams import streams_for
-
-# torch >= 2.13 renamed the tensor collectives; keep working on older releases too.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def default_groups(model: torch.nn.Module, lr: float, weight_decay: float) -> list[dict]:
@@ -204,7 +200,7 @@ class ZeroOptimizer:
             lo, hi = b.chunk_range(self.dp_rank)
             # gloo needs a separate input; NCCL gathers in place.
             inp = self.flat[lo:hi] if self.device.type == "cuda" else self.flat[lo:hi].clone()
-            _all_gather(self.flat[b.start : b.end], inp, group=self.dp_group.torch_group())
+            all_gather_tensor(self.flat[b.start : b.end], inp, group=self.dp_group.torch_group())
 
     def flush(self) -> None:
         """Apply a delayed (DPU) update still in flight: before saving or at the end."""

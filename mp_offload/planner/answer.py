@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..model.config import OPTION_FIELDS, GPTConfig, model_flags
+from ..model.gpt_config import OPTION_FIELDS, GPTConfig, model_flags
 from ..optimizer.options import MOMENT_DTYPES
 from .memory import MODES, GiB, Hardware, JobPlan, Run, moment_bytes
 from .search import Found, max_model

@@ -10,7 +10,7 @@ import math
 import sys
 
 from ..config import CONFIG_CLASSES, Args, ConfigError, build_parser, parse_with_config
-from ..fields import range_problem
+from ..config.fields import range_problem
 from ..optimizer.options import OptimizerOptions
 from .memory import ALL_MODES, DEVICE_RESERVE_FRACTION, DEVICE_RESERVE_MIN_GB, Hardware, Run
 from .named_models import MACHINE_PRESETS, MODEL_PRESETS, NO_BF16

@@ -1,7 +1,7 @@
 """``python -m mp_offload.plan`` (``mp_offload/plan.py``) and ``python -m
 mp_offload.planner``: the planner's command line.
 
-The planner takes pretrain_gpt.py's own flags (the generated parser of config.py), so a
+The planner takes pretrain_gpt.py's own flags (the generated parser of config/flags.py), so a
 training command line can be planned by handing it to ``python -m mp_offload.plan`` with
 hardware flags, or by adding ``--dry-run`` to it (``dry_run.py``: hardware from the
 environment). The flags and presets are ``arguments.py``'s, what is printed is

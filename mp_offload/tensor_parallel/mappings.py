@@ -24,11 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..parallel_state import ParallelGroup
-
-# torch >= 2.13 renamed the tensor collectives; keep working on older releases too.
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from ..parallel_state import ParallelGroup, all_gather_tensor, reduce_scatter_tensor
 
 SEQUENCE_DIM = 1  # activations are [batch, sequence, hidden]
 
@@ -84,7 +80,7 @@ def gather_sequence(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     # The collective fills one buffer along dim 0: move the sequence there and back.
     shard = x.movedim(SEQUENCE_DIM, 0).contiguous()
     out = shard.new_empty((group.size * shard.shape[0], *shard.shape[1:]))
-    _all_gather_tensor(out, shard, group=group.torch_group())
+    all_gather_tensor(out, shard, group=group.torch_group())
     return out.movedim(0, SEQUENCE_DIM).contiguous()
 
 
@@ -95,7 +91,7 @@ def reduce_scatter_sequence(x: torch.Tensor, group: ParallelGroup) -> torch.Tens
     _check_sequence(x, group)
     full = x.movedim(SEQUENCE_DIM, 0).contiguous()
     out = full.new_empty((full.shape[0] // group.size, *full.shape[1:]))
-    _reduce_scatter_tensor(out, full, group=group.torch_group())
+    reduce_scatter_tensor(out, full, group=group.torch_group())
     return out.movedim(0, SEQUENCE_DIM).contiguous()
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model.config import pad_vocab_size  # noqa: F401 - defined without torch, re-exported
+from ..model.gpt_config import pad_vocab_size  # noqa: F401 - defined without torch, re-exported
 
 TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
 

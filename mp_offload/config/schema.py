@@ -1,8 +1,8 @@
 """The run's flags as dataclasses, one per concern (``Args`` holds them), with each
 flag's help, choices and range on its field (``fields.flag_field``). Field ``foo_bar``
 is flag ``--foo-bar`` (Megatron's names); a bool that defaults to False is a switch.
-The parser and the checks are in ``config.py``; the ``--config`` file reader and
-writer in ``config_file.py``. A field marked ``derived`` is no flag: ``resolve`` fills
+The parser and the checks are in ``flags.py``; the ``--config`` file reader and
+writer in ``file.py``. A field marked ``derived`` is no flag: ``resolve`` fills
 it in from the others.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..model.gpt_config import GPTConfig
 from .fields import derived_field, flag_field
-from .model.config import GPTConfig
 
 # Elements per gradient bucket: optimizer.base.DEFAULT_BUCKET_SIZE, the same number (a test
 # holds them equal), written here so the flags are read without importing torch.

@@ -21,7 +21,7 @@ from torch import nn
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker
 from ..tensor_parallel.layers import init_normal, scaled_init_normal
 from ..tensor_parallel.utils import divide
-from .config import NORMALIZATIONS, GPTConfig, rotary_problem
+from .gpt_config import NORMALIZATIONS, GPTConfig, rotary_problem
 
 
 def build_norm(cfg: GPTConfig, sequence_parallel: bool, dtype, device) -> nn.Module:

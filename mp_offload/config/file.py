@@ -11,8 +11,8 @@ import difflib
 import os
 import typing
 
-from .config_schema import CONFIG_CLASSES, Args, ConfigError
 from .fields import flag_fields, unwrap_optional
+from .schema import CONFIG_CLASSES, Args, ConfigError
 
 
 def _fields_by_name() -> dict[str, tuple[str, dataclasses.Field, object]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..fields import field_problems, flag_field
+from ..config.fields import field_problems, flag_field
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

@@ -1,4 +1,4 @@
-"""The run's flags: argparse generated from the dataclasses of ``config_schema.py``, the
+"""The run's flags: argparse generated from the dataclasses of ``schema.py``, the
 checks that need several fields (and the world size), and ``resolve``, which fills in
 every derived value. After ``resolve`` the ``Args`` are final: nothing changes them.
 
@@ -16,8 +16,13 @@ import os
 import sys
 import typing
 
-from .config_file import load_config_file
-from .config_schema import (
+from ..model.gpt_config import GPTConfig
+from ..parallel_sizes import ParallelConfigError, validate_parallel_sizes
+from ..runtime.early_exit import reporting_rank
+from .fields import field_problems, flag_fields, unwrap_optional
+from .file import load_config_file
+from .help import DefaultsHelpFormatter
+from .schema import (
     CONFIG_CLASSES,
     Args,
     CheckpointConfig,
@@ -28,11 +33,6 @@ from .config_schema import (
     ParallelConfig,
     TrainingConfig,
 )
-from .early_exit import reporting_rank
-from .fields import field_problems, flag_fields, unwrap_optional
-from .help_format import DefaultsHelpFormatter
-from .model.config import GPTConfig
-from .parallel_sizes import ParallelConfigError, validate_parallel_sizes
 
 __all__ = [  # the schema's names too: callers import the run's flags from here
     "CONFIG_CLASSES",
@@ -219,7 +219,7 @@ def given_flags(argv=None) -> frozenset[str]:
 
 
 def _data_path_problems(d: DataConfig):
-    from .data.data_path import parse_data_path, parse_split
+    from ..data.data_path import parse_data_path, parse_split
 
     if d.data_path is not None and len(d.data_path) > 1:
         if len(d.data_path) % 2:
@@ -288,7 +288,7 @@ def _data_problems(d: DataConfig, t: TrainingConfig, given: frozenset):
     yield from _tokenizer_problems(d)
     if d.mock_data:
         return
-    from .data.data_path import parse_split
+    from ..data.data_path import parse_split
 
     try:
         train, valid, _ = parse_split(d.split)
@@ -358,7 +358,7 @@ def _mode_problems(args: Args) -> list[str]:
     )
     if o.optimizer != "adam" or not any(modes):
         return []
-    from .optimizer.options import FLAGS, OptimizerOptions, option_fields, render
+    from ..optimizer.options import FLAGS, OptimizerOptions, option_fields, render
 
     options, broken = OptimizerOptions.checked(**option_fields(args))
     return [render(r, options, FLAGS) for r in broken]

@@ -190,14 +190,14 @@ def apply_cpu_threads(n: int) -> str:
     """Give the C++ Adam and torch's intra-op pool ``n`` threads; returns a one-line report."""
     torch.set_num_threads(n)
     try:
-        from .ops.cpu_adam import set_num_threads, simd_level
+        from ..ops.cpu_adam import set_num_threads, simd_level
     except ImportError:
         return (
             f"host threads {n}; WARNING: the C++ CPU Adam is not built, the optimizer "
             f"falls back to torch ops (several times slower): run `pip install -e .`"
         )
     set_num_threads(n)
-    from .ops import host_ops
+    from ..ops import host_ops
 
     host_ops.set_num_threads(n)
     return f"host threads {n}; CPU Adam {simd_level()}; {openmp_wait()}"

@@ -34,7 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import parallel_state as ps
+from .. import parallel_state as ps
 from .distributed import PROG, current_phase, fail, is_reporting_rank, say, store_client
 
 STOP_GRACE_ENV = "MP_OFFLOAD_STOP_GRACE_S"
@@ -71,7 +71,7 @@ def latest_note(save: str | None) -> str:
     """Which checkpoint a stop leaves as the latest, as a phrase."""
     if not save:
         return "no --save: nothing was being saved"
-    from .checkpoint import CheckpointError, read_latest
+    from ..checkpoint import CheckpointError, read_latest
 
     try:
         latest = read_latest(save)
