@@ -219,7 +219,7 @@ def test_env_var_forces_level_at_import():
 
 def test_default_num_threads(monkeypatch, tmp_path):
     """The run's one rule (cpu_threads.py), OMP_NUM_THREADS ignored."""
-    from mp_offload import cpu_threads
+    from mp_offload.runtime import cpu_threads
 
     monkeypatch.setattr(cpu_threads, "CGROUP", str(tmp_path))  # no quota
     cores = len(os.sched_getaffinity(0))

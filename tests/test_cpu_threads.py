@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from mp_offload import cpu_threads as ct
-from mp_offload import distributed as d
+from mp_offload.runtime import cpu_threads as ct
+from mp_offload.runtime import distributed as d
 
 
 def _cgroup(tmp_path, files: dict) -> str:

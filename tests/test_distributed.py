@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mp_offload import cpu_threads
-from mp_offload import distributed as d
+from mp_offload.runtime import cpu_threads
+from mp_offload.runtime import distributed as d
 
 
 @pytest.fixture

@@ -5,7 +5,8 @@
 import torch
 import torch.distributed as dist
 
-from mp_offload import distributed, generation
+from mp_offload import generation
+from mp_offload.runtime import distributed
 
 
 def test_generate_joins_the_world_through_the_projects_start_up(monkeypatch):

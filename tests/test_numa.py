@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from mp_offload import cpu_threads, distributed
-from mp_offload import numa as nm
+from mp_offload.runtime import cpu_threads, distributed
+from mp_offload.runtime import numa as nm
 
 BUS = ["0000:1b:00.0", "0000:3d:00.0", "0000:9a:00.0", "0000:ba:00.0"]  # GPUs 0-3
 

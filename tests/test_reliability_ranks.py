@@ -212,7 +212,7 @@ def test_worker_exits_when_its_launcher_is_killed(tmp_path):
 def test_a_process_forked_after_the_import_takes_its_forker_as_its_launcher():
     """A fork server's worker (the tests' ranks) is forked after the import recorded the
     parent: its launcher is the process that forked it, not that one's parent."""
-    from mp_offload import lifeline
+    from mp_offload.runtime import lifeline
 
     pid = os.fork()
     if pid == 0:
@@ -227,7 +227,7 @@ def test_the_kill_once_fault_kills_exactly_one_of_the_ranks_that_race_for_it(tmp
     to name the lost rank). Many threads race for one marker: exactly one claims it."""
     import threading
 
-    from mp_offload import faults
+    from mp_offload.runtime import faults
 
     marker = str(tmp_path / "killed-once")
     start, wins = threading.Barrier(16), []

@@ -10,7 +10,6 @@ import torch.distributed as dist
 from dist_helpers import free_port, run_distributed
 from helpers import CKPT_RUN
 
-from mp_offload import distributed
 from mp_offload import parallel_state as ps
 from mp_offload.checkpoint import on_disk as fmt
 from mp_offload.checkpoint import save_group as sg
@@ -18,6 +17,7 @@ from mp_offload.checkpoint.save import save_checkpoint
 from mp_offload.config import parse_args, resolve
 from mp_offload.model.gpt import GPTModel
 from mp_offload.optimizer import build_optimizer
+from mp_offload.runtime import distributed
 
 TIMEOUT_S = 2  # the run's collective timeout here
 SLOW_S = 5  # rank 1's optimizer file takes this long to write

@@ -143,6 +143,68 @@ def test_the_package_top_holds_its_floors():
     assert not loose, f"modules that belong to runtime/, config/ or planner/: {sorted(loose)}"
 
 
+def _defined_names(path: str) -> set[str]:
+    """Names a module's top level binds (defs, classes, assignments, imports) and its
+    lazy re-exports (the strings of its module-level tables, read by ``__getattr__``)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+            if isinstance(node.value, (ast.Dict, ast.List, ast.Tuple)):  # re-export tables
+                strings = [n for n in ast.walk(node.value) if isinstance(n, ast.Constant)]
+                names.update(n.value for n in strings if isinstance(n.value, str))
+    return names
+
+
+def _unresolved_imports() -> list[str]:
+    """``from mp_offload.x import y`` statements, in the tests, tools, benchmarks and the
+    package, whose ``y`` is neither a module nor a name ``x`` binds (read from the source:
+    a stale file or cached bytecode of a moved module cannot hide one, as it can from
+    an import)."""
+    modules, bad = _modules(), []
+    for top in ("tests", "tools", "bench", "scripts", PACKAGE):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in (n for n in files if n.endswith(".py")):
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    tree = ast.parse(f.read(), path)
+                for node in ast.walk(tree):
+                    if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                        continue
+                    if node.module.split(".")[0] != PACKAGE:
+                        continue
+                    where = f"{os.path.relpath(path, ROOT)}:{node.lineno}"
+                    if node.module not in modules:
+                        bad.append(f"{where}: no module {node.module}")
+                        continue
+                    bound = _defined_names(modules[node.module])
+                    for alias in node.names:
+                        sub = f"{node.module}.{alias.name}"
+                        ext = alias.name.startswith("_") and _is_extension(sub)
+                        if sub not in modules and alias.name not in bound and not ext:
+                            bad.append(f"{where}: {node.module} has no {alias.name}")
+    return bad
+
+
+def _is_extension(dotted: str) -> bool:
+    """A compiled module of the package (built by set-up, not in the source tree)."""
+    folder, name = os.path.split(os.path.join(ROOT, *dotted.split(".")))
+    return name in ("_cpu_adam", "_host_ops") and os.path.isdir(folder)
+
+
+def test_every_import_of_the_package_names_what_exists():
+    """A module moved to a floor (``runtime/``, ``config/``) leaves no importer behind."""
+    bad = _unresolved_imports()
+    assert not bad, "imports of what does not exist:\n" + "\n".join(bad)
+
+
 def _long_functions() -> list[str]:
     out = []
     for module, path in _modules().items():
