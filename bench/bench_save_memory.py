@@ -2,11 +2,14 @@
 
 Each variant is a fresh ``pretrain_gpt.py`` process (mock data, a 25.3M-parameter GPT on
 the CPU, bf16, ``--cpu-offload``) that reports its own peak RSS (``getrusage`` max RSS) at
-exit; the save happens once, at the last iteration. The table gives, per offload fraction,
-how much the save raised the peak, against the rank's optimizer state (fp32 master and
-moments: 12 B per owned element, read from the run's own memory report).
+exit; the save happens once, at the last iteration. The table gives, per offload fraction
+and stored form, how much the save raised the peak, against the rank's optimizer state as
+a checkpoint holds it (fp32 master and moments: 12 B per owned element, read from the
+run's own memory report) and per owned element. "compact" keeps the master as remainders
+and both moments in 8 bits: the save converts them a chunk at a time, never whole.
 
-  python bench/bench_save_memory.py [--fractions 0.5,1] [--iters 2] [--max-ratio 0.25]
+  python bench/bench_save_memory.py [--fractions 0.5,1] [--forms fp32,compact] [--iters 2]
+      [--max-ratio 0.25]
 """
 
 from __future__ import annotations
@@ -38,9 +41,22 @@ WRAPPER = (
 )
 
 
-def peak_rss(fraction: str, iters: int, save: str | None) -> tuple[int, int]:
+FORMS = {
+    "fp32": [],
+    "compact": [
+        "--store-param-remainders",
+        "--exp-avg-dtype",
+        "8bit",
+        "--exp-avg-sq-dtype",
+        "8bit",
+    ],
+}
+
+
+def peak_rss(fraction: str, iters: int, save: str | None, form: str = "fp32") -> tuple[int, int]:
     """(peak RSS bytes, elements this rank owns) of one run in a fresh process."""
-    argv = [*MODEL, *RUN, "--train-iters", str(iters), "--optimizer-offload-fraction", fraction]
+    argv = [*MODEL, *RUN, *FORMS[form], "--train-iters", str(iters)]
+    argv += ["--optimizer-offload-fraction", fraction]
     if save:
         argv += ["--save", save, "--save-interval", str(iters)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
@@ -59,25 +75,29 @@ def peak_rss(fraction: str, iters: int, save: str | None) -> tuple[int, int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fractions", default="0.5,1")
+    ap.add_argument("--forms", default="fp32,compact", help=f"of {','.join(FORMS)}")
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--max-ratio", type=float, default=None, help="exit 1 above this ratio")
     args = ap.parse_args(argv)
     mib = 2**20
     print(
-        f"{'F':>4} {'no save MiB':>12} {'save MiB':>9} {'+MiB':>7} {'state MiB':>10} {'ratio':>6}"
+        f"{'F':>4} {'form':>8} {'no save MiB':>12} {'save MiB':>9} {'+MiB':>7} "
+        f"{'state MiB':>10} {'ratio':>6} {'B/param':>8}"
     )
     worst = 0.0
-    for fraction in args.fractions.split(","):
-        base, owned = peak_rss(fraction, args.iters, None)
-        with tempfile.TemporaryDirectory() as tmp:
-            saved, _ = peak_rss(fraction, args.iters, os.path.join(tmp, "ckpt"))
-        state = 12 * owned
-        ratio = (saved - base) / state
-        worst = max(worst, ratio)
-        print(
-            f"{fraction:>4} {base / mib:12.1f} {saved / mib:9.1f} {(saved - base) / mib:+7.1f} "
-            f"{state / mib:10.1f} {ratio:6.3f}"
-        )
+    for form in args.forms.split(","):
+        for fraction in args.fractions.split(","):
+            base, owned = peak_rss(fraction, args.iters, None, form)
+            with tempfile.TemporaryDirectory() as tmp:
+                saved, _ = peak_rss(fraction, args.iters, os.path.join(tmp, "ckpt"), form)
+            state = 12 * owned
+            ratio = (saved - base) / state
+            worst = max(worst, ratio)
+            print(
+                f"{fraction:>4} {form:>8} {base / mib:12.1f} {saved / mib:9.1f} "
+                f"{(saved - base) / mib:+7.1f} {state / mib:10.1f} {ratio:6.3f} "
+                f"{(saved - base) / owned:8.2f}"
+            )
     if args.max_ratio is not None and worst > args.max_ratio:
         print(f"the save raised the peak by {worst:.3f} of the state (> {args.max_ratio})")
         return 1

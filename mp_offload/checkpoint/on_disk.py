@@ -11,6 +11,8 @@ Layout::
     <root>/iter_0000100/mp_rank_00/model.pt        TP shard of the weights (compute dtype)
     <root>/iter_0000100/mp_rank_00/optim_dp000.pt  this (TP, DP) rank's fp32 master/m/v
                                                    slice, its layout, step, scaler, RNG
+    <root>/iter_0000100/mp_rank_00/optim_dp000.exp_avg.f32   a state key written a chunk
+                                                   at a time (raw little-endian fp32)
 
 Owned here, and nowhere else: the names above, the manifest (build, read, check), the
 commit sequence both writers use (temporary directory, fsync, manifest last, rename,
@@ -18,7 +20,11 @@ then the latest pointer), the checked reader (size and sha256 once, then mmap), 
 vocabulary-padding fit, and the TP merge of one parameter from its saved slices.
 Nothing here needs process groups.
 
-Versions: 3 (written now) may save an optimizer slice as its parts in order (device
+Versions: 4 (written now) writes a state key whose stored form is not fp32 on the host
+(remainders, 8-bit moments, a device share) as a raw fp32 file beside the optimizer
+file, converted a chunk at a time, so a save holds no fp32 copy of the compact state;
+the optimizer file names it (``{"raw_fp32": file, "numel": n}``) and the checked reader
+maps it in place of the tensor. 3 may save an optimizer slice as its parts in order (device
 share, host part) when the run split it (``--optimizer-offload-fraction``), so a save
 never concatenates them; ``saved_range`` reads either form. 2 added manifest.sha256, so
 a hand-edited manifest is refused instead of silently loading wrong weights, and the
@@ -33,6 +39,7 @@ import json
 import os
 import re
 import shutil
+from math import inf
 
 import torch
 
@@ -43,8 +50,8 @@ from ..tensor_parallel.random import get_rng_tracker
 from ..tensor_parallel.utils import merge_partitions, split_for_rank
 from .errors import CheckpointError
 
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 LATEST = "latest_checkpointed_iteration.txt"
 LOCK = ".lock"
 MANIFEST = "manifest.json"
@@ -78,6 +85,11 @@ def model_file(tp_rank: int) -> str:
 def optim_file(tp_rank: int, dp_rank: int) -> str:
     """Relative to the iteration directory."""
     return os.path.join(f"mp_rank_{tp_rank:02d}", f"optim_dp{dp_rank:03d}.pt")
+
+
+def raw_file(optim_rel: str, key: str) -> str:
+    """The raw fp32 file of state ``key`` beside the optimizer file ``optim_rel``."""
+    return f"{optim_rel[: -len('.pt')]}.{key}.f32"
 
 
 def iteration_of(path: str) -> int | None:
@@ -182,6 +194,23 @@ def write_file(obj, path: str, text: bool = False) -> dict:
         f.flush()
         os.fsync(f.fileno())
     return {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
+
+
+def write_raw(chunks, path: str, finite: bool = False) -> tuple[dict, bool]:
+    """Write fp32 ``chunks`` (an iterator) one after another, durably: (the manifest
+    entry, whether every value was finite when ``finite`` is asked, else True). Only one
+    chunk is held at a time."""
+    ok = True
+    with open(path, "wb") as f:
+        for c in chunks:
+            c = c.to(torch.float32).contiguous()
+            # the inf-norm: a reduction with no temporary the size of the chunk
+            ok = ok and (not finite or bool(torch.linalg.vector_norm(c, inf).isfinite()))
+            f.write(c.numpy().data)  # little-endian fp32, as torch.from_file reads it
+            del c  # before the next chunk is made: one at a time
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}, ok
 
 
 def fsync_dir(path: str) -> None:
@@ -375,21 +404,29 @@ class CheckedReader:
 
     def __call__(self, rel: str) -> dict:
         if rel not in self.cache:
-            path = os.path.join(self.ckpt, rel)
-            meta = self.files.get(rel)
-            if meta is None or not os.path.exists(path):
-                raise CheckpointError(
-                    f"{path}: missing (the checkpoint lists {len(self.files)} files)"
-                )
-            size = os.path.getsize(path)
-            if size != meta["bytes"]:
-                raise CheckpointError(
-                    f"{path}: truncated or altered ({size} bytes, manifest says {meta['bytes']})"
-                )
-            if sha256_file(path) != meta["sha256"]:
-                raise CheckpointError(f"{path}: checksum mismatch (corrupted)")
-            self.cache[rel] = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+            obj = torch.load(self._checked(rel), mmap=True, weights_only=True, map_location="cpu")
+            if isinstance(obj, dict):  # a raw state key: mapped, read as its pages are
+                for k, v in obj.items():
+                    if isinstance(v, dict) and "raw_fp32" in v:
+                        path = self._checked(v["raw_fp32"])
+                        obj[k] = torch.from_file(path, size=v["numel"], dtype=torch.float32)
+            self.cache[rel] = obj
         return self.cache[rel]
+
+    def _checked(self, rel: str) -> str:
+        """The path of listed file ``rel`` once its size and checksum match the manifest."""
+        path = os.path.join(self.ckpt, rel)
+        meta = self.files.get(rel)
+        if meta is None or not os.path.exists(path):
+            raise CheckpointError(f"{path}: missing (the checkpoint lists {len(self.files)} files)")
+        size = os.path.getsize(path)
+        if size != meta["bytes"]:
+            raise CheckpointError(
+                f"{path}: truncated or altered ({size} bytes, manifest says {meta['bytes']})"
+            )
+        if sha256_file(path) != meta["sha256"]:
+            raise CheckpointError(f"{path}: checksum mismatch (corrupted)")
+        return path
 
     def pieces(self, tp_rank: int, dp_rank: int) -> dict:
         """name -> [(offset in param, offset in slice, length)] of a saved (TP, DP) slice."""

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel_state as ps
+from ..optimizer.checkpoint_parts import Streamed, slice_state
 from ..runtime import faults
 from . import on_disk as fmt
 from .errors import CheckpointError
@@ -63,16 +64,34 @@ def _rank_files(tmp: str, model, optimizer, tp_rank: int, dp_rank: int) -> tuple
         files[rel] = fmt.write_file(
             {n: p.detach().cpu() for n, p in model.named_parameters()}, os.path.join(tmp, rel)
         )
+    rel = fmt.optim_file(tp_rank, dp_rank)
     if optimizer.checkpoint_kind == "zero":
-        shard = optimizer.state_dict()
-        if not all_finite(_parts(shard["master"])):
+        shard = slice_state(optimizer, streamed=True)
+        if not _write_streamed(shard, tmp, rel, files):
             return files, f"the fp32 master weights ({where})"
     else:  # torch-adamw: the (fp32) weights are the master, checked above
         shard = {"torch_adamw": optimizer.state_dict()}
     shard["rng"] = fmt.rng_state()
-    rel = fmt.optim_file(tp_rank, dp_rank)
     files[rel] = fmt.write_file(shard, os.path.join(tmp, rel))
     return files, ""
+
+
+def _write_streamed(shard: dict, tmp: str, rel: str, files: dict) -> bool:
+    """Write the ``Streamed`` keys of a ZeRO ``shard`` as raw files beside ``rel`` (the
+    master first) and name them in it; False, with the rest unwritten, as soon as the
+    master is found to hold inf or NaN (checked as it is written, or in place)."""
+    if not isinstance(shard["master"], Streamed) and not all_finite(_parts(shard["master"])):
+        return False
+    os.makedirs(os.path.dirname(os.path.join(tmp, rel)), exist_ok=True)
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        value = shard[key]
+        if isinstance(value, Streamed):
+            raw = fmt.raw_file(rel, key)
+            files[raw], ok = fmt.write_raw(value.chunks(), os.path.join(tmp, raw), key == "master")
+            if not ok:
+                return False
+            shard[key] = {"raw_fp32": raw, "numel": value.numel}
+    return True
 
 
 def _latest(root: str) -> int | None:

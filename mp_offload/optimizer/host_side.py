@@ -209,6 +209,13 @@ class HostSide(Side):
     def parts(self, key: str) -> torch.Tensor:
         return self.states[0].form(key).saved()
 
+    def converts(self, key: str) -> bool:
+        return self.states[0].form(key).converts
+
+    def saved_chunks(self, key: str, n: int):
+        form = self.states[0].form(key)
+        return form.saved_chunks(n) if form.converts else super().saved_chunks(key, n)
+
     def target(self, key: str) -> torch.Tensor:
         return self.states[0].form(key).target()
 

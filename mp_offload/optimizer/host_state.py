@@ -8,6 +8,8 @@
   * each moment: ``DenseMoment`` (fp32/bf16) or ``Q8Moment`` (8-bit: one Blockwise8 per
     Adam piece, its blocks restarting at each piece, so no block spans two kernel calls).
 A form's ``saved()`` is what a checkpoint holds (fp32), ``target()``/``commit()`` load it.
+A form that ``converts`` (remainders, 8-bit) also gives ``saved_chunks(n)``: its fp32 a
+chunk of at most ``n`` elements at a time, so a save never holds the whole of it.
 bf16 params made from an fp32 master use split_fp32's rounding when ``split`` (bf16 with
 offload), so the device gets the same bits with or without remainders.
 """
@@ -66,6 +68,8 @@ def nbytes(t) -> int:
 class DenseMoment:
     """An fp32 or bf16 moment: the tensor itself."""
 
+    converts = False  # saved as it is stored
+
     def __init__(self, t: torch.Tensor):
         self.t = t
 
@@ -96,6 +100,7 @@ class Q8Moment:
     view must end on a block or at its storage's end), the scales one tensor."""
 
     dtype = torch.uint8
+    converts = True
 
     def __init__(self, kind: str, numel: int, scales: int, pieces):
         from ..ops.adam_args import Blockwise8
@@ -133,6 +138,19 @@ class Q8Moment:
 
     to_fp32 = saved
 
+    def saved_chunks(self, n: int):
+        """``saved()`` in order, at most ``n`` elements (rounded down to whole blocks) at a
+        time: a chunk's blocks are whole blocks of its piece, so it decodes on its own."""
+        from ..ops.adam_args import Blockwise8
+
+        step = max(n // Q8_BLOCK, 1) * Q8_BLOCK
+        for q in self.pieces.values():
+            for a in range(0, q.codes.numel(), step):
+                codes = q.codes[a : a + step]
+                first = a // Q8_BLOCK
+                part = Blockwise8(codes, q.scales[first : first + -(-codes.numel() // Q8_BLOCK)])
+                yield _kernels().dequantize_8bit(part, self.kind)
+
     def target(self) -> torch.Tensor:
         return torch.zeros(self._numel)
 
@@ -156,6 +174,8 @@ def make_moment(place: Placement, key: str, pieces, tensor_of) -> DenseMoment | 
 class Fp32Master:
     """The fp32 master; ``hi``: the low-precision params Adam writes beside it (the staging
     that goes up; None where the master itself goes up)."""
+
+    converts = False  # saved as it is stored
 
     def __init__(self, master: torch.Tensor, hi: torch.Tensor | None, split: bool):
         self.master, self.hi, self.split = master, hi, split
@@ -204,6 +224,7 @@ class SplitMaster:
     """The master as bf16 ``hi`` (the param staging that goes up) + int16 remainder ``lo``."""
 
     split = True
+    converts = True
 
     def __init__(self, lo: torch.Tensor, hi: torch.Tensor):
         self.lo, self.hi = lo, hi
@@ -237,6 +258,11 @@ class SplitMaster:
 
     def saved(self) -> torch.Tensor:
         return _kernels().join_fp32(self.hi, self.lo)
+
+    def saved_chunks(self, n: int):
+        """``saved()`` in order, ``n`` elements at a time."""
+        for a in range(0, self.lo.numel(), n):
+            yield _kernels().join_fp32(self.hi[a : a + n], self.lo[a : a + n])
 
     def target(self) -> torch.Tensor:
         return torch.zeros(self.lo.numel())  # the padding, never written, stays 0

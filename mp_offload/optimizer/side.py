@@ -4,7 +4,8 @@ A side owns a run of whole buckets (its part of this rank's slice, ``offset`` on
 everything of their optimizer state. The reducer hands it each reduced chunk
 (``launched`` when the reduce-scatter is queued, ``receive`` once it is done); the
 schedule asks it to ``step`` and ``publish``; checkpoints read and write it through
-``parts``/``target``/``commit``; reports and the plan through ``buffers``.
+``parts``/``target``/``commit`` (a save through ``saved_chunks`` where ``converts``);
+reports and the plan through ``buffers``.
 """
 
 from __future__ import annotations
@@ -96,6 +97,17 @@ class Side:
 
     def wait(self) -> None:
         """Until nothing this side queued still writes its gradients."""
+
+    def converts(self, key: str) -> bool:
+        """Whether ``parts(key)`` is a temporary (a converted form, or a copy to the
+        host): a save then writes ``saved_chunks`` instead, one chunk at a time."""
+        return self.parts(key).device.type != "cpu"
+
+    def saved_chunks(self, key: str, n: int):
+        """``parts(key)`` as fp32 host tensors of at most ``n`` elements, in order."""
+        t = self.parts(key)
+        for a in range(0, t.numel(), n):
+            yield t[a : a + n].to(device="cpu", dtype=torch.float32)
 
     def chunk_norm(self, b, t: torch.Tensor) -> None:
         self.norm_parts.append(sum_of_squares(t, self.norm_ranges[b.index]))

@@ -19,7 +19,7 @@ import torch
 from ..parallel_state import ParallelGroup, all_gather_tensor
 from .adam_calls import StepHyper, step_hyper, stepped_slots
 from .base import StepResult
-from .checkpoint_parts import install_slice, memory_bytes, memory_line, state_parts, stats
+from .checkpoint_parts import install_slice, memory_bytes, memory_line, slice_state, stats
 from .grads import clip_coefficient, reduce_norm_squared
 from .host_memory import resolve_device
 from .host_state import initial_split, to_low
@@ -212,14 +212,9 @@ class ZeroOptimizer:
         return self.scaler.overflows
 
     def state_dict(self) -> dict:
-        """This rank's slice: each state key as the sides' parts in slice order (one
-        tensor when unsplit), the live buffers where the stored form is fp32 (a save
-        allocates no second slice); see ``checkpoint_parts.state_parts``."""
-        self.flush()
-        out = {k: state_parts(self.sides, k) for k in ("master", "exp_avg", "exp_avg_sq")}
-        steps = {s.name: n for s, n in zip(self.layout.slots, self.slot_steps)}
-        return dict(out, step=self.step_count, scaler=self.scaler.state_dict(),
-                    layout=self.layout.describe(), param_steps=steps)  # fmt: skip
+        """This rank's slice (``checkpoint_parts.slice_state``): the live buffers where the
+        stored form is fp32, so a save allocates no second slice."""
+        return slice_state(self)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
