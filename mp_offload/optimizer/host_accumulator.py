@@ -7,6 +7,8 @@ micro-batch its share of the gradient norm; with the overlap, its speculative Ad
 that work overlaps the rest of backward instead of running after it. Chunks cover
 disjoint parts of the slice, and the main thread only reads the slice after ``wait()``,
 so no locking is needed. The thread is a real one on the CPU too (the overlap's).
+``ticket()``/``wait_for(ticket)`` let the training thread wait for the work queued up
+to a point (a staging's last reader) instead of all of it.
 """
 
 from __future__ import annotations
@@ -23,16 +25,33 @@ class HostAccumulator:
         self.streams = streams
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
+        self._submitted = self._done = 0  # pieces of work: queued, finished (or refused)
+        self._finished = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="host-grad-accumulate", daemon=True)
         self._thread.start()
 
     def submit(self, work: Callable[[], None], ready=None) -> None:
         """Run ``work()`` on the thread once ``ready`` (an event, or None) is set."""
+        self._submitted += 1  # (only the training thread submits)
         self._queue.put((work, ready))
+
+    def ticket(self) -> int:
+        """A mark after the work queued so far, for ``wait_for``."""
+        return self._submitted
+
+    def wait_for(self, ticket: int) -> None:
+        """Block until the work queued before ``ticket`` is done (FIFO: the thread runs it
+        in order); re-raise the worker's failure."""
+        with self._finished:
+            self._finished.wait_for(lambda: self._done >= ticket)
+        self._raise()
 
     def wait(self) -> None:
         """Block until every queued piece of work is done; re-raise the worker's failure."""
         self._queue.join()
+        self._raise()
+
+    def _raise(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError("host gradient accumulation failed") from err
@@ -51,4 +70,7 @@ class HostAccumulator:
             except BaseException as e:  # noqa: BLE001 - surfaced by wait()
                 self._error = e
             finally:
+                with self._finished:
+                    self._done += 1
+                    self._finished.notify_all()
                 self._queue.task_done()

@@ -7,6 +7,8 @@ host worker thread, and the uploads. Its face is the device side's (``side.py``)
 - ``launched``/``receive``: each reduced chunk is copied down (on a GPU, queued at the
   reduce-scatter on the copy stream so it overlaps the rest of backward) and, when Adam
   does not read the staging itself, added into the fp32 sum on the worker as it lands;
+  on a GPU two grad stagings then alternate per micro-batch, and the training thread
+  waits for the worker only before a staging is reused (``_reuse``), not after each one;
 - ``step_piece``/``upload``: one bucket's Adam, and its new params queued up right
   after it (the kernel is elementwise: bitwise one call over the slice);
 - ``parts``/``target``/``commit`` and ``buffers``.
@@ -27,6 +29,7 @@ from .placement import allocate
 from .side import Micro, Side
 
 _NOT_COPIED = object()  # ``launched``'s token: the copy down waits for ``receive``
+WAIT_SUMS = "wait for the host's gradient sums"  # the training thread's phase
 
 
 class HostSide(Side):
@@ -49,6 +52,10 @@ class HostSide(Side):
         self.worker = None
         if streams.asynchronous and not self.reads_staging:
             self.start_worker()
+        # k > 1 summed on the host with a worker and two stagings: they alternate per
+        # micro-batch; ``free_after``: staging -> the worker's ticket after its last sum
+        self.per_micro = self.worker is not None and len(self.staging_copies) == 2
+        self.free_after: dict[int, int] = {}
 
     def _host(self, name: str) -> list[torch.Tensor]:
         return allocate(self.place.buffer(name), self.flat.device)
@@ -102,6 +109,7 @@ class HostSide(Side):
 
     def _queue_down(self, b, out: torch.Tensor, work, micro: Micro):
         lo = b.slice_offset - self.offset
+        self._reuse(self.staging)
         stage = self.staging[lo : lo + b.chunk]
         landed = self.streams.copy_down(stage, out, after=work)
         self.bytes_down += b.chunk * out.element_size()
@@ -125,9 +133,20 @@ class HostSide(Side):
 
         return job
 
+    def _reuse(self, staging: torch.Tensor) -> None:
+        """Before a copy down rewrites ``staging``: the worker has summed what it held."""
+        ticket = self.free_after.pop(staging.data_ptr(), None)
+        if ticket is not None:
+            with self.phase(WAIT_SUMS):
+                self.worker.wait_for(ticket)
+
     def end_backward(self, micro: Micro) -> None:
-        if not (self.defer_wait and micro.last):
-            self.wait()
+        if self.per_micro:  # the next micro-batch comes down into the other staging
+            self.free_after[self.staging.data_ptr()] = self.worker.ticket()
+            self.staging = next(s for s in self.staging_copies if s is not self.staging)
+        if (micro.last and not self.defer_wait) or (not micro.last and not self.per_micro):
+            with self.phase(WAIT_SUMS):
+                self.wait()
         if self.reads_staging:
             self.streams.drain()  # Adam reads the staging next
 
