@@ -1,16 +1,23 @@
 """Shared helpers of the ZeRO optimizer's tests: build one from keywords as the tests
-write them (the hyperparameters, the groups and any ``OptimizerOptions`` field), and name
-a mode in a test id."""
+write them (the hyperparameters, the groups and any ``OptimizerOptions`` field), a tiny
+one on one CPU rank and its training loop, its state read back, and a mode's test id."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import torch
+from helpers import ADAM_HP, micro_batches, tiny_gpt_config
 
+from mp_offload import parallel_state as ps
+from mp_offload.data.loader import MockGPTDataset
+from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer.options import OptimizerOptions
 from mp_offload.optimizer.zero import ZeroOptimizer
+from mp_offload.training import train_step
 
+SINGLE, CPU = ps.ParallelGroup.single(), torch.device("cpu")
+_DATA = MockGPTDataset(10_000, 16, 96, seed=3)  # learnable: a loss that falls is visible
 OPTION_FIELDS = {f.name for f in dataclasses.fields(OptimizerOptions)}
 _DT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "8bit"}
 
@@ -35,6 +42,50 @@ def build_zero(model, **kw) -> ZeroOptimizer:
     base = kw.pop("options", None)
     options = dataclasses.replace(base, **fields) if base else OptimizerOptions(**fields)
     return ZeroOptimizer(model, options=options, **kw)
+
+
+def tiny_zero(**kw) -> tuple[GPTModel, ZeroOptimizer]:
+    """The tiny GPT (seed 0) and a ZeroOptimizer over it on one CPU rank with ``ADAM_HP``;
+    ``kw``: option fields (``bucket_size`` 2000 unless given: a few buckets)."""
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(**tiny_gpt_config()), tp_group=SINGLE)
+    kw.setdefault("bucket_size", 2000)
+    return model, build_zero(model, **ADAM_HP, dp=SINGLE, tp=SINGLE, device="cpu", **kw)
+
+
+def bf16_offload(remainders: bool, **kw) -> tuple[GPTModel, ZeroOptimizer]:
+    """``tiny_zero`` in bf16 with offload, with or without ``store_param_remainders``
+    (``kw`` overrides, an illegal mix included: the tests of the refusals build it)."""
+    kw = {"dtype": torch.bfloat16, "cpu_offload": True, **kw}
+    return tiny_zero(**kw, store_param_remainders=remainders)
+
+
+def tokens(step: int, n: int = 8) -> torch.Tensor:
+    """Step ``step``'s ``n`` rows [n, 17] of the mock data (the same rows on every run)."""
+    return torch.stack([torch.from_numpy(_DATA[step * n + i]["text"]) for i in range(n)])
+
+
+def train(model, opt, steps: int, first: int = 0, k: int = 1) -> list[float]:
+    """``steps`` training steps from step ``first`` on one rank, each step's 8 rows in
+    ``k`` micro-batches (``training.train_step``: what trains is what is checked), then
+    the optimizer flushed (DPU); the losses."""
+    losses = []
+    for step in range(first, first + steps):
+        batches = micro_batches(tokens(step), 8 // k)
+        losses.append(train_step(model, opt, batches, k, ADAM_HP["lr"], SINGLE, CPU).loss)
+    opt.flush()
+    return losses
+
+
+def flat_params(model) -> torch.Tensor:
+    """Every parameter of ``model``, in fp32, end to end."""
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+
+
+def state_cat(opt, key: str) -> torch.Tensor:
+    """State ``key`` of ``opt.state_dict()`` as one tensor (its sides' parts joined)."""
+    x = opt.state_dict()[key]
+    return torch.cat(x if isinstance(x, list) else [x])
 
 
 def live(opt):
