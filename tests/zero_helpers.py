@@ -12,7 +12,9 @@ from helpers import ADAM_HP, micro_batches, tiny_gpt_config
 from mp_offload import parallel_state as ps
 from mp_offload.data.loader import MockGPTDataset
 from mp_offload.model.gpt import GPTConfig, GPTModel
+from mp_offload.optimizer.layout import FlatLayout
 from mp_offload.optimizer.options import OptimizerOptions
+from mp_offload.optimizer.placement import Placement, allocate, placement
 from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.training import train_step
 
@@ -86,6 +88,47 @@ def state_cat(opt, key: str) -> torch.Tensor:
     """State ``key`` of ``opt.state_dict()`` as one tensor (its sides' parts joined)."""
     x = opt.state_dict()[key]
     return torch.cat(x if isinstance(x, list) else [x])
+
+
+def small_parts(dp: int = 1, dp_rank: int = 0, bucket_size: int = 50, **options):
+    """What a side or the reducer is made of, without a ZeroOptimizer: (model, layout,
+    placement, flat params) of three Linear layers (8-16-16-4, 484 weights) on the CPU.
+    At bucket_size 50 they make three padded buckets; ``options``: option fields."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear
+    model = torch.nn.Sequential(
+        lin(8, 16), torch.nn.Tanh(), lin(16, 16), torch.nn.Tanh(), lin(16, 4)
+    )
+    layout = FlatLayout(list(model.named_parameters()), dp, dp_rank, 0, bucket_size)
+    place: Placement = placement(
+        layout, OptimizerOptions(bucket_size=bucket_size, **options), "cpu"
+    )
+    (flat,) = allocate(place.buffer("params"), CPU)
+    return model, layout, place, flat
+
+
+def adamw_reference(layout, master, grads, *, lr, betas, eps, decay, grad_scale=1.0):
+    """``torch.optim.AdamW`` over the slice ``master`` (laid out by ``layout``), one step
+    per gradient in ``grads`` (each laid out like the slice, times ``grad_scale``);
+    ``decay``: the weight decay of matrices, none on vectors (``default_groups``' rule).
+    Adam is elementwise, so each owned piece is its own parameter. Returns the slice's
+    (master, exp_avg, exp_avg_sq), zero in the padding."""
+    pieces = [(slot, o, n) for slot, _, o, n in layout.owned_pieces()]
+    params = [torch.nn.Parameter(master[o : o + n].clone()) for _, o, n in pieces]
+    decayed = [p for p, (slot, _, _) in zip(params, pieces) if slot.param.ndim > 1]
+    plain = [p for p, (slot, _, _) in zip(params, pieces) if slot.param.ndim <= 1]
+    groups = [dict(params=decayed, weight_decay=decay), dict(params=plain, weight_decay=0.0)]
+    opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    for g in grads:
+        for p, (_, o, n) in zip(params, pieces):
+            p.grad = g[o : o + n] * grad_scale
+        opt.step()
+    out = [torch.zeros_like(master) for _ in range(3)]
+    for p, (_, o, n) in zip(params, pieces):
+        out[0][o : o + n] = p.detach()
+        out[1][o : o + n] = opt.state[p]["exp_avg"]
+        out[2][o : o + n] = opt.state[p]["exp_avg_sq"]
+    return tuple(out)
 
 
 def live(opt):
