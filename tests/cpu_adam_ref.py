@@ -1,5 +1,6 @@
 """Shared by the tests/test_cpu_adam*.py files: the SIMD-level fixtures, the
-op-by-op reference step, the tolerances against torch.optim, and small buffers.
+op-by-op reference step, the tolerances against torch.optim, small buffers, and fp32
+special values made from their bits.
 
 Two references:
   * ``_ref_step``: torch's single-tensor Adam/AdamW (torch/optim/adam.py)
@@ -125,6 +126,22 @@ def _round_moments(rm, rv, mt, vt):
     rm.copy_(sm.float())
     rv.copy_(sv.float())
     return sm, sv
+
+
+def fp32_from_bits(bits):
+    """int64 bit patterns in [0, 2^32) -> fp32."""
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+
+
+def special_floats():
+    """+-0, subnormals, ties under even and odd tops, the largest finite floats (and
+    those about to wrap), +-inf, quiet and signalling NaNs; both signs."""
+    bits = [0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x007F_FFFF, 0x0080_0000]
+    bits += [0x3F80_8000, 0x3F81_8000, 0x3F80_7FFF, 0x3F80_8001, 0x4000_8000]
+    bits += [0x7F7E_8000, 0x7F7F_7FFF, 0x7F7F_8000, 0x7F7F_FFFF, 0x7F7E_FFFF]
+    bits += [0x7F80_0000, 0x7F80_0001, 0x7F80_8000, 0x7FC0_0000, 0x7FFF_FFFF, 0x7FA0_1234]
+    bits = torch.tensor(bits, dtype=torch.int64)
+    return fp32_from_bits(torch.cat([bits, bits | 2**31]))
 
 
 def _bufs(n=12, grad_n=None, grad_dtype=torch.float32):

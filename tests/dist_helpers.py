@@ -118,6 +118,20 @@ def log_records(path) -> list:
         return [json.loads(line) for line in f]
 
 
+_VOLATILE = ("elapsed_ms", "optimizer_ms", "device_tail_ms", "tokens_per_sec")
+_VOLATILE += ("tflops_per_device", "peak_device_gb", "peak_host_gb")
+
+
+def stable_records(path, resumed: bool = False) -> list:
+    """A --log-json file's records less the timings (and, for a resumed run, the bytes per
+    param: the load's publish moved bytes too): what two runs of one training share."""
+    drop = _VOLATILE + (("host_device_bytes_per_param",) if resumed else ())
+    return [
+        {k: v for k, v in r.items() if k not in drop and not k.startswith("phase_")}
+        for r in log_records(path)
+    ]
+
+
 def log_losses(path) -> dict:
     """``{iteration: loss}`` of a ``--log-json`` file."""
     return {r["iteration"]: r["loss"] for r in log_records(path) if "loss" in r}

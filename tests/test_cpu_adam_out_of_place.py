@@ -13,9 +13,9 @@ from cpu_adam_ref import (
     HYPER,
     _bits_equal,
     level_fixture,  # noqa: F401 (pytest fixture)
+    special_floats,
     threads_fixture,  # noqa: F401 (pytest fixture)
 )
-from test_cpu_adam_remainder import _specials
 
 from mp_offload import _cpu_adam as _C
 from mp_offload.ops import cpu_adam as ca
@@ -132,7 +132,7 @@ def test_remainder_out_of_place(level, grad_dtype, moments):
 # ------------------------------------------------ special values, runs, threads
 @pytest.mark.parametrize("lr", [0.0, 1e-2], ids=["lr0", "lr1e-2"])
 def test_special_values_out_of_place(level, lr):
-    x = _specials()
+    x = special_floats()
     p = torch.cat([x, x[:11]])  # 59: vector bodies and a ragged tail on every level
     k = p.numel()
     gen = torch.Generator().manual_seed(3)

@@ -11,7 +11,9 @@ from cpu_adam_ref import (
     HYPER,
     SIZES,
     _bits_equal,
+    fp32_from_bits,
     level_fixture,  # noqa: F401 (pytest fixture)
+    special_floats,
     threads_fixture,  # noqa: F401 (pytest fixture)
 )
 
@@ -44,17 +46,12 @@ def ref_join(hi, lo):
     return ((_u16(sign | x_top).to(torch.int32) << 16) | low).view(torch.float32)
 
 
-def _floats(bits):
-    """int64 bit patterns in [0, 2^32) -> fp32."""
-    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
-
-
 def _every_class(lows=(0, 1, 0x7FFF, 0x8000, 0x8001, 0xC000, 0xFFFE, 0xFFFF)):
     """Every top half (both signs) with low halves on both sides of 0x8000 (the rule
     depends on the top half and lo >= 0x8000 only; lo itself passes through)."""
     top = torch.arange(1 << 16, dtype=torch.int64)
     low = torch.tensor(lows, dtype=torch.int64)
-    return _floats(((top[:, None] << 16) | low[None, :]).flatten())
+    return fp32_from_bits(((top[:, None] << 16) | low[None, :]).flatten())
 
 
 # ------------------------------------------------------------------ the rule
@@ -86,7 +83,7 @@ def test_split_rule_against_reference_and_rne(level):
 def test_split_join_sizes_and_views(level, n):
     """Ragged tails (scalar rule) and vector bodies give the same bits as the reference."""
     gen = torch.Generator().manual_seed(n)
-    x = _floats(torch.randint(0, 2**32, (n,), generator=gen))
+    x = fp32_from_bits(torch.randint(0, 2**32, (n,), generator=gen))
     hi, lo = ca.split_fp32(x)
     assert _bits_equal(hi, ref_split(x)[0]) and _bits_equal(lo, ref_split(x)[1])
     out = torch.zeros(n + 3)[3:]
@@ -158,23 +155,12 @@ def test_remainder_equals_fp32_path(level, grad_dtype, moments):
                 p, m, v = fp32[0], fp32[2], fp32[3]
 
 
-def _specials():
-    """+-0, subnormals, ties under even and odd tops, the largest finite floats (and
-    those about to wrap), +-inf, quiet and signalling NaNs; both signs."""
-    bits = [0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x007F_FFFF, 0x0080_0000]
-    bits += [0x3F80_8000, 0x3F81_8000, 0x3F80_7FFF, 0x3F80_8001, 0x4000_8000]
-    bits += [0x7F7E_8000, 0x7F7F_7FFF, 0x7F7F_8000, 0x7F7F_FFFF, 0x7F7E_FFFF]
-    bits += [0x7F80_0000, 0x7F80_0001, 0x7F80_8000, 0x7FC0_0000, 0x7FFF_FFFF, 0x7FA0_1234]
-    bits = torch.tensor(bits, dtype=torch.int64)
-    return _floats(torch.cat([bits, bits | 2**31]))
-
-
 @pytest.mark.parametrize("lr", [0.0, 1e-2], ids=["lr0", "lr1e-2"])
 def test_special_values(level, lr):
     """Specials in the master, moments and grads (lr = 0 keeps most masters as they
     are, so the stored halves of each special are checked too); 33 lanes: vector
     bodies and tails."""
-    x = _specials()
+    x = special_floats()
     p = torch.cat([x, x[:11]])  # 59: vector bodies and a ragged tail on every level
     k = p.numel()
     gen = torch.Generator().manual_seed(3)
@@ -228,7 +214,7 @@ def test_bf16_rounding_option(level):
     n = 1 << 12
     gen = torch.Generator().manual_seed(1)
     top = torch.randint(0x3000, 0x4800, (n,), generator=gen, dtype=torch.int64)
-    p = _floats((top << 16) | 0x8000)  # all ties, half under even tops
+    p = fp32_from_bits((top << 16) | 0x8000)  # all ties, half under even tops
     outs = {}
     for mode in ("nearest_even", "split"):
         q, out = p.clone(), torch.empty(n, dtype=torch.bfloat16)

@@ -6,7 +6,7 @@ import os
 import re
 
 import pytest
-from test_reliability import TINY, assert_one_line, run_pretrain
+from pretrain_runs import TINY, assert_one_line, run_pretrain
 
 from mp_offload.config import parse_args, resolve
 from mp_offload.memory_check import GiB, cgroup_room, host_available, memory_problem, rank_needs

@@ -4,9 +4,8 @@ moments, exact resume, and one clear error where the state is not all on the hos
 
 import pytest
 import torch
-from dist_helpers import ckpt_run
-from test_param_remainders import _cat, _opt, _records, _train
-from zero_helpers import host_tensor
+from dist_helpers import ckpt_run, stable_records
+from zero_helpers import bf16_offload, host_tensor, state_cat, train
 
 from mp_offload.config import config_problems, parse_args
 from mp_offload.ops.cpu_adam import Q8_BLOCK, dequantize_8bit
@@ -23,7 +22,7 @@ def test_the_placement_block_is_the_kernels():
 
 @pytest.mark.parametrize("remainders", [False, True])
 def test_blocks_restart_at_each_piece_and_the_bytes_are_placed(remainders):
-    _, opt = _opt(remainders, **Q8)
+    _, opt = bf16_offload(remainders, **Q8)
     pieces = [(p.lo, p.n) for p in opt.host_side.pieces]
     assert len(pieces) > 3 and any(n % Q8_BLOCK for _, n in pieces)
     for key in ("exp_avg", "exp_avg_sq"):
@@ -43,9 +42,9 @@ def test_blocks_restart_at_each_piece_and_the_bytes_are_placed(remainders):
 
 @pytest.mark.parametrize("remainders", [False, True])
 def test_trains_near_fp32_moments_and_saves_fp32(remainders):
-    m8, o8 = _opt(remainders, **Q8)
-    mf, of = _opt(remainders, bucket_size=700)
-    l8, lf = _train(m8, o8, 10), _train(mf, of, 10)
+    m8, o8 = bf16_offload(remainders, **Q8)
+    mf, of = bf16_offload(remainders, bucket_size=700)
+    l8, lf = train(m8, o8, 10), train(mf, of, 10)
     assert l8[-1] < l8[0] - 0.2
     worst = max(abs(a - b) / b for a, b in zip(l8, lf))
     assert worst < 0.01, f"8-bit moments stray {worst:.4f} from fp32 moments"
@@ -59,22 +58,22 @@ def test_trains_near_fp32_moments_and_saves_fp32(remainders):
 
 @pytest.mark.parametrize("remainders", [False, True])
 def test_exact_resume_is_bitwise(remainders):
-    mu, unbroken = _opt(remainders, **Q8)
-    want = _train(mu, unbroken, 6)
-    ms, saver = _opt(remainders, **Q8)
-    _train(ms, saver, 3)
-    ml, loader = _opt(remainders, **Q8)
+    mu, unbroken = bf16_offload(remainders, **Q8)
+    want = train(mu, unbroken, 6)
+    ms, saver = bf16_offload(remainders, **Q8)
+    train(ms, saver, 3)
+    ml, loader = bf16_offload(remainders, **Q8)
     loader.load_state_dict(saver.state_dict())
-    assert _train(ml, loader, 3, first=3) == want[3:]
+    assert train(ml, loader, 3, first=3) == want[3:]
     assert torch.equal(loader.flat, unbroken.flat)
     for key in ("master", "exp_avg", "exp_avg_sq"):
-        assert torch.equal(_cat(loader, key), _cat(unbroken, key)), key
+        assert torch.equal(state_cat(loader, key), state_cat(unbroken, key)), key
 
 
 def test_a_load_gives_back_the_saved_codes():
-    ms, saver = _opt(False, **Q8)
-    _train(ms, saver, 3)
-    _, loader = _opt(False, **Q8)
+    ms, saver = bf16_offload(False, **Q8)
+    train(ms, saver, 3)
+    _, loader = bf16_offload(False, **Q8)
     loader.load_state_dict(saver.state_dict())
     for key in ("exp_avg_sq", "exp_avg"):
         pairs = zip(
@@ -86,13 +85,13 @@ def test_a_load_gives_back_the_saved_codes():
 
 def test_checkpoints_load_into_any_moment_dtype():
     """fp32 moments in the file: 8-bit <-> fp32/bf16 moments load both ways."""
-    ms, saver = _opt(False, **Q8)
-    _train(ms, saver, 3)
+    ms, saver = bf16_offload(False, **Q8)
+    train(ms, saver, 3)
     state = saver.state_dict()
-    _, fp32 = _opt(False, bucket_size=700)
+    _, fp32 = bf16_offload(False, bucket_size=700)
     fp32.load_state_dict(state)
     assert torch.equal(host_tensor(fp32, "exp_avg"), state["exp_avg"])
-    _, q8 = _opt(False, **dict(Q8, exp_avg_sq_dtype=BF16))
+    _, q8 = bf16_offload(False, **dict(Q8, exp_avg_sq_dtype=BF16))
     q8.load_state_dict(fp32.state_dict())
     assert torch.equal(q8.state_dict()["exp_avg"], state["exp_avg"])  # re-quantized alike
 
@@ -105,7 +104,7 @@ def test_eight_bit_needs_the_whole_state_on_the_host():
             assert len(problems) == 1 and problems[0].startswith(f"{flag} 8bit needs"), problems
     for kw in (dict(cpu_offload=False), dict(offload_fraction=0.5)):
         with pytest.raises(ValueError, match="--exp-avg-dtype 8bit needs --cpu-offload"):
-            _opt(False, exp_avg_dtype=U8, **kw)
+            bf16_offload(False, exp_avg_dtype=U8, **kw)
     args = parse_args(["--train-iters", "1", "--cpu-offload", "--exp-avg-dtype", "8bit"])
     assert config_problems(args, 1) == []
 
@@ -119,7 +118,7 @@ def test_tp2_dp2_exact_resume_with_8bit_moments(tmp_path, remainders):
     ckpt_run(4, 2, "--log-json", unbroken, *flags)
     ckpt_run(4, 2, "--save", ck, "--exit-interval", "4", "--log-json", log, *flags)
     ckpt_run(4, 2, "--load", ck, "--log-json", log, *flags)
-    assert _records(log, True) == _records(unbroken, True)
+    assert stable_records(log, True) == stable_records(unbroken, True)
 
 
 def test_the_planner_keeps_8bit_moments_on_the_host():

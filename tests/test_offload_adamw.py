@@ -6,6 +6,7 @@ import pytest
 import torch
 from dist_helpers import run_distributed
 from torch import nn
+from zero_helpers import mode_id
 
 from mp_offload import OffloadAdamW
 from mp_offload.optimizer.options import legal_modes
@@ -171,7 +172,7 @@ def test_two_ranks_with_half_batches_equal_one_process_with_the_whole(tmp_path):
         assert float((a - b).abs().max() / a.abs().max()) < 1e-4, name
 
 
-@pytest.mark.parametrize("options", legal_modes(bucket_size=2000), ids=lambda o: _mode_id(o))
+@pytest.mark.parametrize("options", legal_modes(bucket_size=2000), ids=mode_id)
 def test_every_legal_mode_constructs_and_steps(options):
     fields = {
         k: getattr(options, k)
@@ -200,15 +201,6 @@ def test_every_legal_mode_constructs_and_steps(options):
 
 def _q8(o) -> bool:
     return torch.uint8 in (o.exp_avg_dtype, o.exp_avg_sq_dtype)
-
-
-def _mode_id(o) -> str:
-    dt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "8bit"}
-    parts = [dt[o.dtype], "off" if o.cpu_offload else "dev", f"F{o.offload_fraction:g}"]
-    parts += ["rem"] * o.store_param_remainders + [f"m{dt[o.exp_avg_dtype]}"]
-    parts += ["ovl"] * o.overlap_cpu_optimizer + ["dpu"] * (o.dpu_warmup_steps is not None)
-    parts += [f"k{o.micro_batches}" + ("d" if o.accumulate_on_device else "")]
-    return "-".join(parts)
 
 
 def test_bad_input_is_one_line():

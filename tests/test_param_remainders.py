@@ -5,45 +5,13 @@ takes 2 B/element."""
 
 import pytest
 import torch
-from dist_helpers import ckpt_run, log_records
-from helpers import ADAM_HP as HP
-from helpers import micro_batches, tiny_gpt_config
-from zero_helpers import build_zero, host_tensor
+from dist_helpers import ckpt_run, stable_records
+from zero_helpers import bf16_offload, host_tensor, state_cat, train
 
-from mp_offload import parallel_state as ps
 from mp_offload.config import config_problems, parse_args
-from mp_offload.data.loader import MockGPTDataset
-from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.ops.cpu_adam import join_fp32
-from mp_offload.training import train_step
 
-SINGLE = ps.ParallelGroup.single()
-CPU = torch.device("cpu")
 BF16 = torch.bfloat16
-_DATA = MockGPTDataset(10_000, 16, 96, seed=3)
-
-
-def _tokens(step, n=8):
-    return torch.stack([torch.from_numpy(_DATA[step * n + i]["text"]) for i in range(n)])
-
-
-def _opt(remainders: bool, **kw):
-    torch.manual_seed(0)
-    model = GPTModel(GPTConfig(**tiny_gpt_config()), tp_group=SINGLE)
-    kw = dict(dict(dtype=BF16, cpu_offload=True, bucket_size=2000), **kw)
-    opt = build_zero(
-        model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", store_param_remainders=remainders, **kw
-    )
-    return model, opt
-
-
-def _train(model, opt, steps, first=0, k=1):
-    losses = []
-    for step in range(first, first + steps):
-        batches = micro_batches(_tokens(step), 8 // k)
-        losses.append(train_step(model, opt, batches, k, HP["lr"], SINGLE, CPU).loss)
-    opt.flush()
-    return losses
 
 
 def _master(opt) -> torch.Tensor:
@@ -67,8 +35,8 @@ CASES = {  # one rank: Adam writes the params in place, or a staging (DPU), ...
 def test_one_rank_bitwise_with_and_without(case):
     kw = CASES[case]
     k = kw.get("micro_batches", 1)
-    (ma, a), (mb, b) = _opt(False, **kw), _opt(True, **kw)
-    assert _train(ma, a, 4, k=k) == _train(mb, b, 4, k=k)
+    (ma, a), (mb, b) = bf16_offload(False, **kw), bf16_offload(True, **kw)
+    assert train(ma, a, 4, k=k) == train(mb, b, 4, k=k)
     assert torch.equal(a.flat, b.flat)
     assert torch.equal(host_tensor(a, "master"), _master(b))
     for key in ("exp_avg", "exp_avg_sq"):
@@ -78,8 +46,8 @@ def test_one_rank_bitwise_with_and_without(case):
 
 
 def test_host_master_takes_two_bytes_and_the_memory_line_says_so():
-    _, a = _opt(False)
-    _, b = _opt(True)
+    _, a = bf16_offload(False)
+    _, b = bf16_offload(True)
     n = a.layout.slice_numel
     ha, hb = a.memory_bytes()["host"], b.memory_bytes()["host"]
     assert ha["master"] == 4 * n and hb["master"] == 2 * n
@@ -88,7 +56,7 @@ def test_host_master_takes_two_bytes_and_the_memory_line_says_so():
     }
     assert f"master {2 * n / 2**20:.1f} MiB" in b.memory_report()
     # the device share (F < 1) keeps its fp32 master on the device
-    _, c = _opt(True, offload_fraction=0.5)
+    _, c = bf16_offload(True, offload_fraction=0.5)
     rep = c.memory_bytes()
     assert rep["device"]["master"] == 4 * c.placement.share_numel
     assert rep["host"]["master"] == 2 * (n - c.placement.share_numel)
@@ -100,25 +68,18 @@ def test_resume_across_the_flag_is_bitwise(saved_with):
     loads into the other and continues as the unbroken run (at F = 1 and F = 0.5; across
     F it loads too, but the device share's Adam and rounding are its own)."""
     for fraction in (1.0, 0.5):
-        mu, unbroken = _opt(False, offload_fraction=fraction)
-        want = _train(mu, unbroken, 4)
-        ms, saver = _opt(saved_with, offload_fraction=fraction)
-        _train(ms, saver, 2)
+        mu, unbroken = bf16_offload(False, offload_fraction=fraction)
+        want = train(mu, unbroken, 4)
+        ms, saver = bf16_offload(saved_with, offload_fraction=fraction)
+        train(ms, saver, 2)
         state = saver.state_dict()
-        assert all(t.dtype == torch.float32 for t in _parts(state["master"]))
-        ml, loader = _opt(not saved_with, offload_fraction=fraction)
+        parts = state["master"] if isinstance(state["master"], list) else [state["master"]]
+        assert all(t.dtype == torch.float32 for t in parts)
+        ml, loader = bf16_offload(not saved_with, offload_fraction=fraction)
         loader.load_state_dict(state)
-        assert _train(ml, loader, 2, first=2) == want[2:]
+        assert train(ml, loader, 2, first=2) == want[2:]
         assert torch.equal(loader.flat, unbroken.flat)
-        assert torch.equal(_cat(loader, "master"), _cat(unbroken, "master"))
-
-
-def _parts(x):
-    return x if isinstance(x, list) else [x]
-
-
-def _cat(opt, key):
-    return torch.cat(_parts(opt.state_dict()[key]))
+        assert torch.equal(state_cat(loader, "master"), state_cat(unbroken, "master"))
 
 
 def test_the_flag_needs_bf16_and_a_host_share():
@@ -136,7 +97,7 @@ def test_the_flag_needs_bf16_and_a_host_share():
         assert len(problems) == 1 and problems[0].startswith(words), problems
     for kw in (dict(dtype=torch.float16), dict(dtype=torch.float32), dict(cpu_offload=False)):
         with pytest.raises(ValueError, match="--store-param-remainders needs"):
-            _opt(True, **kw)
+            bf16_offload(True, **kw)
     args = parse_args(["--train-iters", "1", "--store-param-remainders", "--bf16", "--cpu-offload"])
     assert config_problems(args, 1) == []
 
@@ -148,18 +109,6 @@ VARIANTS = {  # CKPT_RUN: TP=2 x DP=2, two micro-batches per step summed on the 
     "device sum": ["--bf16", "--accumulate-grads-on-device"],
     "bf16 moments": ["--bf16", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"],
 }
-_VOLATILE = ("elapsed_ms", "optimizer_ms", "device_tail_ms", "tokens_per_sec")
-_VOLATILE += ("tflops_per_device", "peak_device_gb", "peak_host_gb")
-
-
-def _records(path, resumed=False):
-    """A --log-json file's records less the timings (and, for a resumed run, the bytes per
-    param: the load's publish moved bytes too)."""
-    drop = _VOLATILE + (("host_device_bytes_per_param",) if resumed else ())
-    return [
-        {k: v for k, v in r.items() if k not in drop and not k.startswith("phase_")}
-        for r in log_records(path)
-    ]
 
 
 @pytest.mark.slow
@@ -168,7 +117,7 @@ def test_tp2_dp2_losses_bitwise_with_and_without(tmp_path, variant):
     flags = VARIANTS[variant]
     for name, extra in (("without", []), ("with", ["--store-param-remainders"])):
         ckpt_run(4, 2, "--log-json", str(tmp_path / f"{name}.jsonl"), *flags, *extra)
-    got, want = _records(tmp_path / "with.jsonl"), _records(tmp_path / "without.jsonl")
+    got, want = stable_records(tmp_path / "with.jsonl"), stable_records(tmp_path / "without.jsonl")
     assert len(got) == len(want) > 8  # iterations, evaluations, the test loss
     assert got == want
 
@@ -184,4 +133,4 @@ def test_tp2_dp2_resume_across_the_flag(tmp_path, saved_with):
     first, second = (flag, []) if saved_with else ([], flag)
     ckpt_run(4, 2, "--bf16", "--save", ck, "--exit-interval", "4", "--log-json", log, *first)
     ckpt_run(4, 2, "--bf16", "--load", ck, "--log-json", log, *second)
-    assert _records(log, True) == _records(unbroken, True)
+    assert stable_records(log, True) == stable_records(unbroken, True)

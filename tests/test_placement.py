@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import ADAM_HP as HP
 from helpers import tiny_gpt_config
-from zero_helpers import build_zero
+from zero_helpers import build_zero, mode_id
 
 from mp_offload import parallel_state as ps
 from mp_offload.config import parse_args, resolve
@@ -13,7 +13,7 @@ from mp_offload.model.gpt import GPTConfig, GPTModel
 from mp_offload.optimizer import build_optimizer
 from mp_offload.optimizer.host_state import Q8Moment
 from mp_offload.optimizer.layout import FlatLayout
-from mp_offload.optimizer.options import OptimizerOptions
+from mp_offload.optimizer.options import OptimizerOptions, legal_modes
 from mp_offload.optimizer.placement import placement
 from mp_offload.optimizer.zero import ZeroOptimizer
 from mp_offload.planner import rank_shapes, spec_named_params
@@ -21,21 +21,16 @@ from mp_offload.planner.cli import run_from_args
 
 SINGLE = ps.ParallelGroup.single()
 BF16 = torch.bfloat16
-OPTIONS = [
-    dict(dtype=BF16),
-    dict(dtype=BF16, cpu_offload=False),
-    dict(dtype=BF16, dpu_warmup_steps=0),
-    dict(dtype=torch.float32),
-    dict(dtype=BF16, micro_batches=4, exp_avg_sq_dtype=BF16),
-    dict(dtype=BF16, micro_batches=4, accumulate_on_device=True, exp_avg_dtype=BF16),
-    dict(dtype=BF16, offload_fraction=0.5, dpu_warmup_steps=0),
-    dict(dtype=BF16, offload_fraction=0.0),
-    dict(dtype=BF16, store_param_remainders=True),
-    dict(dtype=BF16, store_param_remainders=True, offload_fraction=0.5, micro_batches=4),
-    dict(dtype=BF16, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
-    dict(dtype=BF16, store_param_remainders=True, exp_avg_sq_dtype=torch.uint8),
-    dict(dtype=BF16, overlap_cpu_optimizer=True),
-    dict(dtype=BF16, micro_batches=4, offload_fraction=0.5, overlap_cpu_optimizer=True),
+# The one table of legal modes, plus the mixed moments it does not generate (its moments
+# axis gives both moments one dtype): each moment's buffers are placed by its own dtype.
+MODES = legal_modes(bucket_size=900) + [
+    OptimizerOptions(dtype=BF16, bucket_size=900, micro_batches=4, exp_avg_sq_dtype=BF16),
+    OptimizerOptions(
+        dtype=BF16, bucket_size=900, micro_batches=4, accumulate_on_device=True, exp_avg_dtype=BF16
+    ),
+    OptimizerOptions(
+        dtype=BF16, bucket_size=900, store_param_remainders=True, exp_avg_sq_dtype=torch.uint8
+    ),
 ]
 
 
@@ -59,11 +54,16 @@ def _tensors(opt: ZeroOptimizer, name: str) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("kw", OPTIONS)
-def test_the_optimizer_allocates_exactly_its_placement(kw):
+def test_every_mode_has_its_own_id():
+    ids = [mode_id(o) for o in MODES]
+    assert len(set(ids)) == len(ids), [i for i in ids if ids.count(i) > 1]
+
+
+@pytest.mark.parametrize("options", MODES, ids=mode_id)
+def test_the_optimizer_allocates_exactly_its_placement(options):
     """Buffer by buffer: the copies, elements, dtype and side the placement names."""
     model = GPTModel(GPTConfig(**tiny_gpt_config()), tp_group=SINGLE)
-    opt = build_zero(model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", bucket_size=900, **kw)
+    opt = build_zero(model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", options=options)
     for buf in opt.placement.buffers:
         if buf.name == "grad_buckets":  # made as backward needs them (planner test: bytes)
             assert (opt.reducer.source.max_bucket, opt.reducer.source.dtype) == (
@@ -75,21 +75,21 @@ def test_the_optimizer_allocates_exactly_its_placement(kw):
         assert len(got) == buf.copies, buf
         for t in got:
             assert (t.numel(), t.dtype, t.device.type) == (buf.numel, buf.dtype, "cpu"), buf
-    offloaded = kw.get("cpu_offload", True) and kw.get("offload_fraction") != 0.0
-    assert opt.placement.offloaded == opt.placement.offloaded == offloaded
-    assert (opt.placement.share_numel > 0) == (kw.get("offload_fraction") == 0.5)
+    # From the fields, not the options' own ``offloaded``: F = 0 offloads nothing.
+    offloaded = options.cpu_offload and options.offload_fraction != 0.0
+    assert opt.placement.offloaded == options.offloaded == offloaded
+    assert (opt.placement.share_numel > 0) == (offloaded and options.offload_fraction < 1.0)
 
 
-@pytest.mark.parametrize("kw", OPTIONS)
-def test_the_layout_and_the_planners_shapes_place_alike(kw):
+@pytest.mark.parametrize("options", MODES, ids=mode_id)
+def test_the_layout_and_the_planners_shapes_place_alike(options):
     """The planner places from its RankShapes, the optimizer from its FlatLayout: the same
     buffers, DP = 2 and CUDA (pinned staging) included."""
     named = spec_named_params(GPTConfig(**tiny_gpt_config()), 1)
-    o = OptimizerOptions(bucket_size=900, **kw)
     for dp, device_type in ((1, "cpu"), (2, "cuda")):
-        layout = FlatLayout(named, dp, 0, 0, 900)
-        shapes = rank_shapes(named, dp, 900)
-        assert placement(layout, o, device_type) == placement(shapes, o, device_type)
+        layout = FlatLayout(named, dp, 0, 0, options.bucket_size)
+        shapes = rank_shapes(named, dp, options.bucket_size)
+        assert placement(layout, options, device_type) == placement(shapes, options, device_type)
 
 
 def test_the_flags_are_translated_once_for_the_optimizer_and_the_planner(monkeypatch):

@@ -15,62 +15,21 @@ import sys
 import numpy as np
 import pytest
 from dist_helpers import run_distributed
-from helpers import ROOT, tiny_model_flags
+from helpers import ROOT
+from pretrain_runs import (
+    ERROR,
+    PRETRAIN,
+    TINY,
+    assert_one_line,
+    pretrain_env,
+    run_pretrain,
+    snapshot,
+)
 
 from mp_offload.config import ConfigError, parse_args, resolve
 from mp_offload.data.checks import check_token_ids, token_range
 from mp_offload.data.preprocess import preprocess
 from mp_offload.preflight import check_inputs
-
-PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
-# vocabulary 96 (NullTokenizer: 97 ids with its EOD)
-TINY = tiny_model_flags() + [
-    "--micro-batch-size",
-    "2",
-    "--log-interval",
-    "1",
-    "--eval-interval",
-    "1000",
-    "--eval-iters",
-    "1",
-]
-ERROR = "pretrain_gpt.py: error: "
-LAUNCHER_ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_USE_AGENT_STORE",
-)
-
-
-def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    return dict(env, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MP_OFFLOAD_DEVICE="cpu", **extra)
-
-
-def run_pretrain(*args, timeout=240, **env):
-    return subprocess.run(
-        [sys.executable, PRETRAIN, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=_env(**env),
-        cwd=ROOT,
-    )
-
-
-def assert_one_line(res, needle: str, code: int) -> str:
-    """Exit ``code``; exactly one error line, holding ``needle``; no traceback."""
-    errors = [ln for ln in res.stderr.splitlines() if ln.startswith(ERROR)]
-    assert res.returncode == code and len(errors) == 1, (res.returncode, res.stderr[-3000:])
-    assert needle in errors[0], errors[0]
-    assert "Traceback" not in res.stderr + res.stdout, res.stderr[-3000:]
-    return errors[0]
 
 
 @pytest.fixture(scope="module")
@@ -169,20 +128,6 @@ def test_fp16_divergence_stops_before_saving(tmp_path):
         res, "3 consecutive steps skipped for fp16 gradient overflow (iterations 1-3", code=1
     )
     assert not os.path.exists(tmp_path / "ck" / "latest_checkpointed_iteration.txt")
-
-
-def snapshot(root) -> dict:
-    """Every file under ``root`` and its sha256."""
-    import hashlib
-
-    out = {}
-    for where, _, names in os.walk(root):
-        for n in names:
-            with open(os.path.join(where, n), "rb") as f:
-                out[os.path.relpath(os.path.join(where, n), root)] = hashlib.sha256(
-                    f.read()
-                ).hexdigest()
-    return out
 
 
 def _iterations(d) -> list[str]:
@@ -396,7 +341,7 @@ def test_a_file_size_limit_under_torchrun_is_one_line_on_every_rank(tmp_path):
         capture_output=True,
         text=True,
         timeout=200,
-        env=_env(),
+        env=pretrain_env(),
         cwd=ROOT,
         preexec_fn=limit,
     )

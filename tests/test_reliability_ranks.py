@@ -1,7 +1,7 @@
 """Ranks that wait alone, stall, are stopped or lose their launcher end as one named line
 on every rank, never a hang; the kill-once fault claims exactly one rank. The rest of
-docs/RELIABILITY.md's promises are in test_reliability.py, whose tiny run and checks
-these tests share.
+docs/RELIABILITY.md's promises are in test_reliability.py; the tiny run and the checks
+both share are in pretrain_runs.py.
 """
 
 import contextlib
@@ -15,7 +15,7 @@ import time
 import pytest
 from dist_helpers import free_port, run_distributed
 from helpers import ROOT
-from test_reliability import ERROR, PRETRAIN, TINY, _env, assert_one_line, run_pretrain
+from pretrain_runs import ERROR, PRETRAIN, TINY, assert_one_line, pretrain_env, run_pretrain
 
 
 # --------------------------------------------------------------------- 5. rendezvous
@@ -72,7 +72,7 @@ def test_a_stalled_rank_is_named_by_the_ranks_that_waited_for_it():
         capture_output=True,
         text=True,
         timeout=200,
-        env=_env(MP_OFFLOAD_FAULT_STALL="1:3:90"),
+        env=pretrain_env(MP_OFFLOAD_FAULT_STALL="1:3:90"),
         cwd=ROOT,
     )
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith(ERROR)]
@@ -127,7 +127,7 @@ def test_a_rank_stopped_at_tp2_dp2_is_named_and_ends_the_job():
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(MP_OFFLOAD_FAULT_STOP="1:3"),
+        env=pretrain_env(MP_OFFLOAD_FAULT_STOP="1:3"),
         cwd=ROOT,
     )
     try:
@@ -181,7 +181,7 @@ def test_worker_exits_when_its_launcher_is_killed(tmp_path):
     ]
     launcher = subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, str(tmp_path / "out"), *cmd],
-        env=_env(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1"),
+        env=pretrain_env(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1"),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,

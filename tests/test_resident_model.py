@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from helpers import tiny_gpt_config
+from zero_helpers import mode_id
 
 from mp_offload import OffloadAdamW
 from mp_offload import parallel_state as ps
@@ -39,20 +40,13 @@ def _initial() -> GPTModel:
     return GPTModel(GPTConfig(**tiny_gpt_config(num_layers=1)), tp_group=ps.ParallelGroup.single())
 
 
-def _id(o: OptimizerOptions) -> str:
-    parts = [_DT[o.dtype], "off" if o.cpu_offload else "dev", f"F{o.offload_fraction:g}"]
-    parts += ["rem"] * o.store_param_remainders + [f"m{_DT[o.exp_avg_dtype]}"]
-    parts += ["ovl"] * o.overlap_cpu_optimizer + ["dpu"] * (o.dpu_warmup_steps is not None)
-    return "-".join(parts + [f"k{o.micro_batches}" + "d" * o.accumulate_on_device])
-
-
 def _held(o: OptimizerOptions) -> list[torch.dtype]:
     """The dtypes a user's model may be in when handed over: fp32 (the optimizer casts),
     or already the mode's compute dtype."""
     return [torch.float32] if o.dtype == torch.float32 else [torch.float32, o.dtype]
 
 
-CASES = [pytest.param(o, h, id=f"{_id(o)}-held_{_DT[h]}") for o in MODES for h in _held(o)]
+CASES = [pytest.param(o, h, id=f"{mode_id(o)}-held_{_DT[h]}") for o in MODES for h in _held(o)]
 
 
 def _every_field(o: OptimizerOptions) -> dict:
@@ -235,7 +229,7 @@ def _is_meta(x) -> bool:
     return isinstance(x, torch.Tensor) and x.is_meta
 
 
-@pytest.mark.parametrize("options", MODES, ids=_id)
+@pytest.mark.parametrize("options", MODES, ids=mode_id)
 def test_no_cpu_kernel_is_handed_a_device_tensor(options, monkeypatch):
     guard = KernelGuard(monkeypatch)
     crossed = _stub_meta_copies(monkeypatch)

@@ -11,7 +11,15 @@ import time
 
 import pytest
 from helpers import HANG_TIMEOUT, ROOT
-from test_reliability import ERROR, PRETRAIN, TINY, _env, assert_one_line, run_pretrain, snapshot
+from pretrain_runs import (
+    ERROR,
+    PRETRAIN,
+    TINY,
+    assert_one_line,
+    pretrain_env,
+    run_pretrain,
+    snapshot,
+)
 
 from mp_offload.checkpoint import read_latest
 
@@ -65,7 +73,7 @@ def test_sigterm_under_a_stopped_peer_ends_every_rank_within_the_grace(tmp_path)
         [sys.executable, QUIET, "--standalone", "--nproc-per-node", "2", PRETRAIN, *TINY]
         + ["--mock-data", "--train-iters", "1000", "--save-interval", "2", "--save", ck],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env=_env(MP_OFFLOAD_FAULT_STOP="1:5", MP_OFFLOAD_STOP_GRACE_S=str(GRACE)),
+        env=pretrain_env(MP_OFFLOAD_FAULT_STOP="1:5", MP_OFFLOAD_STOP_GRACE_S=str(GRACE)),
     )  # fmt: skip
     try:
         deadline, stopped = time.time() + 240, []
@@ -100,7 +108,7 @@ def test_ctrl_c_through_the_quick_start_script_during_a_60_s_step_saves_that_ste
     finishes, its checkpoint is written, and the script ends with the project's lines.
     (Before: torchrun killed the ranks after 30 s, nothing was saved, nothing said.)"""
     run = tmp_path / "run"
-    env = _env(
+    env = pretrain_env(
         SKIP_SETUP="1", RUN_DIR=str(run), TRAIN_ITERS="1000", NPROC="2", TP="1",
         PYTHON=sys.executable, PYTHONPATH=ROOT, MP_OFFLOAD_FAULT_SLOW="3:60",
     )  # fmt: skip
@@ -142,7 +150,7 @@ def test_a_second_signal_stops_at_once_saving_nothing_more(tmp_path):
         [sys.executable, PRETRAIN, *TINY, "--mock-data", "--train-iters", "1000"]
         + ["--save-interval", "2", "--save", ck],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env=_env(MP_OFFLOAD_FAULT_SLOW="3:60"),
+        env=pretrain_env(MP_OFFLOAD_FAULT_SLOW="3:60"),
     )  # fmt: skip
     try:
         for line in job.stderr:
@@ -196,7 +204,12 @@ def test_a_signal_during_start_up_is_one_line():
 
     run = [sys.executable, PRETRAIN, *TINY, "--mock-data", "--train-iters", "4"]
     job = subprocess.Popen(
-        run, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT, env=_env()
+        run,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        env=pretrain_env(),
     )
     res = _signalled_when(job, lambda: _catches(job.pid, signal.SIGTERM), signal.SIGTERM)
     assert_one_line(res, "SIGTERM came during start-up: stopping now, nothing trained", code=143)
@@ -207,7 +220,7 @@ def test_a_signal_during_start_up_is_one_line():
         stdout=subprocess.DEVNULL,
         text=True,
         cwd=ROOT,
-        env=_env(**lone),
+        env=pretrain_env(**lone),
     )
     res = _signalled_when(
         job, lambda: "waiting for 2 ranks" in job.stderr.readline(), signal.SIGTERM

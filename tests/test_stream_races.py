@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import tiny_gpt_config
 from stream_checker import RaceStreams, StreamRace, gpu_placement
-from zero_helpers import build_zero
+from zero_helpers import build_zero, mode_id
 
 from mp_offload import parallel_state as ps
 from mp_offload.model.gpt import GPTConfig, GPTModel
@@ -56,15 +56,7 @@ def _run_on(options, streams, steps):
     return opt.flat.clone()
 
 
-def _id(o) -> str:
-    dt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "8bit"}
-    parts = [dt[o.dtype], f"F{o.offload_fraction:g}", f"m{dt[o.exp_avg_dtype]}"]
-    parts += ["rem"] * o.store_param_remainders + ["ovl"] * o.overlap_cpu_optimizer
-    parts += ["dpu"] * (o.dpu_warmup_steps is not None)
-    return "-".join(parts + [f"k{o.micro_batches}" + "d" * o.accumulate_on_device])
-
-
-@pytest.mark.parametrize("options", OFFLOAD, ids=_id)
+@pytest.mark.parametrize("options", OFFLOAD, ids=mode_id)
 def test_every_offload_mode_is_race_free_and_equals_the_synchronous_run(options):
     checker = RaceStreams()
     late = _run(options, checker)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from test_reliability import TINY, _env
+from pretrain_runs import TINY, pretrain_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = os.path.join(ROOT, "scripts", "torchrun_quiet.py")
@@ -65,7 +65,7 @@ def test_a_bad_flag_under_torchrun_is_the_only_line():
     res = subprocess.run(
         [sys.executable, QUIET, "--standalone", "--nproc-per-node", "2", "pretrain_gpt.py"]
         + [*TINY, "--mock-data", "--train-iters", "2", "--hidden-size", "30"],
-        capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT,
+        capture_output=True, text=True, timeout=120, env=pretrain_env(), cwd=ROOT,
     )  # fmt: skip
     assert res.returncode != 0
     assert (
@@ -79,7 +79,7 @@ def test_ctrl_c_saves_and_exits_130_with_the_projects_line_last(tmp_path):
     job = subprocess.Popen(
         [sys.executable, QUIET, "--standalone", "--nproc-per-node", "2", "pretrain_gpt.py"]
         + [*TINY, "--mock-data", "--train-iters", "100000", "--save", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=pretrain_env(), cwd=ROOT,
         start_new_session=True,  # a terminal's Ctrl-C reaches the whole process group
     )  # fmt: skip
     for line in job.stdout:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from test_reliability import TINY, _env, assert_one_line, run_pretrain
+from pretrain_runs import TINY, assert_one_line, pretrain_env, run_pretrain
 
 from mp_offload.data.preprocess import PreprocessError, preprocess
 
@@ -27,7 +27,7 @@ def ckpt(tmp_path_factory):
 def _generate(*argv, **kwargs):
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "generate.py"), *argv],
-        capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT, **kwargs,
+        capture_output=True, text=True, timeout=120, env=pretrain_env(), cwd=ROOT, **kwargs,
     )  # fmt: skip
 
 
@@ -100,7 +100,7 @@ def test_generate_bad_tp_under_torchrun_is_one_line(ckpt):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
         + [os.path.join(ROOT, "tools", "generate.py"), "--load", ckpt]
         + ["--tensor-model-parallel-size", "3"],
-        capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT,
+        capture_output=True, text=True, timeout=120, env=pretrain_env(), cwd=ROOT,
     )  # fmt: skip
     assert res.returncode != 0
     assert "generate: --tensor-model-parallel-size 3 does not divide the world size 2" in res.stderr
@@ -210,7 +210,7 @@ def test_a_generate_error_under_torchrun_is_printed_once(tmp_path, flags, line):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
         + [os.path.join(ROOT, "tools", "generate.py"), "--load", str(tmp_path / "nockpt")]
         + flags,
-        capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT,
+        capture_output=True, text=True, timeout=300, env=pretrain_env(), cwd=ROOT,
     )  # fmt: skip
     assert res.returncode != 0
     ours = [x for x in res.stderr.splitlines() if x.startswith("generate: ")]
