@@ -68,15 +68,6 @@ def test_split_rounds_to_the_nearest_bucket_boundary():
         split_buckets(chunks, 1.5)
 
 
-def _single(fraction, bucket):
-    """test_save_memory.py's name for ``tiny_zero`` (kept while another change rewrites
-    that file; this file builds with ``tiny_zero`` itself)."""
-    return tiny_zero(offload_fraction=fraction, bucket_size=bucket)
-
-
-_train = train  # test_save_memory.py's name, as ``_single``
-
-
 def test_fraction_one_is_todays_offload_and_zero_is_zero2():
     """Bitwise: F = 1 builds no device share; F = 0 is offload off, buffers and all."""
     base = tiny_zero()

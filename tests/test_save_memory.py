@@ -11,8 +11,8 @@ import os
 import weakref
 
 import torch
-from test_offload_fraction import _single, _train
 from torch.utils._python_dispatch import TorchDispatchMode
+from zero_helpers import tiny_zero, train
 
 from mp_offload import OffloadAdamW
 from mp_offload.checkpoint import on_disk as fmt
@@ -42,8 +42,8 @@ class AllocatedBytes(TorchDispatchMode):
 
 
 def test_partial_offload_save_allocates_less_than_a_bucket(tmp_path):
-    model, opt = _single(0.5, bucket=2000)
-    _train(model, opt, 2)
+    model, opt = tiny_zero(offload_fraction=0.5, bucket_size=2000)
+    train(model, opt, 2)
     assert opt.device_side is not None and opt.host_side.numel > 0
     path = str(tmp_path / "optim.pt")
     with AllocatedBytes() as counted:
@@ -59,7 +59,7 @@ def test_partial_offload_save_allocates_less_than_a_bucket(tmp_path):
     # and the format-2 form (each key one whole tensor) still loads into a split run
     old = dict(saved, **{k: torch.cat(saved[k]) for k in ("master", "exp_avg", "exp_avg_sq")})
     for fraction, state in ((0.0, saved), (0.25, saved), (0.5, saved), (1.0, saved), (0.5, old)):
-        _, other = _single(fraction, bucket=2000)
+        _, other = tiny_zero(offload_fraction=fraction, bucket_size=2000)
         other.load_state_dict(state)
         for key in ("master", "exp_avg"):
             got = torch.cat([side.parts(key) for side in other.sides])
