@@ -7,8 +7,8 @@ host worker thread, and the uploads. Its face is the device side's (``side.py``)
 - ``launched``/``receive``: each reduced chunk is copied down (on a GPU, queued at the
   reduce-scatter on the copy stream so it overlaps the rest of backward) and, when Adam
   does not read the staging itself, added into the fp32 sum on the worker as it lands;
-  on a GPU two grad stagings then alternate per micro-batch, and the training thread
-  waits for the worker only before a staging is reused (``_reuse``), not after each one;
+  between micro-batches the training thread does not wait for the worker: a copy down
+  waits only for the sums that still read its bucket's part of the staging (``_reuse``);
 - ``step_piece``/``upload``: one bucket's Adam, and its new params queued up right
   after it (the kernel is elementwise: bitwise one call over the slice);
 - ``parts``/``target``/``commit`` and ``buffers``.
@@ -52,9 +52,7 @@ class HostSide(Side):
         self.worker = None
         if streams.asynchronous and not self.reads_staging:
             self.start_worker()
-        # k > 1 summed on the host with a worker and two stagings: they alternate per
-        # micro-batch; ``free_after``: staging -> the worker's ticket after its last sum
-        self.per_micro = self.worker is not None and len(self.staging_copies) == 2
+        # bucket -> the worker's ticket after the last work that reads its staging part
         self.free_after: dict[int, int] = {}
 
     def _host(self, name: str) -> list[torch.Tensor]:
@@ -109,7 +107,7 @@ class HostSide(Side):
 
     def _queue_down(self, b, out: torch.Tensor, work, micro: Micro):
         lo = b.slice_offset - self.offset
-        self._reuse(self.staging)
+        self._reuse(b)
         stage = self.staging[lo : lo + b.chunk]
         landed = self.streams.copy_down(stage, out, after=work)
         self.bytes_down += b.chunk * out.element_size()
@@ -118,6 +116,8 @@ class HostSide(Side):
             self.worker.submit(job, landed) if self.worker is not None else job()
         if self.on_final is not None and micro.last:
             self.worker.submit(self.on_final(b), landed)  # FIFO: after its host sum
+        if self.worker is not None:
+            self.free_after[b.index] = self.worker.ticket()
         return landed
 
     def _accumulate(self, b, grad, stage, micro: Micro):
@@ -133,18 +133,18 @@ class HostSide(Side):
 
         return job
 
-    def _reuse(self, staging: torch.Tensor) -> None:
-        """Before a copy down rewrites ``staging``: the worker has summed what it held."""
-        ticket = self.free_after.pop(staging.data_ptr(), None)
+    def _reuse(self, b) -> None:
+        """Before a copy down rewrites bucket ``b``'s part of the staging: the worker is done
+        with what the last one left there (FIFO: and with every bucket queued before it).
+        The next micro-batch's forward and backward up to ``b`` usually hide the sums."""
+        ticket = self.free_after.pop(b.index, None)
         if ticket is not None:
             with self.phase(WAIT_SUMS):
                 self.worker.wait_for(ticket)
 
     def end_backward(self, micro: Micro) -> None:
-        if self.per_micro:  # the next micro-batch comes down into the other staging
-            self.free_after[self.staging.data_ptr()] = self.worker.ticket()
-            self.staging = next(s for s in self.staging_copies if s is not self.staging)
-        if (micro.last and not self.defer_wait) or (not micro.last and not self.per_micro):
+        # Between micro-batches nothing waits: the next copies down wait in ``_reuse``.
+        if micro.last and not self.defer_wait:
             with self.phase(WAIT_SUMS):
                 self.wait()
         if self.reads_staging:

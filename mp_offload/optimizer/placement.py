@@ -172,11 +172,7 @@ def placement(layout, o: OptimizerOptions, device_type: str) -> Placement:
     # Offload: new low-precision params go up from the param staging (none in fp32: the
     # master goes up), gradients come down into the grad staging, both pinned on CUDA.
     up = o.offloaded and below_fp32 and not writes_flat
-    # Gradients come down into one staging per gradient buffer (DPU: two, when Adam reads
-    # them); a GPU summing k > 1 micro-batches on the host alternates two, so the copies of
-    # micro-batch i + 1 land while the host still sums micro-batch i.
-    accumulating = 2 if device_type == "cuda" else 1
-    down = (copies if reads_staging else accumulating) if o.offloaded else 0
+    down = (copies if reads_staging else 1) if o.offloaded else 0
     ping = int(o.overlap_cpu_optimizer)  # the speculation's params go to a second staging
     buffers += [
         Buffer("param_staging", "staging", "host", o.dtype, n, up * (1 + ping), pinned, False),

@@ -26,8 +26,7 @@ by category; the formulas say what it places):
                        DP rank and no DPU, where Adam writes the params in place) +
                        r * slice_numel for gradients coming down (4 * slice_numel, the fp32
                        sum, with device accumulation; twice with DPU when Adam reads them
-                       directly, and on CUDA when k > 1 are summed on the host: two
-                       stagings alternate per micro-batch)
+                       directly)
   (r: bytes of the reduce dtype, e unless --accumulate-allreduce-grads-in-fp32)
   host save            a checkpoint save's transient beside the state: one streamed chunk
                        (4 MiB: SAVE_CHUNK in fp32, optimizer/checkpoint_parts.py) where
