@@ -42,7 +42,7 @@ def test_gpus_here_respects_cuda_visible_devices(tmp_path, visible, expected):
             "8,030,261,248",
             (
                 "device: 29.83 of 80 GiB (76.0 usable, 4.0 GiB reserve) -> fits",
-                "host per node: 151.58 of 256 GiB",
+                "host per node: 152.55 of 256 GiB",
             ),
         ),
         (
@@ -51,7 +51,7 @@ def test_gpus_here_respects_cuda_visible_devices(tmp_path, visible, expected):
             "68,989,231,104",
             (
                 "device: 19.13 of 32 GiB (30.0 usable, 2.0 GiB reserve) -> fits",
-                "host per node: 1317.20 of 1536 GiB",
+                "host per node: 1318.95 of 1536 GiB",
             ),
         ),
     ],

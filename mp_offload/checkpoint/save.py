@@ -59,10 +59,11 @@ def _rank_files(tmp: str, model, optimizer, tp_rank: int, dp_rank: int) -> tuple
         if not all_finite(p for _, p in model.named_parameters()):
             return files, f"the weights ({where})"
         rel = fmt.model_file(tp_rank)
-        # A temporary: the weights' host copies (on CUDA) are freed before the optimizer
-        # file is written, so a save's peak is the larger of the two, not their sum.
+        # The device tensors themselves: torch.save copies them to the host one storage at
+        # a time as it writes (a whole host copy of the shard, 2 B/param at 70B, would not
+        # fit beside the offloaded state); every reader maps them to the CPU.
         files[rel] = fmt.write_file(
-            {n: p.detach().cpu() for n, p in model.named_parameters()}, os.path.join(tmp, rel)
+            {n: p.detach() for n, p in model.named_parameters()}, os.path.join(tmp, rel)
         )
     rel = fmt.optim_file(tp_rank, dp_rank)
     if optimizer.checkpoint_kind == "zero":

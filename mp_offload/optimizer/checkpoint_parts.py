@@ -33,10 +33,10 @@ class Streamed:
 
 
 def save_transient_bytes(place, cuda: bool, weights_bytes: int = 0) -> int:
-    """Host bytes a rank's save holds beside its state, at the peak: the larger of the
-    weights' host copy (``weights_bytes``, DP rank 0 on a GPU; on the CPU the weights
-    are written from themselves) and one streamed fp32 chunk, where any key streams (a
-    converted form, or state on a GPU)."""
+    """Host bytes a rank's save holds beside its state, at the peak: the larger of one
+    parameter's host copy (``weights_bytes``: DP rank 0 on a GPU, where torch.save copies
+    the weights down one at a time; on the CPU they are written from themselves) and one
+    streamed fp32 chunk, where any key streams (a converted form, or state on a GPU)."""
     state = [b for b in place.buffers if b.category in KEYS and b.copies]
     streams = any(b.dtype in (torch.int16, torch.uint8) for b in state)
     streams = streams or (cuda and any(b.side == "device" for b in state))

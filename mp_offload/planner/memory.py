@@ -31,8 +31,9 @@ by category; the formulas say what it places):
   host save            a checkpoint save's transient beside the state: one streamed chunk
                        (4 MiB: SAVE_CHUNK in fp32, optimizer/checkpoint_parts.py) where
                        a state key converts (remainders, 8-bit) or lives on a GPU, never an
-                       fp32 copy of the slice; on a GPU also DP rank 0's host copy of its
-                       TP shard of the weights, e * Ψ/T, in the node's peak (save_weights)
+                       fp32 copy of the slice; on a GPU at least one parameter of DP rank
+                       0's weights, which torch.save copies down one at a time (e * the
+                       largest bucket, a bound; counted on every rank)
 Estimates: device activations (see activations.py), device workspace (a fixed
 reserve for the CUDA context, cuBLAS/NCCL workspaces and allocator slack, plus the
 reduce-scatter output chunks: one per bucket buffer, the reducer keeps no more pending),
@@ -217,19 +218,9 @@ class JobPlan:
         return max(r.device_total for r in self.ranks)
 
     @property
-    def save_weights(self) -> int:
-        """Host bytes of the weights' copies a save makes on the node with the most DP
-        rank 0s (on a GPU: each TP rank's shard, copied down by its DP rank 0; they share
-        the save's peak with the streamed chunk counted in each rank's ``save``)."""
-        if not self.run.cuda or self.run.mode not in ("offload", "zero2"):
-            return 0
-        shard = max(r.shapes.params for r in self.ranks) * elem_bytes(self.run)
-        return min(self.run.tp, self.hw.devices_per_node) * shard
-
-    @property
     def host_node_peak(self) -> int:
         per_rank = max(r.host_total for r in self.ranks)
-        return max(self.node_ranks) * per_rank + self.save_weights
+        return max(self.node_ranks) * per_rank
 
     @property
     def fits_device(self) -> bool:
@@ -260,10 +251,12 @@ class JobPlan:
 def _zero_buffers(run: Run, shapes: RankShapes) -> tuple[dict, dict, int]:
     """(device bytes, host bytes, reduce-scatter outputs) of this code's buffers: the sums
     of the optimizer's own placement (``optimizer/placement.py``), and the transient of a
-    save beside them (one streamed chunk; DP rank 0's weights copy is ``save_weights``)."""
+    save beside them (a streamed chunk, or on a GPU one parameter of DP rank 0's weights:
+    at most a bucket; counted on every rank)."""
     place = placement(shapes, run.options, "cuda" if run.cuda else "cpu")
     device, host = place.bytes("device"), place.bytes("host")
-    host["save"] = save_transient_bytes(place, run.cuda)
+    weight = elem_bytes(run) * shapes.max_bucket if run.cuda else 0
+    host["save"] = save_transient_bytes(place, run.cuda, weight)
     buckets = place.buffer("grad_buckets")
     if run.bucket_buffers:  # a what-if: more bucket buffers than the optimizer makes
         device["grad_buckets"] = buckets.numel * buckets.dtype.itemsize * run.bucket_buffers
