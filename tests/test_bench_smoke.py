@@ -219,3 +219,11 @@ def test_bench_any_model_tiny(tmp_path):
     assert 2 * rep["params"] <= rep["ours_bytes"]["device"]["params"] < 2.1 * rep["params"]
     assert rep["device_bytes_per_param"]["ours"] < 4.1
     assert rep["losses"]["ours"] == pytest.approx(rep["losses"]["torch"], rel=0.02)
+
+
+def test_bench_host_sums_prints_each_k_and_the_wait():
+    out = run_bench("bench_host_sums.py", "--micro-batches", "1,2", "--steps", 1,
+                    "--layers", 1, "--hidden", 64, "--seq", 16)  # fmt: skip
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert [r[0] for r in rows] == ["1", "2"], out
+    assert all(float(r[1]) >= float(r[2]) > 0.0 and float(r[3]) >= 0.0 for r in rows), out
