@@ -20,7 +20,7 @@ SINGLE = ps.ParallelGroup.single()
 HP = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0)
 K = 4
 HOST_SUMS = OptimizerOptions(dtype=torch.bfloat16, bucket_size=900, micro_batches=K)
-HOLD_S = 10.0  # how long a held-back sum waits for the next micro-batch's first copy
+HOLD_S = 30.0  # how long a held-back sum waits for the next micro-batch to reach the staging
 
 
 def _run(streams=None, steps=2):
