@@ -20,7 +20,6 @@ Run it at two commits to compare them (the figures in docs/PERFORMANCE.md):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import platform
 import statistics
@@ -37,6 +36,7 @@ from mp_offload.optimizer.options import OptimizerOptions  # noqa: E402
 from mp_offload.optimizer.streams import HostStreams  # noqa: E402
 from mp_offload.optimizer.zero import ZeroOptimizer  # noqa: E402
 from mp_offload.training import train_step  # noqa: E402
+from phase_sections import Sections  # noqa: E402
 
 HP = dict(lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, clip_grad=1.0)
 WAIT = "wait for the host's gradient sums"
@@ -46,19 +46,6 @@ class WorkerStreams(HostStreams):
     """The CPU's streams with the host worker on (what ``asynchronous`` turns on)."""
 
     asynchronous = True
-
-
-class Phases:
-    def __init__(self):
-        self.ms: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def section(self, name: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
 
 
 def run(k: int, args) -> tuple[float, float, float | None]:
@@ -72,19 +59,20 @@ def run(k: int, args) -> tuple[float, float, float | None]:
     options = OptimizerOptions(dtype=torch.float32, micro_batches=k)
     opt = ZeroOptimizer(model, **HP, dp=single, tp=single, device="cpu", options=options,
                         streams=WorkerStreams())  # fmt: skip
-    phases = Phases()
+    phases = Sections()
     opt.set_phase_timer(phases.section)
     g = torch.Generator().manual_seed(1)
     step_ms, fb_ms, wait_ms = [], [], []
     for step in range(args.steps + 1):  # the first warms up
         batches = iter(torch.randint(0, 4096, (k, 1, args.seq + 1), generator=g))
-        phases.ms.clear()
+        phases.take()
         t0 = time.perf_counter()
         out = train_step(model, opt, batches, k, HP["lr"], single, torch.device("cpu"))
         if step:
             step_ms.append((time.perf_counter() - t0) * 1e3)
             fb_ms.append(out.phases["phase_forward_backward_ms"])
-            wait_ms.append(phases.ms.get(WAIT))
+            wait = phases.take().get(WAIT)
+            wait_ms.append(None if wait is None else wait * 1e3)
     waits = [w for w in wait_ms if w is not None]
     med = statistics.median
     return med(step_ms), med(fb_ms), med(waits) if waits else None

@@ -26,12 +26,10 @@ iteration's overlapped step time over its synchronous one.
 """
 
 import argparse
-import contextlib
 import json
 import os
 import platform
 import statistics
-import threading
 import time
 
 
@@ -64,6 +62,7 @@ ARGS = _args()
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import torch  # noqa: E402
+from phase_sections import Sections  # noqa: E402
 
 from mp_offload.config import parse, resolve  # noqa: E402
 from mp_offload.ops import cpu_adam  # noqa: E402
@@ -86,28 +85,6 @@ def pretrain_flags(overlap: bool) -> list[str]:
     ]
     flags += ["--bf16"] if a.dtype == "bf16" else []
     return flags + (["--overlap-cpu-optimizer"] if overlap else [])
-
-
-class Sections:
-    """Seconds per named phase of the training thread (``ZeroOptimizer.set_phase_timer``);
-    a phase's time includes the phases inside it."""
-
-    def __init__(self):
-        self.total: dict[str, float] = {}
-        self._main = threading.main_thread()
-
-    @contextlib.contextmanager
-    def section(self, name: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            if threading.current_thread() is self._main:  # not the overlap's worker
-                self.total[name] = self.total.get(name, 0.0) + time.perf_counter() - t0
-
-    def take(self) -> dict[str, float]:
-        out, self.total = self.total, {}
-        return out
 
 
 class Run:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel_state as ps
-from ..optimizer.checkpoint_parts import Streamed, slice_state
+from ..optimizer.checkpoint_parts import KEYS, Streamed, slice_state
 from ..runtime import faults
 from . import on_disk as fmt
 from .errors import CheckpointError
@@ -84,7 +84,7 @@ def _write_streamed(shard: dict, tmp: str, rel: str, files: dict) -> bool:
     if not isinstance(shard["master"], Streamed) and not all_finite(_parts(shard["master"])):
         return False
     os.makedirs(os.path.dirname(os.path.join(tmp, rel)), exist_ok=True)
-    for key in ("master", "exp_avg", "exp_avg_sq"):
+    for key in KEYS:  # the master first
         value = shard[key]
         if isinstance(value, Streamed):
             raw = fmt.raw_file(rel, key)
