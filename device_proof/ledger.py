@@ -79,32 +79,46 @@ class CopyLedger(HostStreams):
 
     # ---------------------------------------------------------------- copies
     def copy_down(self, dst, src, after=None):
-        start = self._mark()
+        down = self.inner.stream if self.cuda else None  # the copies down's own stream
+        if self.timed and self.cuda:  # the start mark after what the copy waits for
+            with torch.cuda.stream(down):
+                after.wait() if after is not None else down.wait_stream(torch.cuda.current_stream())
+        start = self._mark(down)
         done = self.inner.copy_down(dst, src, after=after) or FakeEvent()
-        self._log("d2h", dst, src, start)
+        self._log("d2h", dst, src, start, down)
         return done
 
-    def copy_up(self, dst, src) -> None:
-        if self.cuda and self.delay_s > 0 and not self._burst:
-            torch.cuda._sleep(int(self.delay_s * _clock_hz()))
-        self._burst = True
-        start = self._mark()
-        self.inner.copy_up(dst, src)
-        self._log("h2d", src, src, start)
+    def open_uploads(self) -> None:
+        self.inner.open_uploads()
+        self._burst = False
 
-    def _log(self, direction, host, src, start) -> None:
-        timing = (start, self._mark()) if self.timed else ()
+    def copy_up(self, dst, src, then=None):
+        up = self.inner.up if self.cuda else None  # the copies up's own stream
+        if self.cuda and self.delay_s > 0 and not self._burst:
+            with torch.cuda.stream(up):
+                torch.cuda._sleep(int(self.delay_s * _clock_hz()))
+        self._burst = True
+        start = self._mark(up)
+        event = self.inner.copy_up(dst, src, then) or FakeEvent()
+        self._log("h2d", src, src, start, up)
+        return self._covers(event)
+
+    def wait_upload(self, event) -> None:
+        if not isinstance(event, FakeEvent):
+            self.inner.wait_upload(event)
+
+    def _log(self, direction, host, src, start, stream=None) -> None:
+        timing = (start, self._mark(stream)) if self.timed else ()
         nbytes = src.numel() * src.element_size()
         with self._lock:
             self.copies.append(Copy(direction, nbytes, _storage(host), _bytes(host), timing))
 
     # ---------------------------------------------------------------- events
-    def record(self):
-        event = self.inner.record() or FakeEvent()
+    def _covers(self, event):
+        """``event`` (a copy up's) covers every copy up before it (one stream)."""
         with self._lock:
             self.records += 1
             self._events.append(event)
-            self._burst = False
             for c in self.copies:
                 if c.direction == "h2d" and not c.retired:
                     c.events.append(id(event))
@@ -143,13 +157,14 @@ class CopyLedger(HostStreams):
                             break
 
     # ---------------------------------------------------------------- figures
-    def _mark(self):
+    def _mark(self, stream=None):
+        """A time mark on ``stream`` (None: the current one), where the copy runs."""
         if not self.timed:
             return None
         if not self.cuda:
             return time.perf_counter()
         e = torch.cuda.Event(enable_timing=True)
-        e.record()
+        e.record(stream)
         return e
 
     def nbytes(self, direction: str) -> int:

@@ -82,8 +82,11 @@ def step(opt: ZeroOptimizer, m: GPTModel, batches: list[torch.Tensor]):
     return total, opt.step(HP["lr"])
 
 
-def flat_params(m: GPTModel) -> torch.Tensor:
-    """Every parameter, in order, as one tensor in its own dtype (a copy)."""
+def flat_params(m: GPTModel, opt: ZeroOptimizer | None = None) -> torch.Tensor:
+    """Every parameter, in order, as one tensor in its own dtype (a copy); ``opt``: the
+    optimizer over ``m``, whose uploads the read waits for (outside a forward)."""
+    if opt is not None:
+        opt.params_ready()
     return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
 

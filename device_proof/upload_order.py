@@ -50,13 +50,15 @@ def dpu_run(sec: Section, steps: int = STEPS, broken: bool = False) -> dict:
     if True:  # the ledger sees D's copies, events and host writes as they happen
         for s in range(steps):
             batch = sec.batches(s, 1)
+            dopt.params_ready()  # the weights are read outside a forward: the uploads first
+            ropt.params_ready()
             with torch.no_grad():
                 for rp, dp in zip(rm.parameters(), dm.parameters()):
                     rp.copy_(dp)  # R's forward sees D's (stale) parameters
             out["ref_losses"].append(toy.step(ropt, rm, batch)[0])
-            ref_params.append(toy.flat_params(rm))
+            ref_params.append(toy.flat_params(rm, ropt))
             out["losses"].append(toy.step(dopt, dm, batch)[0])
-            out["published"].append(bitwise(toy.flat_params(dm), ref_params[s]))
+            out["published"].append(bitwise(toy.flat_params(dm, dopt), ref_params[s]))
         dopt.flush()
     out["final"] = bitwise(toy.flat_params(dm), ref_params[-1])
     out["master"] = bitwise(toy.master(dopt), toy.master(ropt))

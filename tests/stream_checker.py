@@ -25,10 +25,14 @@ a torch function mode around the seam's copy methods. The model, the worst a GPU
   reduced chunk is a fresh allocation), and the caching allocator then hands its memory
   to the compute stream's next allocation while the copy may still read it. So a copy
   down whose source was not ``record_stream``-ed on the copy's stream by then fails.
-- A copy on the compute stream (a copy up) comes before the device's own readers (one
-  stream), so it is done at once; but the host may rewrite its source only after it
-  synchronized an event recorded after the copy: a host kernel that writes it earlier
-  fails.
+- A copy up runs on its own stream too, and is late the same way: its destination (the
+  weights) holds NaN until a stream waits on an event after it (``wait_upload``, which a
+  module's forward does for its own buckets) or the host synchronizes one. It overwrites
+  what the last backward read, so its stream must be ordered after the compute stream
+  (``open_uploads``) or it fails at once. ``watch(model)`` fails a module's forward that
+  starts while a copy up into its own parameters has not landed. The host may rewrite a
+  copy up's source only after it synchronized an event recorded after the copy: a host
+  kernel that writes it earlier fails. (A copy on the compute stream is done at once.)
 - Device memory is what the copies move across: the source of a copy down, the
   destination of a copy up (their storages are kept alive, so the address of one is never
   a host buffer's later). A host kernel handed device memory fails, as a CPU-only kernel
@@ -147,6 +151,8 @@ class FakeCuda:
         self.landed = self.orders = self.ups = 0  # copies down landed, waits, copies up
         # in the current copy_down: the copies down issued, the record_stream calls made
         self.issued: list[_Copy] = []
+        self.uploading = False  # inside ``copy_up``: the side-stream copy goes host -> device
+        self.up_offsets: list[int] = []  # where each side-stream copy up writes, in order
         self.recorded: list[tuple[int, FakeStream]] = []  # (the storage's address, stream)
         self.device_memory: dict[int, tuple] = {}  # address -> (its storage, what it is)
 
@@ -193,14 +199,25 @@ class FakeCuda:
                     self.ups += 1
                     self._on_device(dst, f"the destination of the copy up at {site}")
                 return
+            up = self.uploading
+            if s.knows < self.compute.knows and up:
+                raise StreamRace(
+                    f"the copy up at {site} may overwrite the weights before the compute "
+                    f"stream's reads of them: its stream did not wait for the compute stream"
+                )
             if s.knows < self.compute.knows:
                 raise StreamRace(
                     f"the copy down at {site} may read its source before the compute "
                     f"stream's writes to it: its stream did not wait for the compute stream"
                 )
-            s.copies.append(_Copy(dst, src, src.detach().clone(), site, s))
-            self.issued.append(s.copies[-1])
-            self._on_device(src, f"the source of the copy down at {site}")
+            s.copies.append(_Copy(dst, src, src.detach().clone(), site, s, up=up))
+            if up:
+                self.ups += 1
+                self.up_offsets.append(dst.storage_offset())
+                self._on_device(dst, f"the destination of the copy up at {site}")
+            else:
+                self.issued.append(s.copies[-1])
+                self._on_device(src, f"the source of the copy down at {site}")
             dst.fill_(float("nan")) if dst.is_floating_point() else dst.zero_()
 
     def _on_device(self, t: torch.Tensor, what: str) -> None:
@@ -211,21 +228,21 @@ class FakeCuda:
         if c.landed:
             return
         if not torch.equal(c.src, c.snapshot):
+            way = "up" if c.up else "down"
             raise StreamRace(
-                f"the source of the copy down at {c.site} was rewritten before it landed"
+                f"the source of the copy {way} at {c.site} was rewritten before it landed"
             )
         c.dst.copy_(c.snapshot)
         c.landed = True
         self.landed += 1
 
     def stream_waits(self, s: FakeStream, event: FakeEvent) -> None:
-        """``s`` runs what follows after ``event``: its copies down land first."""
+        """``s`` runs what follows after ``event``: its copies land first."""
         with self.lock:
             self.orders += 1
             s.knows = max(s.knows, event.knows)
             for c in event.copies:
-                if not c.up:
-                    self._land(c)
+                self._land(c)
 
     def host_waits(self, event: FakeEvent) -> None:
         """The host (any thread) is past ``event``: its copies are done and seen."""
@@ -312,9 +329,33 @@ class RaceStreams(CudaStreams):
                 )
         return done
 
-    def copy_up(self, dst, src) -> None:
-        with _Capture(self.fake):
-            super().copy_up(dst, src)
+    def copy_up(self, dst, src, then=None):
+        self.fake.uploading = True
+        try:
+            with _Capture(self.fake):
+                return super().copy_up(dst, src, then)
+        finally:
+            self.fake.uploading = False
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Fail a module's forward that starts while a copy up into its own parameters
+        has not landed (hooks registered after the optimizer's: they run after its waits).
+        ``in_flight``: per forward call, the copies up not landed yet (anywhere)."""
+        self.in_flight: list[int] = []
+        for name, m in model.named_modules():
+            own = [p for p in m.parameters(recurse=False)]
+            if own:
+                m.register_forward_pre_hook(lambda mod, args, n=name, own=own: self._reads(n, own))
+
+    def _reads(self, name: str, params) -> None:
+        late = [c for c in self.fake.pending() if c.up and not c.landed]
+        self.in_flight.append(len(late))
+        for c in late:
+            if any(_overlaps(_span(p.detach()), _span(c.dst)) for p in params):
+                raise StreamRace(
+                    f"the forward of {name or 'the model'} read weights before their copy up "
+                    f"at {c.site} landed (it did not wait on the copy's event)"
+                )
 
     def host_access(self, reads=(), writes=()) -> None:
         for t in (*reads, *writes):

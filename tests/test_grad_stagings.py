@@ -36,6 +36,7 @@ def _run(streams=None, steps=2):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 opt.backward(model(t[:, :-1], t[:, 1:]).float().mean() / K)
         opt.step()
+    opt.flush()  # the last step's uploads land (on a GPU: are ordered) before the read
     return opt, opt.flat.clone()
 
 

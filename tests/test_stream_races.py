@@ -41,6 +41,8 @@ def _run_on(options, streams, steps):
     model = GPTModel(GPTConfig(**tiny_gpt_config()), tp_group=SINGLE)
     opt = build_zero(model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", options=options,
                      streams=streams)  # fmt: skip
+    if streams is not None:
+        streams.watch(model)  # a forward that reads weights still in flight fails
     g = torch.Generator().manual_seed(1)
     vocab, seq = model.cfg.vocab_size if hasattr(model, "cfg") else 64, 16
     k = options.micro_batches
@@ -165,6 +167,32 @@ def test_a_worker_threads_wait_lands_only_what_its_event_covers():
         streams.host_access(reads=(got_second,))
 
 
+def _schedule(name):
+    base = dict(dtype=torch.bfloat16, micro_batches=1, offload_fraction=1,
+                store_param_remainders=False, exp_avg_dtype=torch.float32)  # fmt: skip
+    want = dict(sync=(False, None), dpu=(False, 1), overlap=(True, None))[name]
+    return next(o for o in OFFLOAD if all(getattr(o, k) == v for k, v in base.items())
+                and (o.overlap_cpu_optimizer, o.dpu_warmup_steps) == want)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["sync", "dpu", "overlap"])
+def test_the_forward_starts_behind_the_first_buckets_upload_not_behind_all(name):
+    """The copies up go in forward order on their own stream; a module's forward waits
+    only for its own buckets: the next forward starts while later buckets are still in
+    flight (the checker's forward hooks count them), race-free and bitwise the CPU's."""
+    checker = RaceStreams()
+    late = _run(_schedule(name), checker)
+    assert max(checker.in_flight) > 0, "every upload had landed before the forward began"
+    offsets = checker.fake.up_offsets
+    bursts = [[]]  # one per publish: forward order is falling flat offsets (reverse layout)
+    for a, b in zip(offsets, offsets[1:] + [None]):
+        bursts[-1].append(a)
+        if b is not None and b >= a:
+            bursts.append([])
+    assert len(bursts) >= 3 and all(len(x) > 1 for x in bursts), bursts
+    assert torch.equal(late, _run(_schedule(name))), "late copies changed the result"
+
+
 # ------------------------------------------------------------ injected mistakes
 def _caught_at_the_copy(options, match):
     """Caught, naming the seam's copy and the host side's call that issued it."""
@@ -235,7 +263,19 @@ ORDERING = [
     ("before_reuse", "self.cuda.current_stream().wait_event(event)", "BF16", "rewritten before"),
     ("drain", "done.record(self.stream)", "BF16", "read the destination of the copy down"),
     ("drain", "done.synchronize()", "BF16", "read the destination of the copy down"),
-    ("record", "done.record()", "BF16", "wrote the source of the copy up"),
+    (
+        "open_uploads",
+        "self.up.wait_stream(self.cuda.current_stream())",
+        "BF16",
+        "copy up .* may overwrite the weights before the compute stream's reads",
+    ),
+    ("copy_up", "done.record(self.up)", "BF16", "read weights before their copy up"),
+    (
+        "wait_upload",
+        "self.cuda.current_stream().wait_event(event)",
+        "BF16",
+        "read weights before their copy up",
+    ),
 ]
 
 

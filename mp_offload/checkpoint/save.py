@@ -139,6 +139,7 @@ def save_checkpoint(
 ) -> str:
     """Collective: every rank calls it. Returns the final directory. ``keep``: the
     number of iterations kept; ``protect``: one more that rotation spares (``fmt.prune``)."""
+    optimizer.flush()  # a delayed update applied, and the weights' uploads landed: read next
     tp, dp = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
     tmp = fmt.tmp_dir(root, iteration)
     if dist.get_rank() == 0:

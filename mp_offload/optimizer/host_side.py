@@ -10,7 +10,9 @@ host worker thread, and the uploads. Its face is the device side's (``side.py``)
   between micro-batches the training thread does not wait for the worker: a copy down
   waits only for the sums that still read its bucket's part of the staging (``_reuse``);
 - ``step_piece``/``upload``: one bucket's Adam, and its new params queued up right
-  after it (the kernel is elementwise: bitwise one call over the slice);
+  after it (the kernel is elementwise: bitwise one call over the slice), in forward
+  order, each followed by the bucket's all-gather (``after_upload``); ``ready`` keeps
+  each bucket's event, on which the forward's first use of the bucket waits;
 - ``parts``/``target``/``commit`` and ``buffers``.
 When it steps and publishes is the schedule's (``schedules.py``); the second copies the
 schedules use (DPU's second gradient buffer, the overlap's second state) are listed by
@@ -48,6 +50,9 @@ class HostSide(Side):
         self.pieces.reverse()  # the upload order: forward t+1 uses the last buckets first
         self.bytes_down = self.bytes_up = 0
         self.on_final = None  # a schedule's host work once a bucket's gradient is final
+        self.after_upload = None  # the optimizer's all-gather of a bucket, after its upload
+        self.ready: dict[int, object] = {}  # bucket -> its last upload's (and gather's) event
+        self._last_up = None  # covers every upload before it (one stream)
         self.defer_wait = False  # the schedule waits for the worker at the step
         self.worker = None
         if streams.asynchronous and not self.reads_staging:
@@ -195,22 +200,30 @@ class HostSide(Side):
             self.streams.host_access(reads=(grad[s],), writes=(out[s],))
             src.step(s, grad[s], dst=dst, **hyper.kwargs(c))
 
+    def open_uploads(self) -> None:
+        """The uploads that follow may overwrite the weights the last backward read."""
+        self.streams.open_uploads()
+
     def upload(self, p, state: HostState) -> None:
-        """Queue bucket ``p``'s new params from ``state``'s staging into the flat buffer."""
+        """Queue bucket ``p``'s new params from ``state``'s staging into the flat buffer,
+        then its all-gather; its event goes to ``ready``."""
         lo, hi = p.bucket.chunk_range(self.dp_rank)
         src = state.master_form.upload_source[p.lo : p.lo + p.n]
+        gather = None if self.after_upload is None else (lambda: self.after_upload(p.bucket))
         with self.phase("publish: copy up + clone"):
-            self.streams.copy_up(self.flat[lo:hi], src)
+            self._last_up = self.streams.copy_up(self.flat[lo:hi], src, then=gather)
+        self.ready[p.bucket.index] = self._last_up
         self.bytes_up += p.n * self.flat.element_size()
 
     def publish(self) -> None:
         """Every bucket's params up from the live state (after a DPU join or a load)."""
+        self.open_uploads()
         for p in self.pieces:
             self.upload(p, self.states[0])
 
     def mark_uploaded(self) -> None:
         """The copies up queued so far read the live state's staging until this event."""
-        self.states[0].uploaded = self.streams.record()
+        self.states[0].uploaded = self._last_up
 
     def restore_params(self) -> None:
         """Where Adam writes the params in place (``adam_writes_flat``), put back the ones

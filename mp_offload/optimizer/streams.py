@@ -4,8 +4,10 @@ Every asynchronous copy, event, stream wait and thread binding of the optimizer,
 reducer, the host accumulator and the schedules' threads goes through one ``streams``
 object:
 - ``CudaStreams``: the real thing on a GPU. Copies down run on their own stream, so they
-  overlap the rest of backward instead of queueing behind its kernels; events are
-  blocking (a waiting thread sleeps instead of spinning).
+  overlap the rest of backward instead of queueing behind its kernels; copies up (and
+  each bucket's all-gather right after its copy) on another, so the next forward starts
+  once its first bucket is there instead of behind every upload; events are blocking (a
+  waiting thread sleeps instead of spinning).
 - ``HostStreams``: a CPU "device": copies are synchronous, events are None.
 - the tests' race checker (``tests/stream_checker.py``) runs ``CudaStreams`` itself on
   the CPU under a fake ``torch.cuda`` whose copies complete late unless ordered, to
@@ -37,13 +39,21 @@ class HostStreams:
         dst.copy_(src)
         return None
 
-    def copy_up(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Queue ``dst.copy_(src)`` (host -> device) on the compute stream."""
-        dst.copy_(src)
+    def open_uploads(self) -> None:
+        """The copies up that follow overwrite what the compute stream queued so far reads
+        (the last backward's weights): they wait for it."""
 
-    def record(self):
-        """An event after what the compute stream queued so far (None: all done)."""
+    def copy_up(self, dst: torch.Tensor, src: torch.Tensor, then=None):
+        """Queue ``dst.copy_(src)`` (host -> device) and ``then()`` (a bucket's all-gather,
+        or None) behind it; returns the event that marks both done (None: they are)."""
+        dst.copy_(src)
+        if then is not None:
+            then()
         return None
+
+    def wait_upload(self, event) -> None:
+        """What the current stream queues next (a forward reading the params) runs after
+        ``event``, a ``copy_up``'s."""
 
     def before_reuse(self, event) -> None:
         """The compute stream may overwrite a copy's source only after ``event``."""
@@ -66,16 +76,16 @@ class HostStreams:
 
 
 class CudaStreams(HostStreams):
-    """Copies down on a side stream; copies up on the compute stream (the forward that
-    reads them is queued behind them); blocking events. ``cuda``: the ``torch.cuda``
-    module (the race checker passes its fake)."""
+    """Copies down on one side stream, copies up on another; blocking events. ``cuda``:
+    the ``torch.cuda`` module (the race checker passes its fake)."""
 
     asynchronous = True
 
     def __init__(self, device: torch.device, cuda=torch.cuda):
         super().__init__(device)
         self.cuda = cuda
-        self.stream = cuda.Stream(device)
+        self.stream = cuda.Stream(device)  # copies down
+        self.up = cuda.Stream(device)  # copies up, and the all-gathers behind them
 
     def copy_down(self, dst, src, after=None):
         compute = self.cuda.current_stream()
@@ -90,13 +100,21 @@ class CudaStreams(HostStreams):
         src.record_stream(self.stream)  # the caching allocator: in use on the copy stream
         return done
 
-    def copy_up(self, dst, src) -> None:
-        dst.copy_(src, non_blocking=True)
+    def open_uploads(self) -> None:
+        self.up.wait_stream(self.cuda.current_stream())
 
-    def record(self):
-        done = self.cuda.Event(blocking=True)
-        done.record()
+    def copy_up(self, dst, src, then=None):
+        with self.cuda.stream(self.up):
+            dst.copy_(src, non_blocking=True)  # pinned source: no allocator hand-back
+            if then is not None:
+                then()  # NCCL waits for this stream: the gather starts when the copy is done
+            done = self.cuda.Event(blocking=True)
+            done.record(self.up)
         return done
+
+    def wait_upload(self, event) -> None:
+        if event is not None:
+            self.cuda.current_stream().wait_event(event)
 
     def before_reuse(self, event) -> None:
         if event is not None:

@@ -87,6 +87,13 @@ class ZeroOptimizer:
                   for b in self.layout.buckets]  # fmt: skip
         self.reducer = GradientReducer(self.layout, dp, self.device, place, routes, self.streams)
         self.schedule = schedule_for(o, self.device_side, self.host_side, self.publish, self.hyper)
+        if self.host_side is not None and dp.size > 1:
+            self.host_side.after_upload = self._gather
+        # a module's forward waits for its own buckets' uploads; without a module (a
+        # parameter list) the step's end waits for all of them
+        self._waits_in_forward = model is not None and self.host_side is not None
+        if self._waits_in_forward:
+            self._register_waits(model)
         self._begin_step()
 
     def _place_model(self, model: torch.nn.Module, group_of: dict) -> None:
@@ -105,6 +112,32 @@ class ZeroOptimizer:
             if id(p) not in group_of and p.is_floating_point():
                 p.data = p.data.to(self.device, self.dtype)
         model.to(self.device)  # buffers; the trainable parameters already live there
+
+    def _register_waits(self, model: torch.nn.Module) -> None:
+        """Each module's forward waits first for the uploads of the buckets of its own
+        parameters (a bucket's event, once): the forward starts behind the first bucket's
+        upload, not behind every one. Reads outside a forward call ``params_ready``."""
+        bucket_of = {id(s.param): s.bucket for s in self.layout.slots}
+        for m in model.modules():
+            mine = {bucket_of.get(id(p)) for p in m.parameters(recurse=False)} - {None}
+            if mine:
+                buckets = tuple(sorted(mine))
+                m.register_forward_pre_hook(lambda mod, args, b=buckets: self._wait_for(b))
+        model.register_state_dict_pre_hook(lambda *args: self.params_ready())
+
+    def _wait_for(self, buckets) -> None:
+        ready = self.host_side.ready
+        for b in buckets:
+            event = ready.pop(b, None)
+            if event is not None:
+                self.streams.wait_upload(event)
+
+    def params_ready(self) -> None:
+        """On a GPU, the uploads of a step land as the next forward reaches each bucket:
+        call this before reading the parameters any other way (the current stream then
+        waits for all of them). ``flush`` and the model's ``state_dict`` call it."""
+        if self.host_side is not None:
+            self._wait_for(list(self.host_side.ready))
 
     # -------------------------------------------------------------------- backward
     def _begin_step(self) -> None:
@@ -162,6 +195,8 @@ class ZeroOptimizer:
         clip = self.clip_grad if self._clip_now is None else self._clip_now
         hyper = self.hyper(clip_coefficient(norm, clip or 0.0) / scale, stepped)
         self.step_count += 1
+        if self.host_side is not None:
+            self.host_side.open_uploads()  # before the device side's Adam is queued
         self.schedule.step(hyper, self.step_count)
         self.slot_steps = [n + on for n, on in zip(self.slot_steps, stepped)]
         self._begin_step()
@@ -183,28 +218,35 @@ class ZeroOptimizer:
         return math.sqrt(self.norm_squared()) / self.scaler.scale
 
     def publish(self, uploaded: bool = False) -> None:
-        """This rank's new params into the flat buffer (the device side's, then the host's
-        unless ``uploaded`` already), then the all-gather over the DP group."""
+        """This rank's new params into the flat buffer, each bucket all-gathered over the DP
+        group as soon as its chunk is there: the device side's, then the host's (uploaded
+        already when ``uploaded``, each gathered behind its upload)."""
         if self.device_side is not None:
             self.device_side.publish(self.flat, self.dp_rank)
+            for b in self.device_side.buckets:
+                self._gather(b)
         if self.host_side is not None:
             if not uploaded:
                 self.host_side.publish()
             self.host_side.mark_uploaded()
-        if self.dp_group.size > 1:
-            with self.phase("all-gather params"):
-                self._all_gather()
+            if not self._waits_in_forward:
+                self.params_ready()
 
-    def _all_gather(self) -> None:
-        for b in self.layout.buckets:
+    def _gather(self, b) -> None:
+        """Bucket ``b``'s all-gather over the DP group (on the current stream)."""
+        if self.dp_group.size == 1 or not b.chunk:
+            return
+        with self.phase("all-gather params"):
             lo, hi = b.chunk_range(self.dp_rank)
             # gloo needs a separate input; NCCL gathers in place.
             inp = self.flat[lo:hi] if self.device.type == "cuda" else self.flat[lo:hi].clone()
             all_gather_tensor(self.flat[b.start : b.end], inp, group=self.dp_group.torch_group())
 
     def flush(self) -> None:
-        """Apply a delayed (DPU) update still in flight: before saving or at the end."""
+        """Apply a delayed (DPU) update still in flight, and order the current stream after
+        every upload: before saving, reading the weights, or at the end."""
         self.schedule.flush()
+        self.params_ready()
 
     # ----------------------------------------------------------------- checkpoints
     @property
