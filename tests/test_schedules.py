@@ -1,13 +1,15 @@
 """optimizer/schedules.py through recording fake sides: when each side steps and when the
-params are published. Synchronous: device, then host (uploading), then the publish, at
-the step. Delayed: synchronous for the warm-up steps, then the host's Adam of step t on
-its own thread, reading that step's gradient buffer while backward t+1 gets the other,
-published at step t+1 or at ``flush`` (and a failure there named). Overlapped: each host
-bucket stepped speculatively once its gradient is final; at the step the states swap, the
-pieces are recomputed only if the real hyperparameters differ, and an overflow puts the
-params back."""
+params are published. Synchronous: the device side steps and publishes first (its buckets
+are the forward's first), then the host steps (uploading), then its publish, at the step.
+Delayed: synchronous for the warm-up steps, then the host's Adam of step t on its own
+thread, reading that step's gradient buffer while backward t+1 gets the other, published
+at step t+1 or at ``flush`` (and a failure there named). Overlapped: each host bucket
+stepped speculatively once its gradient is final; at the step the states swap, the pieces
+are recomputed only if the real hyperparameters differ, and an overflow puts the params
+back."""
 
 import threading
+from functools import partial
 
 import pytest
 import torch
@@ -101,7 +103,11 @@ class FakeHost:
 
 def _sides():
     log = []
-    return log, FakeDevice(log), FakeHost(log), lambda uploaded: log.append(("publish", uploaded))
+    return log, FakeDevice(log), FakeHost(log), partial(_publish, log)
+
+
+def _publish(log, uploaded=False, device=True, host=True):
+    log.append(("publish", uploaded, "both" if device and host else "device" if device else "host"))
 
 
 def _steps(log):
@@ -117,18 +123,20 @@ def test_synchronous_steps_the_device_then_the_host_then_publishes():
     sched.step("h1", 1)
     assert log == [
         ("device", "step", "h1"),
+        ("publish", False, "device"),  # its gathers first in line
         ("host", "step", "h1", True, "grads A", threading.current_thread().name),
-        ("publish", True),  # the host queued each bucket's copy up as it went
+        ("publish", True, "host"),  # the host queued each bucket's copy up as it went
     ]
     sched.flush()  # nothing in flight
-    assert len(log) == 3
+    assert len(log) == 4
     Synchronous(None, host, publish).step("h2", 2)  # a side may be absent
     Synchronous(dev, None, publish).step("h3", 3)
-    assert [e[:3] for e in log[3:]] == [
+    assert [e[:3] for e in log[4:]] == [
         ("host", "step", "h2"),
-        ("publish", True),
+        ("publish", True, "host"),
         ("device", "step", "h3"),
-        ("publish", True),
+        ("publish", False, "device"),
+        ("publish", True, "host"),
     ]
 
 
@@ -136,7 +144,8 @@ def test_delayed_runs_the_host_step_behind_the_next_step_and_publishes_it_there(
     log, dev, host, publish = _sides()
     sched = Delayed(dev, host, publish, warmup_steps=1)
     sched.step("h1", 1)  # the warm-up: synchronous
-    assert _steps(log) == [("device", "step"), ("host", "step"), ("publish", True)]
+    assert _steps(log) == [("device", "step"), ("publish", False), ("host", "step"),
+                           ("publish", True)]  # fmt: skip
     del log[:]
     host.gate = threading.Event()
     sched.step("h2", 2)  # returns while the host's Adam waits on its thread
@@ -158,13 +167,13 @@ def test_delayed_runs_the_host_step_behind_the_next_step_and_publishes_it_there(
     assert seen == [
         ("device", "step", "h2"),
         ("host", "step", "h2"),
-        ("publish", False),  # step 2's params, before step 3's device step
+        ("publish", False, "both"),  # step 2's params, before step 3's device step
         ("device", "step", "h3"),
         ("host", "step", "h3"),
-        ("publish", False),
+        ("publish", False, "both"),
     ]
     sched.flush()  # nothing left in flight
-    assert log.count(("publish", False)) == 2
+    assert log.count(("publish", False, "both")) == 2
 
 
 def test_a_failed_delayed_step_is_named_and_publishes_nothing():
@@ -174,7 +183,7 @@ def test_a_failed_delayed_step_is_named_and_publishes_nothing():
     sched.step("h1", 1)
     with pytest.raises(RuntimeError, match="delayed .DPU. optimizer step failed: ValueError"):
         sched.flush()
-    assert ("publish", False) not in log
+    assert not [e for e in log if e[0] == "publish"]
     sched.flush()  # the failure is reported once
 
 
@@ -209,9 +218,11 @@ def test_overlapped_speculates_each_bucket_and_swaps_when_the_guess_holds():
     assert ("host", "streams.wait", "spare uploaded") in log  # its staging's last copy up
     del log[:]
     sched.step(("spec", 0.25), 1)  # the real step is the guess: no recomputation
-    assert [e[:3] for e in log] == [("device", "step", ("spec", 0.25)), ("host", "swap_states")] + [
-        ("host", "upload", i) for i in (2, 1, 0)
-    ] + [("publish", True)]
+    assert [e[:3] for e in log] == [
+        ("device", "step", ("spec", 0.25)),
+        ("publish", False, "device"),
+        ("host", "swap_states"),
+    ] + [("host", "upload", i) for i in (2, 1, 0)] + [("publish", True, "host")]
     assert all(e[3] == "spare" for e in log if e[1] == "upload")  # the new state goes up
     assert sched.stats()["overlap_replays"] == 0 and sched.stats()["replayed"] == 0
 
@@ -225,7 +236,7 @@ def test_overlapped_recomputes_from_the_committed_copy_when_the_step_differs():
     # From the committed copy ("live", the spare after the swap) into the new one.
     assert redo == [("host", "step_piece", i, ("clipped", 0.1), "live", "spare") for i in (2, 1, 0)]
     assert sched.stats()["overlap_replays"] == 1 and sched.stats()["replayed"] == 1
-    assert log[-1] == ("publish", True)
+    assert log[-1] == ("publish", True, "host")
 
 
 def test_overlapped_refuses_a_bucket_never_stepped_and_an_overflow_restores():

@@ -1,8 +1,9 @@
 """When the host side steps and publishes: the optimizer step's timing, one class each.
 
-- ``Synchronous``: at the step, the device side's Adam is queued first (it runs beside
-  the host's), then the host's Adam bucket by bucket, each bucket's copy up queued right
-  after its piece; then the publish.
+- ``Synchronous``: at the step, the device side's Adam and publish are queued first
+  (they run beside the host's; its buckets are the forward's first), then the host's Adam
+  bucket by bucket in forward order, each bucket's copy up (and all-gather) queued right
+  after its piece.
 - ``Delayed`` (``--dpu-warmup-steps N``, one-step delayed parameter update): after N
   synchronous steps, step t's host Adam runs on a thread behind forward/backward of
   t+1 and its params go up at step t+1 (or at ``flush``); backward t+1 writes the other
@@ -39,9 +40,10 @@ class Synchronous:
     def step(self, hyper, step_count: int) -> None:
         if self.device is not None:
             self.device.step(hyper)  # queued first: runs beside the host's
+            self.publish(host=False)  # its gathers first in line: the forward's first buckets
         if self.host is not None:
             self.host.step(hyper, upload=True)
-        self.publish(uploaded=True)
+        self.publish(uploaded=True, device=False)
 
     def flush(self) -> None:
         """Apply an update still in flight (before saving or at the end)."""
@@ -148,6 +150,7 @@ class Overlapped(Synchronous):
             raise RuntimeError(f"overlap: buckets {sorted(missing)} were never stepped")
         if self.device is not None:
             self.device.step(hyper)
+            self.publish(host=False)
         self.host.swap_states()
         replayed = hyper != self._spec
         t0 = time.perf_counter()
@@ -159,7 +162,7 @@ class Overlapped(Synchronous):
         self._report(replayed, (time.perf_counter() - t0) * 1e3 if replayed else 0.0)
         self.steps += 1
         self.replays += replayed
-        self.publish(uploaded=True)
+        self.publish(uploaded=True, device=False)
 
     def _report(self, replayed: bool, replay_ms: float) -> None:
         hidden = sum(max(0.0, min(e, self._end) - s) for s, e in self._spans) * 1e3

@@ -217,15 +217,17 @@ class ZeroOptimizer:
         self._clip_now = float(max_norm)
         return math.sqrt(self.norm_squared()) / self.scaler.scale
 
-    def publish(self, uploaded: bool = False) -> None:
+    def publish(self, uploaded: bool = False, device: bool = True, host: bool = True) -> None:
         """This rank's new params into the flat buffer, each bucket all-gathered over the DP
-        group as soon as its chunk is there: the device side's, then the host's (uploaded
-        already when ``uploaded``, each gathered behind its upload)."""
-        if self.device_side is not None:
+        group as soon as its chunk is there: the device side's (the forward's first
+        buckets), then the host's (uploaded already when ``uploaded``, each gathered behind
+        its upload). ``device``/``host``: which sides (a schedule publishes the device
+        side's before the host's Adam, so that its gathers are first in line)."""
+        if self.device_side is not None and device:
             self.device_side.publish(self.flat, self.dp_rank)
             for b in self.device_side.buckets:
                 self._gather(b)
-        if self.host_side is not None:
+        if self.host_side is not None and host:
             if not uploaded:
                 self.host_side.publish()
             self.host_side.mark_uploaded()
