@@ -64,6 +64,7 @@ class FakeHost:
         self.by_bucket = {p.bucket.index: p for p in self.pieces}
         self.states = [State("live"), State("spare")]
         self.on_final, self.defer_wait, self.gate, self.fail = None, False, None, None
+        self.reads_staging = True  # k = 1: the host's norm is the device's
 
     @property
     def adam_grads(self):
@@ -221,10 +222,22 @@ def test_overlapped_speculates_each_bucket_and_swaps_when_the_guess_holds():
     assert [e[:3] for e in log] == [
         ("device", "step", ("spec", 0.25)),
         ("publish", False, "device"),
+        ("host", "wait"),  # k = 1: after the device's Adam is queued, which runs beside
         ("host", "swap_states"),
     ] + [("host", "upload", i) for i in (2, 1, 0)] + [("publish", True, "host")]
     assert all(e[3] == "spare" for e in log if e[1] == "upload")  # the new state goes up
     assert sched.stats()["overlap_replays"] == 0 and sched.stats()["replayed"] == 0
+
+
+def test_overlapped_waits_for_the_worker_at_the_end_of_backward_when_it_sums_the_norm():
+    log, host, sched, _ = _overlapped()
+    host.reads_staging = False  # k > 1 on the host: the worker's sums give the host's norm
+    _speculate(host, sched)
+    assert log[-1] == ("host", "wait")  # before the global norm is taken
+    sched.step(("spec", 0.25), 1)
+    assert log.count(("host", "wait")) == 1
+    after = [e[:2] for e in log[log.index(("host", "wait")) :]]
+    assert after.index(("device", "step")) < after.index(("host", "swap_states"))
 
 
 def test_overlapped_recomputes_from_the_committed_copy_when_the_step_differs():
@@ -247,7 +260,7 @@ def test_overlapped_refuses_a_bucket_never_stepped_and_an_overflow_restores():
         sched.step(("spec", 0.25), 1)
     sched.skip()  # fp16 overflow: the speculation's in-place params are put back
     assert log[-1] == ("host", "restore_params")
-    assert not [e for e in log if e[0] == "publish"]
+    assert not [e for e in log if e[0] == "publish" and e[2] != "device"]  # nothing went up
 
 
 @pytest.mark.parametrize(

@@ -134,23 +134,34 @@ class Overlapped(Synchronous):
         return run
 
     def end_backward(self) -> None:
-        t0 = time.perf_counter()
-        self.host.wait()
-        self._end, self._wait_ms = t0, (time.perf_counter() - t0) * 1e3
+        """Backward is over. The worker's sums (k > 1 on the host) give the host's part of
+        the global norm: wait for it now. Otherwise the norm is the device's, and the wait
+        comes at the step, after the device side's Adam is queued: it runs beside."""
+        self._end, self._wait_ms, self._waited = time.perf_counter(), 0.0, False
+        if not self.host.reads_staging:
+            self._wait()
+
+    def _wait(self) -> None:
+        if not self._waited:
+            t0 = time.perf_counter()
+            self.host.wait()
+            self._wait_ms, self._waited = (time.perf_counter() - t0) * 1e3, True
 
     def skip(self) -> None:
         """fp16 overflow: the spare copy is dropped (the next step overwrites it); params
         the speculation wrote in place are put back from the committed master."""
+        self._wait()
         self.host.restore_params()
         self._report(replayed=False, replay_ms=0.0)
 
     def step(self, hyper, step_count: int) -> None:
+        if self.device is not None:
+            self.device.step(hyper)  # queued before the wait for the worker: runs beside it
+            self.publish(host=False)
+        self._wait()
         missing = set(self.host.by_bucket) - self._done
         if missing:  # every host bucket's chunk is delivered each step: a bug otherwise
             raise RuntimeError(f"overlap: buckets {sorted(missing)} were never stepped")
-        if self.device is not None:
-            self.device.step(hyper)
-            self.publish(host=False)
         self.host.swap_states()
         replayed = hyper != self._spec
         t0 = time.perf_counter()
