@@ -6,39 +6,38 @@ from mp_offload.planner.overlap_schedule import Buckets, buckets, keeping_up_bac
 
 
 def _three(work_1: float) -> Buckets:
-    """Three host buckets (20%, 30%, 50% of the slice), 1 s down and 1 s up each."""
-    return Buckets(
-        (0.2, 0.3, 0.5), (True,) * 3, (0.0,) * 3, (1.0,) * 3, (4.0, work_1, 1.0), (1.0,) * 3
-    )
+    """Three host buckets (20%, 30%, 50% of the slice), 1 s down each."""
+    return Buckets((0.2, 0.3, 0.5), (True,) * 3, (0.0,) * 3, (1.0,) * 3, (4.0, work_1, 1.0))
 
 
 def test_schedule_by_hand():
     # backward 10 s: computed at 2, 5, 10; landed at 3, 6, 11; the worker steps bucket 0
     # over [3, 7], bucket 1 over [7, 11.5] (it waited), bucket 2 over [11.5, 12.5]. The end
-    # of backward at 11 (the last chunk landed); the worker done at 12.5, then 3 copies up.
+    # of backward at 11 (the last chunk landed); the worker done at 12.5 (the copies up
+    # follow: planner/publish.py).
     got = schedule(_three(4.5), 10.0)
-    assert got.exposed == pytest.approx(1.5 + 3.0)
+    assert got.exposed == pytest.approx(1.5)
     assert got.hidden == pytest.approx(8.0)
     assert got.keeps_up is False  # bucket 2 landed at 11 with the worker busy until 11.5
     # bucket 1 done at 11: the worker is free as bucket 2 lands
     assert schedule(_three(4.0), 10.0).keeps_up is True
 
 
-def test_device_share_buckets_skip_the_worker_and_the_copies():
+def test_device_share_buckets_skip_the_worker():
     host_only = schedule(_three(4.5), 10.0)
     b = _three(4.5)
-    on_device = Buckets(b.share, (False, True, True), b.reduce, b.down, b.work, b.up)
+    on_device = Buckets(b.share, (False, True, True), b.reduce, b.down, b.work)
     got = schedule(on_device, 10.0)
-    # bucket 1 lands at 6 and is stepped over [6, 10.5], bucket 2 over [11, 12]; 2 copies up
-    assert got.hidden == pytest.approx(4.5) and got.exposed == pytest.approx(1.0 + 2.0)
+    # bucket 1 lands at 6 and is stepped over [6, 10.5], bucket 2 over [11, 12]
+    assert got.hidden == pytest.approx(4.5) and got.exposed == pytest.approx(1.0)
     assert got.keeps_up and not host_only.keeps_up
 
 
 def test_buckets_splits_per_element_costs_and_the_device_share():
-    b = buckets([10, 30, 60], 2, 2.0, 0.1, 0.01, 0.2)  # the last bucket on the device
+    b = buckets([10, 30, 60], 2, 2.0, 0.1, 0.01)  # the last bucket on the device
     assert b.share == pytest.approx((0.1, 0.3, 0.6)) and b.host == (True, True, False)
     assert b.reduce == pytest.approx((0.2, 0.6, 1.2))
-    assert b.down == pytest.approx((1.0, 3.0, 0.0)) and b.up == pytest.approx((2.0, 6.0, 0.0))
+    assert b.down == pytest.approx((1.0, 3.0, 0.0))
     assert b.work == pytest.approx((0.1, 0.3, 0.0))
 
 

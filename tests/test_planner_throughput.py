@@ -151,7 +151,8 @@ def test_throughput_charges_only_the_passes_the_code_makes():
 def test_overlap_hides_the_cpu_adam_under_a_long_backward():
     """The paper's 10B on one V100: backward is long, so with --overlap-cpu-optimizer the
     CPU Adam runs under it but for the last bucket's (its gradient lands as backward
-    ends): the step keeps that piece and the copies up, which follow the worker."""
+    ends): the step keeps that piece and the forward's wait for the copies up, which follow
+    the worker (the synchronous step hides its copies under its own CPU Adam)."""
     from mp_offload.optimizer.base import DEFAULT_BUCKET_SIZE
     from mp_offload.planner.throughput import step_time
 
@@ -160,8 +161,12 @@ def test_overlap_hides_the_cpu_adam_under_a_long_backward():
     chunks = rank_shapes(spec_named_params(cfg, 1), 1, DEFAULT_BUCKET_SIZE).chunks
     last = st.adam_host * chunks[-1] / sum(chunks)
     assert st.adam_host > 1.0 and st.accumulate == 0.0
-    assert st.host_exposed == pytest.approx(last + st.copy_up)
-    assert st.step_overlap == pytest.approx(st.step_sync - st.adam + last)
+    assert st.host_exposed == pytest.approx(last + st.publish_overlap)
+    assert 0 < st.publish_overlap < st.copy_up  # the forward hides part of the copies
+    assert st.publish_sync < 1e-3 * st.copy_up  # all but nothing hides under the CPU Adam
+    assert st.step_overlap == pytest.approx(
+        st.step_sync - st.adam - st.publish_sync + st.host_exposed
+    )
     assert 0 < st.host_hidden < st.adam_host
     assert 0 < st.hide_tokens_per_step < st.tokens_per_step  # it keeps up here
 
@@ -169,14 +174,16 @@ def test_overlap_hides_the_cpu_adam_under_a_long_backward():
 def test_overlap_with_a_slow_host_exposes_what_backward_cannot_cover():
     """A CPU Adam far longer than backward: the worker runs without a pause from the first
     host gradient on, so its seconds are either hidden (before the end of backward) or
-    exposed, and then every copy up follows."""
+    exposed, and then the copies up follow."""
     from mp_offload.planner.throughput import step_time
 
     slow = Machine(adam_rate_per_core=1e6)
     st = step_time(ten_b(), 1, slow, batch_per_gpu=4, micro_batch=4)
     assert st.adam_host > 10 * st.compute
-    assert st.host_hidden + st.host_exposed == pytest.approx(st.adam_host + st.copy_up)
-    assert st.step_overlap == pytest.approx(st.step_sync - st.adam - st.copy_up + st.host_exposed)
+    assert st.host_hidden + st.host_exposed - st.publish_overlap == pytest.approx(st.adam_host)
+    assert st.step_overlap == pytest.approx(
+        st.step_sync - st.adam - st.publish_sync + st.host_exposed
+    )
     assert st.step_overlap < st.step_sync
     assert st.hide_tokens_per_step > st.tokens_per_step  # it does not keep up
 

@@ -193,17 +193,18 @@ def format_speed(st: StepTime, cfg: GPTConfig, machine: Machine, rate_source: st
 def format_streamed(st: StepTime, run: Run, machine: Machine) -> str:
     """This code's CPU Adam step beside a GPU step on the same state streamed from the
     host and back, and which is faster on this machine."""
-    cpu = st.adam + st.copy_up
+    cpu = st.step_sync - st.step_streamed + st.streamed  # its Adam and its copies' wait
     o = run.options
     state = streamed_state_bytes(moment_bytes(o), o.store_param_remainders)
     faster = "the CPU Adam" if cpu <= st.streamed else "the GPU step on streamed state"
     ratio = max(cpu, st.streamed) / min(cpu, st.streamed) if min(cpu, st.streamed) else 1.0
     return (
-        f"  CPU Adam or a GPU step on streamed state: the CPU Adam and the copy up take "
-        f"{cpu:.3f} s after backward; an Adam on the GPU over the host's state streamed up "
-        f"and back ({state} B an element each way at {machine.pcie_each_way_gbs:.3g} GB/s per "
-        f"direction, both at once) {st.streamed:.3f} s: step {st.step_sync:.2f} s vs "
-        f"{st.step_streamed:.2f} s; {faster} is {ratio:.2f}x faster on this machine"
+        f"  CPU Adam or a GPU step on streamed state: the CPU Adam and the forward's wait "
+        f"for its copies up take {cpu:.3f} s after backward; an Adam on the GPU over the "
+        f"host's state streamed up and back ({state} B an element each way at "
+        f"{machine.pcie_each_way_gbs:.3g} GB/s per direction, both at once) "
+        f"{st.streamed:.3f} s: step {st.step_sync:.2f} s vs {st.step_streamed:.2f} s; "
+        f"{faster} is {ratio:.2f}x faster on this machine"
     )
 
 
@@ -222,7 +223,8 @@ def format_overlap(st: StepTime, micro_batch: int) -> str:
         f"  with --overlap-cpu-optimizer: {st.step_overlap:.2f} s per step "
         f"({st.step_sync / st.step_overlap:.2f}x); host work {st.host_hidden:.3f} s under "
         f"the last backward, {st.host_exposed:.3f} s after it (the CPU Adam left and the "
-        f"copies up); the CPU Adam keeps up with the arriving gradients {where}"
+        f"forward's wait for the copies up); the CPU Adam keeps up with the arriving "
+        f"gradients {where}"
     )
 
 

@@ -3,9 +3,10 @@
 With the overlap a host worker runs the CPU Adam on each host bucket as soon as its
 gradient is final, during the last micro-batch's backward; at the end of backward the step
 waits for the worker, commits (the global norm is known then) and queues every host
-bucket's new params up (optimizer/overlap.py). So what the step waits for after backward
-is what is left of the worker's queue, then the copies up. Per bucket, in gradient
-(backward) order, over the last backward of ``bwd`` seconds:
+bucket's new params up (optimizer/schedules.py). So what the step waits for after
+backward is what is left of the worker's queue; the copies up follow, and the next
+forward runs behind them (planner/publish.py). Per bucket, in gradient (backward) order,
+over the last backward of ``bwd`` seconds:
 
   computed   bwd * (the slice's elements up to and including bucket j) / the slice's:
              backward's work is taken as even over the parameters (the layout is in
@@ -15,14 +16,11 @@ is what is left of the worker's queue, then the copies up. Per bucket, in gradie
              buckets; the device share's chunks stay on the device)
   stepped    a FIFO on the host worker after it landed: its last accumulation (the host
              sum of k > 1 micro-batches) and its CPU Adam
-  up         the copy stream, after the worker's last step and the end of backward (once
-             every chunk landed): every host chunk's new params, one after another
 
-Exposed: the last copy up's end minus the end of backward. Hidden: the worker's seconds
-before the end of backward. The worker *keeps up* when it is idle as the last host
-gradient lands: all that is then exposed is the last bucket's own step and the copies up,
-the floor of this layout (the last bucket to arrive is a host bucket; DESIGN.md §8).
-Not modelled: replays (a step
+Exposed: the worker's end minus the end of backward. Hidden: the worker's seconds before
+the end of backward. The worker *keeps up* when it is idle as the last host gradient
+lands: all that is then exposed is the last bucket's own step, the floor of this layout
+(the last bucket to arrive is a host bucket; DESIGN.md §8). Not modelled: replays (a step
 that clips or overflows runs one more Adam pass over the host part, as the synchronous
 step does), host contention between the worker and the compute thread.
 """
@@ -41,20 +39,19 @@ class Buckets:
     reduce: tuple[float, ...]  # its reduce-scatter
     down: tuple[float, ...]  # its copy down (0: a device-share bucket)
     work: tuple[float, ...]  # the host worker's: last accumulation + CPU Adam (0: device)
-    up: tuple[float, ...]  # its copy up (0: device)
 
 
 @dataclass(frozen=True)
 class Overlap:
-    exposed: float  # seconds after the end of backward until the last copy up ends
+    exposed: float  # seconds after the end of backward until the worker is done
     hidden: float  # seconds of host work done before the end of backward
     keeps_up: bool  # the worker is idle when the last host gradient lands
 
 
-def buckets(chunks, device_from: int, reduce_s: float, down_s, work_s, up_s) -> Buckets:
+def buckets(chunks, device_from: int, reduce_s: float, down_s, work_s) -> Buckets:
     """``chunks``: elements per bucket in slice (gradient) order; from ``device_from`` on
     they are the device share (the last to arrive). ``reduce_s`` is the whole
-    reduce-scatter's seconds; ``down_s``, ``work_s``, ``up_s`` are seconds per host element."""
+    reduce-scatter's seconds; ``down_s``, ``work_s`` are seconds per host element."""
     total = sum(chunks) or 1
     host = [j < device_from for j in range(len(chunks))]
     per = lambda s: tuple(c * s if h else 0.0 for c, h in zip(chunks, host))  # noqa: E731
@@ -64,7 +61,6 @@ def buckets(chunks, device_from: int, reduce_s: float, down_s, work_s, up_s) -> 
         tuple(reduce_s * c / total for c in chunks),
         per(down_s),
         per(work_s),
-        per(up_s),
     )
 
 
@@ -83,7 +79,7 @@ def schedule(b: Buckets, bwd: float) -> Overlap:
             steps.append((start, worker))
     end = max(bwd, reduced, landed)  # the end of backward: every chunk landed
     hidden = sum(max(0.0, min(z, end) - a) for a, z in steps)
-    exposed = max(0.0, worker - end) + sum(u for u, host in zip(b.up, b.host) if host)
+    exposed = max(0.0, worker - end)
     return Overlap(exposed, hidden, last_land is None or idle_at_last)
 
 

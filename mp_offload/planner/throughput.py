@@ -24,19 +24,24 @@ FLOPs per token (flops_per_token, recomputation counted), C = sustained device F
                        the rounded params (e, none in fp32); g is the staging itself (r B)
                        when k = 1 or accumulated on the device, else the fp32 sum; the
                        moments 4 or 2 B. 30 B per element in the paper's setting.
-    copy up            e*n bytes over PCIe
-    all-gather         (D-1)/D*e*P bytes over the DP link
+    copy up            e*n bytes over PCIe, bucket by bucket in forward order, each
+                       bucket's all-gather behind it; the next forward waits for a bucket
+                       only where it first reads it (planner/publish.py): only what the
+                       copies and gathers fall behind the forward counts
+    all-gather         (D-1)/D*e*P bytes over the DP link (the device share's: before the
+                       forward, on the compute stream)
   No zeroing pass (the first micro-batch overwrites) and no norm pass (its squares are
   summed where each gradient first exists: on the device, or in the accumulation's pass).
   Every byte count comes from ops/traffic.py, the account the kernels' benchmarks use.
-  DPU: CPU Adam and the copy up run behind the next step's forward/backward; only
-  what does not fit under it counts.
+  DPU: the CPU Adam runs behind the next step's forward/backward (only what does not fit
+  under it counts); the copies up go at the step, behind which the forward runs as above.
   Overlap (--overlap-cpu-optimizer, ``step_overlap``): each host bucket's last
   accumulation and CPU Adam run on a host worker as its gradient lands during the last
-  micro-batch's backward; after backward only what is left of the worker's queue and the
-  copies up counts, beside the device share's Adam (planner/overlap_schedule.py, per
-  bucket). ``hide_tokens_per_step``: the tokens per step (the micro-batch grown, k kept)
-  from which the worker keeps up with the arriving gradients.
+  micro-batch's backward; after backward only what is left of the worker's queue counts,
+  beside the device share's Adam (after it with k > 1 host sums, whose norm the step
+  waits for), then the copies up as above (planner/overlap_schedule.py, per bucket).
+  ``hide_tokens_per_step``: the tokens per step (the micro-batch grown, k kept) from which
+  the worker keeps up with the arriving gradients.
   Partial offload (``offload_fraction`` F < 1): every host and PCIe term above counts
   only the host part of the slice; the device share (its last buckets) is updated by
   torch's fused AdamW, 34 B per element at device memory bandwidth (28 for Adam, 6 to
@@ -72,6 +77,7 @@ from ..ops.traffic import accumulate_arrays, adam_arrays, bytes_per_element, pub
 from ..optimizer.base import DEFAULT_BUCKET_SIZE
 from ..optimizer.split import split_buckets
 from .overlap_schedule import Overlap, buckets, keeping_up_backward, schedule
+from .publish import device_gathers, forward_delay, forward_order
 from .shapes import spec_rank_shapes
 
 
@@ -170,18 +176,17 @@ class StepTime:
     adam_device: float = 0.0  # ...beside the device Adam over the device share
     offload_fraction: float = 1.0
     step_overlap: float = 0.0  # offload with --overlap-cpu-optimizer (else step_sync)
-    host_exposed: float = 0.0  # overlap: host step seconds after backward (Adam left, up)
+    host_exposed: float = 0.0  # overlap: seconds after backward (Adam left, copies' wait)
     host_hidden: float = 0.0  # overlap: host work seconds run under backward
     hide_tokens_per_step: float = 0.0  # overlap: the worker keeps up from this many tokens
     # offload: a GPU step on the host part's state streamed up and back instead of the CPU
     # Adam and the copy up (``streamed_gpu_step``), beside the device share's Adam
     streamed: float = 0.0
-
-    @property
-    def step_streamed(self) -> float:
-        """The synchronous step with the GPU step on streamed state in place of the CPU Adam
-        and the copy up (offload only; the gradients priced as they come down here)."""
-        return self.step_sync - self.adam - self.copy_up + self.streamed
+    # the synchronous step with that GPU step in place of the CPU Adam and the copies up
+    # (offload only; the gradients priced as they come down here)
+    step_streamed: float = 0.0
+    publish_sync: float = 0.0  # the synchronous step's wait for the copies up and gathers
+    publish_overlap: float = 0.0  # the overlapped step's (in host_exposed)
 
     @property
     def tokens_per_day(self) -> float:
@@ -266,12 +271,12 @@ def device_adam_bytes(e: int, moments=(4, 4)) -> int:
     return bytes_per_element(adam_arrays(4, *moments) + publish_arrays(e))
 
 
-def _overlap_host(chunks, offload_fraction, bwd, rs, r, e, pcie, work_s):
+def _overlap_host(chunks, offload_fraction, bwd, rs, r, pcie, work_s):
     """(the overlapped host step at this backward, the backward from which its worker
-    keeps up): r bytes per element down and e up over ``pcie`` B/s, ``work_s`` seconds per
-    element of the worker's (the last micro-batch's accumulation, if any, and CPU Adam)."""
+    keeps up): r bytes per element down over ``pcie`` B/s, ``work_s`` seconds per element
+    of the worker's (the last micro-batch's accumulation, if any, and CPU Adam)."""
     device_from = len(chunks) - split_buckets(chunks, offload_fraction)
-    per_bucket = buckets(chunks, device_from, rs, r / pcie, work_s, e / pcie)
+    per_bucket = buckets(chunks, device_from, rs, r / pcie, work_s)
     return schedule(per_bucket, bwd), keeping_up_backward(per_bucket, bwd)
 
 
@@ -294,7 +299,7 @@ def _offload_terms(
     up = e * n / pcie
     acc_s = 0.0 if reads_staging else bytes_per_element(accumulate_arrays(r, False))
     work_s = (adam_host / n if n else 0.0) + acc_s / host_bw  # the worker's, per element
-    ov, hide_bwd = _overlap_host(shapes.chunks, offload_fraction, bwd, rs, r, e, pcie, work_s)
+    ov, hide_bwd = _overlap_host(shapes.chunks, offload_fraction, bwd, rs, r, pcie, work_s)
     # the streamed GPU step over the host part runs on the device after its share's Adam
     streamed = adam_device + streamed_gpu_step(n, e, moment_bytes, remainders, machine, ranks_node)
     return grad_exposed, accumulate, acc_last, adam_host, adam_device, up, ov, hide_bwd, streamed
@@ -372,20 +377,38 @@ def step_time(
         adam = adam_bytes * n / dev_bw
         adam_host, adam_device, streamed = 0.0, adam, 0.0
     work = k * (fb + tp_comm) + grad_exposed + accumulate
-    sync = work + norm + adam + up + ag
-    dpu = (
-        work + norm + adam_device + max(0.0, adam_host - k * fb) + up + ag
-        if mode == "offload"
-        else sync
-    )
+    host_from = len(shapes.chunks) - split_buckets(shapes.chunks, offload_fraction)
+    pub = forward_order(
+        shapes.chunks, host_from if mode == "offload" else 0, fb - bwd, ag,
+        e / (machine.pcie_gbs * 1e9),
+    )  # fmt: skip
+    ag_dev, H, D = device_gathers(pub), adam_host, adam_device
+    # synchronous: the device share's Adam, publish and gathers first, beside the CPU Adam,
+    # which steps the host buckets in forward order, each copied up behind its piece
+    start = max(H, D + ag_dev)
+    pub_sync = forward_delay(pub, lambda x: H * x / (n or 1), start, D + ag_dev)
+    sync = work + norm + start + pub_sync
+    # DPU: the join waits for what backward did not hide; then the device share's publish
+    # and gathers, the copies up, and the device share's Adam before the next forward
+    left = max(0.0, H - k * fb)
+    dpu = work + norm + left + ag_dev + D + forward_delay(pub, lambda x: 0.0, ag_dev + D, ag_dev)
+    if mode != "offload":
+        dpu = sync
+    # overlap: the worker's leftover (ov.exposed) beside the device share's Adam, or after
+    # it with k > 1 host sums (the norm waits for them), then the copies up
+    left = ov.exposed
+    beside = k == 1 or accumulate_on_device
+    start = max(left, D + ag_dev) if beside else left + D + ag_dev
+    pub_ov = forward_delay(pub, lambda x: left, start, start if not beside else D + ag_dev)
+    overlap = work - acc_last + norm + start + pub_ov
     flops = batch_per_gpu * s * F / tp
     tokens = k * micro_batch * dp * s
-    overlap = work - acc_last + norm + max(adam_device, ov.exposed) + ag
     return StepTime(
         gpus, tp, dp, k * fb, k * tp_comm, grad_exposed, accumulate, 0.0, norm, adam, up, ag,
         sync, dpu, flops / sync / 1e12, flops / dpu / 1e12, mode, tokens,
         adam_host, adam_device, 1.0 - kept / shapes.slice_numel if mode == "offload" else 0.0,
-        overlap, ov.exposed, ov.hidden, tokens * hide_bwd / bwd if bwd else 0.0, streamed,
+        overlap, left + pub_ov, ov.hidden, tokens * hide_bwd / bwd if bwd else 0.0, streamed,
+        work + norm + streamed + ag if mode == "offload" else sync, pub_sync, pub_ov,
     )  # fmt: skip
 
 
