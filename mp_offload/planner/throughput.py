@@ -305,6 +305,34 @@ def _offload_terms(
     return grad_exposed, accumulate, acc_last, adam_host, adam_device, up, ov, hide_bwd, streamed
 
 
+def _schedules(pub, H: float, D: float, under: float, left: float, beside: bool):
+    """Seconds after backward (and the norm) of each schedule's optimizer and publish, and
+    the synchronous and the overlapped step's waits for the copies up: ``pub`` the buckets
+    in forward order (planner/publish.py), ``H``/``D`` the CPU and the device share's
+    Adam, ``under`` the forward/backward DPU's host step runs behind, ``left`` what the
+    overlap's worker leaves after backward, ``beside``: the device share's Adam runs beside
+    that (the host's norm is the device's), else after it."""
+    ag_dev = device_gathers(pub)
+    # synchronous: the device share's Adam, publish and gathers first, beside the CPU Adam,
+    # which steps the host buckets in forward order, each copied up behind its piece
+    start = max(H, D + ag_dev)
+    pub_sync = forward_delay(pub, lambda x: H * x / (_host_elements(pub) or 1), start, D + ag_dev)
+    sync = start + pub_sync
+    # DPU: the join waits for what forward/backward did not hide; then the device share's
+    # publish and gathers, the copies up, and the device share's Adam before the forward
+    dpu = max(0.0, H - under) + ag_dev + D
+    dpu += forward_delay(pub, lambda x: 0.0, ag_dev + D, ag_dev)
+    # overlap: the worker's leftover beside (or before) the device share's Adam, then the
+    # copies up, ready when the worker is done
+    start = max(left, D + ag_dev) if beside else left + D + ag_dev
+    pub_ov = forward_delay(pub, lambda x: left, start, D + ag_dev if beside else start)
+    return sync, dpu, start + pub_ov, pub_sync, pub_ov
+
+
+def _host_elements(pub) -> int:
+    return sum(b.elements for b in pub if b.copy is not None)
+
+
 def _dp_link_gbs(gpus: int, machine: Machine) -> float:
     """The DP link: intra-node while the job fits a node, else the per-GPU network share."""
     return machine.intra_node_gbs if gpus <= machine.devices_per_node else machine.inter_node_gbs
@@ -382,32 +410,20 @@ def step_time(
         shapes.chunks, host_from if mode == "offload" else 0, fb - bwd, ag,
         e / (machine.pcie_gbs * 1e9),
     )  # fmt: skip
-    ag_dev, H, D = device_gathers(pub), adam_host, adam_device
-    # synchronous: the device share's Adam, publish and gathers first, beside the CPU Adam,
-    # which steps the host buckets in forward order, each copied up behind its piece
-    start = max(H, D + ag_dev)
-    pub_sync = forward_delay(pub, lambda x: H * x / (n or 1), start, D + ag_dev)
-    sync = work + norm + start + pub_sync
-    # DPU: the join waits for what backward did not hide; then the device share's publish
-    # and gathers, the copies up, and the device share's Adam before the next forward
-    left = max(0.0, H - k * fb)
-    dpu = work + norm + left + ag_dev + D + forward_delay(pub, lambda x: 0.0, ag_dev + D, ag_dev)
+    before = work + norm
+    sync, dpu, overlap, pub_sync, pub_ov = _schedules(
+        pub, adam_host, adam_device, k * fb, ov.exposed, k == 1 or accumulate_on_device
+    )
+    sync, dpu, overlap = before + sync, before + dpu, before - acc_last + overlap
     if mode != "offload":
         dpu = sync
-    # overlap: the worker's leftover (ov.exposed) beside the device share's Adam, or after
-    # it with k > 1 host sums (the norm waits for them), then the copies up
-    left = ov.exposed
-    beside = k == 1 or accumulate_on_device
-    start = max(left, D + ag_dev) if beside else left + D + ag_dev
-    pub_ov = forward_delay(pub, lambda x: left, start, start if not beside else D + ag_dev)
-    overlap = work - acc_last + norm + start + pub_ov
     flops = batch_per_gpu * s * F / tp
     tokens = k * micro_batch * dp * s
     return StepTime(
         gpus, tp, dp, k * fb, k * tp_comm, grad_exposed, accumulate, 0.0, norm, adam, up, ag,
         sync, dpu, flops / sync / 1e12, flops / dpu / 1e12, mode, tokens,
         adam_host, adam_device, 1.0 - kept / shapes.slice_numel if mode == "offload" else 0.0,
-        overlap, left + pub_ov, ov.hidden, tokens * hide_bwd / bwd if bwd else 0.0, streamed,
+        overlap, ov.exposed + pub_ov, ov.hidden, tokens * hide_bwd / bwd if bwd else 0.0, streamed,
         work + norm + streamed + ag if mode == "offload" else sync, pub_sync, pub_ov,
     )  # fmt: skip
 
