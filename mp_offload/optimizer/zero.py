@@ -26,6 +26,7 @@ from .host_state import initial_split, to_low
 from .layout import FlatLayout
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
 from .options import OptimizerOptions
+from .param_waits import ParamWaits
 from .placement import allocate, placement
 from .reducer import GradientReducer
 from .schedules import schedule_for
@@ -89,11 +90,9 @@ class ZeroOptimizer:
         self.schedule = schedule_for(o, self.device_side, self.host_side, self.publish, self.hyper)
         if self.host_side is not None and dp.size > 1:
             self.host_side.after_upload = self._gather
-        # a module's forward waits for its own buckets' uploads; without a module (a
-        # parameter list) the step's end waits for all of them
-        self._waits_in_forward = model is not None and self.host_side is not None
-        if self._waits_in_forward:
-            self._register_waits(model)
+        self.waits = None if self.host_side is None else (
+            ParamWaits(self.layout, self.streams, self.host_side.ready, model)
+        )  # fmt: skip
         self._begin_step()
 
     def _place_model(self, model: torch.nn.Module, group_of: dict) -> None:
@@ -113,31 +112,12 @@ class ZeroOptimizer:
                 p.data = p.data.to(self.device, self.dtype)
         model.to(self.device)  # buffers; the trainable parameters already live there
 
-    def _register_waits(self, model: torch.nn.Module) -> None:
-        """Each module's forward waits first for the uploads of the buckets of its own
-        parameters (a bucket's event, once): the forward starts behind the first bucket's
-        upload, not behind every one. Reads outside a forward call ``params_ready``."""
-        bucket_of = {id(s.param): s.bucket for s in self.layout.slots}
-        for m in model.modules():
-            mine = {bucket_of.get(id(p)) for p in m.parameters(recurse=False)} - {None}
-            if mine:
-                buckets = tuple(sorted(mine))
-                m.register_forward_pre_hook(lambda mod, args, b=buckets: self._wait_for(b))
-        model.register_state_dict_pre_hook(lambda *args: self.params_ready())
-
-    def _wait_for(self, buckets) -> None:
-        ready = self.host_side.ready
-        for b in buckets:
-            event = ready.pop(b, None)
-            if event is not None:
-                self.streams.wait_upload(event)
-
     def params_ready(self) -> None:
         """On a GPU, the uploads of a step land as the next forward reaches each bucket:
         call this before reading the parameters any other way (the current stream then
         waits for all of them). ``flush`` and the model's ``state_dict`` call it."""
-        if self.host_side is not None:
-            self._wait_for(list(self.host_side.ready))
+        if self.waits is not None:
+            self.waits.all()
 
     # -------------------------------------------------------------------- backward
     def _begin_step(self) -> None:
@@ -231,8 +211,8 @@ class ZeroOptimizer:
             if not uploaded:
                 self.host_side.publish()
             self.host_side.mark_uploaded()
-            if not self._waits_in_forward:
-                self.params_ready()
+            if not self.waits.in_forward:
+                self.waits.all()
 
     def _gather(self, b) -> None:
         """Bucket ``b``'s all-gather over the DP group (on the current stream)."""
