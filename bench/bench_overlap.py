@@ -139,8 +139,9 @@ def predicted_step(sync: Run, ovl: Run, compute: Run) -> float:
     and the copies up meet that backward."""
     chunks = [b.chunk for b in sync.opt.layout.buckets]
     n = sum(chunks)
-    per = buckets(chunks, 0, 0.0, 0.0, ovl.median("worker") / n, sync.median("upload") / n)
-    exposed = schedule(per, compute.median("backward")).exposed
+    per = buckets(chunks, 0, 0.0, 0.0, ovl.median("worker") / n)
+    # on the CPU the copies up are done when they return: the next forward runs behind none
+    exposed = schedule(per, compute.median("backward")).exposed + sync.median("upload")
     rest = sum(sync.median(k) for k in ("forward", "backward", "adam", "upload"))
     return (
         sync.median("step")

@@ -9,7 +9,7 @@ run's own memory report) and per owned element. "compact" keeps the master as re
 and both moments in 8 bits: the save converts them a chunk at a time, never whole.
 
   python bench/bench_save_memory.py [--fractions 0.5,1] [--forms fp32,compact] [--iters 2]
-      [--max-ratio 0.25]
+      [--max-ratio 0.25] [--layers 6 --hidden 512 --vocab 12288]
 """
 
 from __future__ import annotations
@@ -22,10 +22,16 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = [
-    "--num-layers", "6", "--hidden-size", "512", "--num-attention-heads", "8",
-    "--seq-length", "128", "--vocab-size", "12288",
-]  # fmt: skip
+
+
+def model_flags(layers: int = 6, hidden: int = 512, vocab: int = 12288) -> list[str]:
+    """The model's flags (the defaults: the 25.3M-parameter GPT of the table)."""
+    return [
+        "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", "8",
+        "--seq-length", "128", "--vocab-size", str(vocab),
+    ]  # fmt: skip
+
+
 RUN = [
     "--device", "cpu", "--mock-data", "--bf16", "--cpu-offload",
     "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-4",
@@ -53,9 +59,10 @@ FORMS = {
 }
 
 
-def peak_rss(fraction: str, iters: int, save: str | None, form: str = "fp32") -> tuple[int, int]:
+def peak_rss(fraction: str, iters: int, save: str | None, form: str = "fp32",
+             model: list[str] | None = None) -> tuple[int, int]:  # fmt: skip
     """(peak RSS bytes, elements this rank owns) of one run in a fresh process."""
-    argv = [*MODEL, *RUN, *FORMS[form], "--train-iters", str(iters)]
+    argv = [*(model or model_flags()), *RUN, *FORMS[form], "--train-iters", str(iters)]
     argv += ["--optimizer-offload-fraction", fraction]
     if save:
         argv += ["--save", save, "--save-interval", str(iters)]
@@ -78,7 +85,11 @@ def main(argv=None) -> int:
     ap.add_argument("--forms", default="fp32,compact", help=f"of {','.join(FORMS)}")
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--max-ratio", type=float, default=None, help="exit 1 above this ratio")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=12288)
     args = ap.parse_args(argv)
+    model = model_flags(args.layers, args.hidden, args.vocab)
     mib = 2**20
     print(
         f"{'F':>4} {'form':>8} {'no save MiB':>12} {'save MiB':>9} {'+MiB':>7} "
@@ -87,9 +98,10 @@ def main(argv=None) -> int:
     worst = 0.0
     for form in args.forms.split(","):
         for fraction in args.fractions.split(","):
-            base, owned = peak_rss(fraction, args.iters, None, form)
+            base, owned = peak_rss(fraction, args.iters, None, form, model)
             with tempfile.TemporaryDirectory() as tmp:
-                saved, _ = peak_rss(fraction, args.iters, os.path.join(tmp, "ckpt"), form)
+                ckpt = os.path.join(tmp, "ckpt")
+                saved, _ = peak_rss(fraction, args.iters, ckpt, form, model)
             state = 12 * owned
             ratio = (saved - base) / state
             worst = max(worst, ratio)

@@ -227,3 +227,16 @@ def test_bench_host_sums_prints_each_k_and_the_wait():
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
     assert [r[0] for r in rows] == ["1", "2"], out
     assert all(float(r[1]) >= float(r[2]) > 0.0 and float(r[3]) >= 0.0 for r in rows), out
+
+
+def test_bench_save_memory_prints_a_row_per_form():
+    """A tiny model, both stored forms: each row has the peak without and with the save,
+    their difference, and the ratio to the state (which can be negative: noise)."""
+    out = run_bench("bench_save_memory.py", "--fractions", 1, "--forms", "fp32,compact",
+                    "--iters", 1, "--layers", 1, "--hidden", 64, "--vocab", 256,
+                    timeout=900)  # fmt: skip
+    rows = [line.split() for line in out.splitlines()[1:]]
+    assert [r[:2] for r in rows] == [["1", "fp32"], ["1", "compact"]], out
+    for r in rows:
+        base, saved, delta = float(r[2]), float(r[3]), float(r[4])
+        assert base > 0 and saved > 0 and delta == pytest.approx(saved - base, abs=0.11)

@@ -172,6 +172,39 @@ def test_two_ranks_with_half_batches_equal_one_process_with_the_whole(tmp_path):
         assert float((a - b).abs().max() / a.abs().max()) < 1e-4, name
 
 
+def _dp2_save_worker(rank, world, path):
+    """Five steps at DP=2 on half batches; the state saved from DP rank 0 (the others'
+    state_dict holds no tensors, and loading it is refused in one line)."""
+    _, _, _, opt = _run(_ours, steps=5, rows=slice(2 * rank, 2 * rank + 2))
+    state = opt.state_dict()
+    if rank == 0:
+        assert len(state["state"]["master"]) == len(opt.zero.layout.slots) > 3
+        torch.save(state, path)
+    else:
+        assert state["state"] is None and state["step"] == 5
+        with pytest.raises(ValueError, match="holds no tensors .* load the one DP rank 0 saved"):
+            opt.load_state_dict(state)
+
+
+def test_a_state_saved_at_two_ranks_resumes_in_one_process(tmp_path):
+    """Resume at another DP size: the rank-0 state of a DP=2 run (half batches each) loads
+    into one process, which trains on with whole batches like an uninterrupted run."""
+    path = str(tmp_path / "optimizer.pt")
+    run_distributed(_dp2_save_worker, 2, path)
+    whole = _run(_ours, steps=8)
+    torch.manual_seed(0)
+    m = Odd()
+    opt = _ours(_groups(m))
+    opt.load_state_dict(torch.load(path, mmap=True, weights_only=True))
+    rest = _run(_ours, steps=3, start=5, m=m, opt=opt)
+    for a, b in zip(whole[0][5:], rest[0]):
+        assert abs(a - b) <= 1e-5 * abs(a)
+    want = _params(whole[2])
+    for name, p in _params(m).items():
+        a, b = (_no_key(want[name]), _no_key(p)) if name == "attn.in_proj_bias" else (want[name], p)
+        assert float((a - b).abs().max() / a.abs().max()) < 1e-4, name
+
+
 @pytest.mark.parametrize("options", legal_modes(bucket_size=2000), ids=mode_id)
 def test_every_legal_mode_constructs_and_steps(options):
     fields = {

@@ -49,7 +49,7 @@ def _set_rng_state(state: dict) -> None:
 
 def save(opt, save_dir: str, iteration: int, consumed: int, settings: dict) -> str:
     """Write the checkpoint of ``iteration`` (collective); returns its directory."""
-    state = opt.state_dict()  # collective: every rank holds the whole state
+    state = opt.state_dict()  # collective: DP rank 0 (global rank 0 here) holds the state
     rank, final = _rank(), os.path.join(save_dir, f"iter_{iteration:07d}")
     tmp = final + ".tmp"
     if rank == 0:

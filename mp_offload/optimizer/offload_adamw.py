@@ -195,8 +195,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         return torch.tensor(self.zero.clip_grad_norm_(max_norm))
 
     def state_dict(self) -> dict:
-        """The whole model's state by parameter name (collective: every DP rank calls
-        it); it loads at any DP size."""
+        """The whole model's state by parameter name (collective: every DP rank calls it);
+        it loads at any DP size. Only DP rank 0's holds the tensors (``state`` is None on
+        the others, as FSDP's rank-0-only state): save it from there."""
         z = self.zero
         steps = {s.name: n for s, n in zip(z.layout.slots, z.slot_steps)}
         hyper = [
@@ -206,6 +207,13 @@ class OffloadAdamW(torch.optim.Optimizer):
                     scaler=z.scaler.state_dict(), param_groups=hyper)  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
+        """Every rank loads the whole state (e.g. the file DP rank 0 saved, memory-mapped)
+        and keeps its own pieces."""
+        if state.get("state") is None:
+            raise ValueError(
+                "OffloadAdamW.load_state_dict: this state_dict holds no tensors (it was taken "
+                "on a data-parallel rank other than 0); load the one DP rank 0 saved"
+            )
         z = self.zero
         z.flush()
         full_state.install(z, state["state"])
@@ -218,8 +226,10 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def full_weights(self) -> dict[str, torch.Tensor] | None:
         """The fp32 master weights by name on global rank 0 (None elsewhere; collective)."""
-        master = full_state.gather(self.zero, ("master",))["master"]
-        return master if not dist.is_initialized() or dist.get_rank() == 0 else None
+        full = full_state.gather(self.zero, ("master",))
+        if full is None or (dist.is_initialized() and dist.get_rank() != 0):
+            return None
+        return full["master"]
 
     def memory_report(self) -> dict:
         """Bytes this rank holds: {"device": {buffer: bytes}, "host": {...}}."""
