@@ -92,14 +92,18 @@ class CopyLedger(HostStreams):
         self.inner.open_uploads()
         self._burst = False
 
-    def copy_up(self, dst, src, then=None):
+    def copy_up(self, dst, src, then=None, after=None):
+        if dst is None:  # only the gather of a bucket already up: no copy to log
+            return self._covers(self.inner.copy_up(None, None, then, after) or FakeEvent())
         up = self.inner.up if self.cuda else None  # the copies up's own stream
         if self.cuda and self.delay_s > 0 and not self._burst:
             with torch.cuda.stream(up):
                 torch.cuda._sleep(int(self.delay_s * _clock_hz()))
         self._burst = True
+        if self.cuda and after is not None:  # the start mark after what the copy waits for
+            up.wait_event(after)
         start = self._mark(up)
-        event = self.inner.copy_up(dst, src, then) or FakeEvent()
+        event = self.inner.copy_up(dst, src, then, after) or FakeEvent()
         self._log("h2d", src, src, start, up)
         return self._covers(event)
 

@@ -28,11 +28,14 @@ a torch function mode around the seam's copy methods. The model, the worst a GPU
 - A copy up runs on its own stream too, and is late the same way: its destination (the
   weights) holds NaN until a stream waits on an event after it (``wait_upload``, which a
   module's forward does for its own buckets) or the host synchronizes one. It overwrites
-  what the last backward read, so its stream must be ordered after the compute stream
-  (``open_uploads``) or it fails at once. ``watch(model)`` fails a module's forward that
-  starts while a copy up into its own parameters has not landed. The host may rewrite a
-  copy up's source only after it synchronized an event recorded after the copy: a host
-  kernel that writes it earlier fails. (A copy on the compute stream is done at once.)
+  weights the backward read, so its stream must be ordered after the compute stream's
+  reads of them or it fails at once: after the whole backward (``open_uploads``), or,
+  once ``attach(opt)`` told the checker which bucket's weights a copy up writes, after
+  that bucket's launch (the overlap's speculative uploads wait for its copy down).
+  ``watch(model)`` fails a module's forward that starts while a copy up into its own
+  parameters has not landed. The host may rewrite a copy up's source only after it
+  synchronized an event recorded after the copy: a host kernel that writes it earlier
+  fails. (A copy on the compute stream is done at once.)
 - Device memory is what the copies move across: the source of a copy down, the
   destination of a copy up (their storages are kept alive, so the address of one is never
   a host buffer's later). A host kernel handed device memory fails, as a CPU-only kernel
@@ -151,8 +154,9 @@ class FakeCuda:
         self.landed = self.orders = self.ups = 0  # copies down landed, waits, copies up
         # in the current copy_down: the copies down issued, the record_stream calls made
         self.issued: list[_Copy] = []
-        self.uploading = False  # inside ``copy_up``: the side-stream copy goes host -> device
         self.up_offsets: list[int] = []  # where each side-stream copy up writes, in order
+        # flat offset of a bucket's chunk -> the compute stream's tick at its last launch
+        self.read_until: dict[int, int] = {}
         self.recorded: list[tuple[int, FakeStream]] = []  # (the storage's address, stream)
         self.device_memory: dict[int, tuple] = {}  # address -> (its storage, what it is)
 
@@ -199,13 +203,16 @@ class FakeCuda:
                     self.ups += 1
                     self._on_device(dst, f"the destination of the copy up at {site}")
                 return
-            up = self.uploading
-            if s.knows < self.compute.knows and up:
+            up = getattr(self._current, "uploading", False)  # this thread is in ``copy_up``
+            needed = self.compute.knows
+            if up and dst.storage_offset() in self.read_until:  # reads of its weights end there
+                needed = self.read_until[dst.storage_offset()]
+            if s.knows < needed and up:
                 raise StreamRace(
                     f"the copy up at {site} may overwrite the weights before the compute "
                     f"stream's reads of them: its stream did not wait for the compute stream"
                 )
-            if s.knows < self.compute.knows:
+            if s.knows < self.compute.knows and not up:
                 raise StreamRace(
                     f"the copy down at {site} may read its source before the compute "
                     f"stream's writes to it: its stream did not wait for the compute stream"
@@ -313,9 +320,27 @@ class RaceStreams(CudaStreams):
     def ups(self) -> int:
         return self.fake.ups
 
+    def attach(self, opt) -> None:
+        """Which weights each copy down's bucket holds (the optimizer's layout): a copy up
+        into a bucket's chunk need only follow the compute stream's work up to that
+        bucket's launch, the last that reads its weights in a backward."""
+        host = opt.host_side
+        self._chunk_of = {}
+        for p in host.pieces:
+            self._chunk_of[p.lo] = p.bucket.chunk_range(host.dp_rank)[0]
+        self._stagings = [(t.untyped_storage().data_ptr(), t) for t in host.staging_copies]
+
+    def _launched(self, dst) -> None:
+        for ptr, staging in getattr(self, "_stagings", ()):
+            if dst.untyped_storage().data_ptr() == ptr:
+                at = self._chunk_of.get(dst.storage_offset() - staging.storage_offset())
+                if at is not None:
+                    self.fake.read_until[at] = self.fake.compute.knows
+
     def copy_down(self, dst, src, after=None):
         fake = self.fake
         fake.tick()
+        self._launched(dst)
         fake.issued, fake.recorded = [], []
         with _Capture(fake):
             done = super().copy_down(dst, src, None if after is None else _Work(after, fake))
@@ -329,13 +354,13 @@ class RaceStreams(CudaStreams):
                 )
         return done
 
-    def copy_up(self, dst, src, then=None):
-        self.fake.uploading = True
+    def copy_up(self, dst, src, then=None, after=None):
+        self.fake._current.uploading = True  # the side-stream copy goes host -> device
         try:
             with _Capture(self.fake):
-                return super().copy_up(dst, src, then)
+                return super().copy_up(dst, src, then, after)
         finally:
-            self.fake.uploading = False
+            self.fake._current.uploading = False
 
     def watch(self, model: torch.nn.Module) -> None:
         """Fail a module's forward that starts while a copy up into its own parameters

@@ -3,7 +3,13 @@ and the throughput model's DPU step, whose copies the forward now hides."""
 
 import pytest
 
-from mp_offload.planner.publish import Bucket, device_gathers, forward_delay, forward_order
+from mp_offload.planner.publish import (
+    Bucket,
+    device_gathers,
+    forward_delay,
+    forward_order,
+    host_ready_in_turn,
+)
 from mp_offload.planner.throughput import Machine, step_time, ten_b
 
 
@@ -11,37 +17,43 @@ def _host(n, copy, forward, gather=0.0):
     return [Bucket(forward, gather, copy, 1) for _ in range(n)]
 
 
-def _now(elements):
-    return 0.0
-
-
 def test_copies_faster_than_the_forward_cost_only_the_first():
     # copies land at 1, 2, 3; the forward (2 s a bucket) waits 1 s for the first only
-    assert forward_delay(_host(3, 1.0, 2.0), _now, start=0.0) == pytest.approx(1.0)
+    assert forward_delay(_host(3, 1.0, 2.0), [0.0] * 3, start=0.0) == pytest.approx(1.0)
 
 
 def test_copies_slower_than_the_forward_cost_what_the_forward_cannot_cover():
     # copies land at 3, 6, 9; the forward (1 s a bucket) ends at 10 instead of 3
-    assert forward_delay(_host(3, 3.0, 1.0), _now, start=0.0) == pytest.approx(7.0)
+    assert forward_delay(_host(3, 3.0, 1.0), [0.0] * 3, start=0.0) == pytest.approx(7.0)
 
 
 def test_the_device_share_comes_first_and_its_forward_hides_the_copies():
     device = [Bucket(4.0, 0.0, None, 1)]
-    assert forward_delay(device + _host(2, 1.0, 1.0), _now, start=0.0) == 0.0
+    assert forward_delay(device + _host(2, 1.0, 1.0), [0.0] * 2, start=0.0) == 0.0
 
 
 def test_the_synchronous_copies_follow_the_cpu_adam_bucket_by_bucket():
-    def adam(elements):  # 2 s of CPU Adam a bucket, in forward order
-        return 2.0 * elements
-
+    buckets = _host(3, 1.0, 1.0)
+    adam = host_ready_in_turn(buckets, 6.0)  # 2 s of CPU Adam a bucket, in forward order
+    assert adam == pytest.approx([2.0, 4.0, 6.0])
     # the copies land at 3, 5, 7; the forward starts at 6, when the CPU Adam is done
-    assert forward_delay(_host(3, 1.0, 1.0), adam, start=6.0) == 0.0
+    assert forward_delay(buckets, adam, start=6.0) == 0.0
     assert forward_delay(_host(3, 1.0, 0.1), adam, start=6.0) == pytest.approx(0.8)
+
+
+def test_the_overlaps_copies_leave_during_backward_in_its_order():
+    # steps done 0.5 s, 2 s and 3 s before the end of backward, in forward order (the
+    # worker steps the last first): its copies of 1 s go up as each step ends, the last
+    # bucket's first, and land at -2, -1, 0.5: the forward, at 0, waits 0.5 s, then never
+    buckets, ready = _host(3, 1.0, 0.1), [-0.5, -2.0, -3.0]
+    assert forward_delay(buckets, ready, 0.0, backward_order=True) == pytest.approx(0.5)
+    # the same copies in forward order would land at 0.5, 1.5, 2.5: the forward waits more
+    assert forward_delay(buckets, ready, 0.0) == pytest.approx(0.5 + 0.9 + 0.9)
 
 
 def test_the_gathers_queue_behind_the_device_shares_and_behind_their_copies():
     # gathers of 1 s behind the device share's, which end at 2: at 3, 4 (copies at .5, 1)
-    got = forward_delay(_host(2, 0.5, 0.5, gather=1.0), _now, start=0.0, gathers_from=2.0)
+    got = forward_delay(_host(2, 0.5, 0.5, gather=1.0), [0.0] * 2, start=0.0, gathers_from=2.0)
     assert got == pytest.approx(3.0 + (4.0 - 3.5))
 
 

@@ -95,8 +95,18 @@ class FakeHost:
         self.states.reverse()
         self.log.append(("host", "swap_states"))
 
-    def upload(self, p, state):
-        self.log.append(("host", "upload", p.bucket.index, state.name))
+    def upload(self, p, state, gather=True, after=None):
+        """Logs (bucket, the state it goes up from or None: only its gather, gather, after);
+        returns its event."""
+        name = None if state is None else state.name
+        self.log.append(("host", "upload", p.bucket.index, name, gather, after))
+        return f"upload {p.bucket.index} from {name}"
+
+    def open_uploads(self):
+        self.log.append(("host", "open_uploads"))
+
+    def mark_uploaded(self):
+        self.log.append(("host", "mark_uploaded"))
 
     def restore_params(self):
         self.log.append(("host", "restore_params"))
@@ -205,7 +215,7 @@ def _speculate(host, sched):
     """Backward: each bucket's gradient becomes final; the worker runs its job."""
     assert host.on_final == sched.work and host.defer_wait
     for i in (2, 1, 0, 7):  # 7: a bucket the host does not hold (an empty chunk)
-        host.on_final(Bucket(i))()
+        host.on_final(Bucket(i), f"landed {i}")()
     sched.end_backward()
 
 
@@ -217,6 +227,10 @@ def test_overlapped_speculates_each_bucket_and_swaps_when_the_guess_holds():
     spec = [e for e in log if e[1] == "step_piece"]
     assert spec == [("host", "step_piece", i, ("spec", 0.25), "live", "spare") for i in (2, 1, 0)]
     assert ("host", "streams.wait", "spare uploaded") in log  # its staging's last copy up
+    # each bucket's new params go up as soon as it is stepped, behind its copy down
+    ups = [e[2:] for e in log if e[1] == "upload"]
+    assert ups == [(i, "spare", False, f"landed {i}") for i in (2, 1, 0)]
+    assert host.states[1].uploaded == "upload 0 from spare"  # the staging's last reader
     del log[:]
     sched.step(("spec", 0.25), 1)  # the real step is the guess: no recomputation
     assert [e[:3] for e in log] == [
@@ -225,7 +239,7 @@ def test_overlapped_speculates_each_bucket_and_swaps_when_the_guess_holds():
         ("host", "wait"),  # k = 1: after the device's Adam is queued, which runs beside
         ("host", "swap_states"),
     ] + [("host", "upload", i) for i in (2, 1, 0)] + [("publish", True, "host")]
-    assert all(e[3] == "spare" for e in log if e[1] == "upload")  # the new state goes up
+    assert all(e[3:5] == (None, True) for e in log if e[1] == "upload")  # up: only gathers
     assert sched.stats()["overlap_replays"] == 0 and sched.stats()["replayed"] == 0
 
 
@@ -248,6 +262,11 @@ def test_overlapped_recomputes_from_the_committed_copy_when_the_step_differs():
     redo = [e for e in log if e[1] == "step_piece"]
     # From the committed copy ("live", the spare after the swap) into the new one.
     assert redo == [("host", "step_piece", i, ("clipped", 0.1), "live", "spare") for i in (2, 1, 0)]
+    # first the wait for the speculation's copies up (they read the staging rewritten now),
+    # then each recomputed piece goes up again
+    assert log.index(("host", "streams.wait", "upload 0 from spare")) < log.index(redo[0])
+    ups = [e[2:5] for e in log if e[1] == "upload"]
+    assert ups == [(i, "spare", True) for i in (2, 1, 0)]
     assert sched.stats()["overlap_replays"] == 1 and sched.stats()["replayed"] == 1
     assert log[-1] == ("publish", True, "host")
 
@@ -259,7 +278,10 @@ def test_overlapped_refuses_a_bucket_never_stepped_and_an_overflow_restores():
     with pytest.raises(RuntimeError, match=r"overlap: buckets \[0, 1\] were never stepped"):
         sched.step(("spec", 0.25), 1)
     sched.skip()  # fp16 overflow: the speculation's in-place params are put back
-    assert log[-1] == ("host", "restore_params")
+    back = log[log.index(("host", "restore_params")) :]
+    assert [e[:4] for e in back] == [("host", "restore_params"), ("host", "open_uploads")] + [
+        ("host", "upload", i, "live") for i in (2, 1, 0)
+    ] + [("host", "mark_uploaded")]  # and those it sent up, from the committed state
     assert not [e for e in log if e[0] == "publish" and e[2] != "device"]  # nothing went up
 
 

@@ -20,7 +20,7 @@ from zero_helpers import build_zero, mode_id
 
 from mp_offload import parallel_state as ps
 from mp_offload.model.gpt import GPTConfig, GPTModel
-from mp_offload.optimizer import host_accumulator, host_side, reducer
+from mp_offload.optimizer import host_accumulator, host_side, reducer, schedules
 from mp_offload.optimizer.options import legal_modes
 from mp_offload.optimizer.streams import CudaStreams
 
@@ -29,20 +29,22 @@ HP = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, clip_grad=0.0)
 OFFLOAD = [o for o in legal_modes(bucket_size=900) if o.offloaded]
 
 
-def _run(options, streams=None, steps=3):
+def _run(options, streams=None, steps=3, clip=0.0):
     if streams is not None:
         with gpu_placement():
-            return _run_on(options, streams, steps)
-    return _run_on(options, None, steps)
+            return _run_on(options, streams, steps, clip)
+    return _run_on(options, None, steps, clip)
 
 
-def _run_on(options, streams, steps):
+def _run_on(options, streams, steps, clip):
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**tiny_gpt_config()), tp_group=SINGLE)
-    opt = build_zero(model, **HP, dp=SINGLE, tp=SINGLE, device="cpu", options=options,
+    hp = dict(HP, clip_grad=clip)
+    opt = build_zero(model, **hp, dp=SINGLE, tp=SINGLE, device="cpu", options=options,
                      streams=streams)  # fmt: skip
     if streams is not None:
         streams.watch(model)  # a forward that reads weights still in flight fails
+        streams.attach(opt)  # which bucket's weights a copy up writes
     g = torch.Generator().manual_seed(1)
     vocab, seq = model.cfg.vocab_size if hasattr(model, "cfg") else 64, 16
     k = options.micro_batches
@@ -175,7 +177,7 @@ def _schedule(name):
                 and (o.overlap_cpu_optimizer, o.dpu_warmup_steps) == want)  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["sync", "dpu", "overlap"])
+@pytest.mark.parametrize("name", ["sync", "dpu"])
 def test_the_forward_starts_behind_the_first_buckets_upload_not_behind_all(name):
     """The copies up go in forward order on their own stream; a module's forward waits
     only for its own buckets: the next forward starts while later buckets are still in
@@ -191,6 +193,46 @@ def test_the_forward_starts_behind_the_first_buckets_upload_not_behind_all(name)
             bursts.append([])
     assert len(bursts) >= 3 and all(len(x) > 1 for x in bursts), bursts
     assert torch.equal(late, _run(_schedule(name))), "late copies changed the result"
+
+
+def test_the_overlaps_copies_up_leave_during_backward(monkeypatch):
+    """With the overlap each bucket's new params go up from the worker as soon as its
+    speculative step is done, during backward: at the step every host bucket is up
+    already (queued behind its copy down, race-free), and the result is the CPU's."""
+    checker, at_step = RaceStreams(), []
+    real = host_side.HostSide.swap_states
+
+    def swap_states(self):  # the step, once the worker is done: before any copy up of its own
+        at_step.append((len(checker.fake.up_offsets), len(self.pieces)))
+        return real(self)
+
+    monkeypatch.setattr(host_side.HostSide, "swap_states", swap_states)
+    late = _run(_schedule("overlap"), checker)
+    ups = [n for n, _ in at_step]
+    pieces = at_step[0][1]
+    assert ups == [pieces * (i + 1) for i in range(len(ups))], (ups, pieces)
+    monkeypatch.undo()
+    assert torch.equal(late, _run(_schedule("overlap"))), "late copies changed the result"
+
+
+OVERLAP = _schedule("overlap")
+REPLAYS = 1e-3  # a clip threshold far below the norm: the overlap replays every step
+
+
+def test_the_overlaps_replay_goes_up_again_behind_the_speculations_copies():
+    """Clipping every step: the speculation is recomputed and its params go up again,
+    after the speculation's copies up have read the staging the replay rewrites."""
+    checker = RaceStreams()
+    late = _run(OVERLAP, checker, clip=REPLAYS)
+    assert torch.equal(late, _run(OVERLAP, clip=REPLAYS)), "late copies changed the result"
+
+
+def test_a_replay_that_does_not_wait_for_the_speculations_copies_is_caught(monkeypatch):
+    wait = "self.host.streams.wait(new.uploaded)"
+    monkeypatch.setattr(schedules.Overlapped, "step", _without(schedules.Overlapped.step, wait))
+    with pytest.raises((StreamRace, RuntimeError)) as e:
+        _run(OVERLAP, RaceStreams(), clip=REPLAYS)
+    assert re.search("wrote the source of the copy up .* before waiting", str(e.value))
 
 
 # ------------------------------------------------------------ injected mistakes
@@ -275,6 +317,12 @@ ORDERING = [
         "self.cuda.current_stream().wait_event(event)",
         "BF16",
         "read weights before their copy up",
+    ),
+    (
+        "copy_up",
+        "self.up.wait_event(after)",
+        "OVERLAP",
+        "copy up .* may overwrite the weights before the compute stream's reads",
     ),
 ]
 

@@ -120,7 +120,7 @@ class HostSide(Side):
             job = self._accumulate(b, self.grads[lo : lo + b.chunk], stage, micro)
             self.worker.submit(job, landed) if self.worker is not None else job()
         if self.on_final is not None and micro.last:
-            self.worker.submit(self.on_final(b), landed)  # FIFO: after its host sum
+            self.worker.submit(self.on_final(b, landed), landed)  # FIFO: after its host sum
         if self.worker is not None:
             self.free_after[b.index] = self.worker.ticket()
         return landed
@@ -204,16 +204,24 @@ class HostSide(Side):
         """The uploads that follow may overwrite the weights the last backward read."""
         self.streams.open_uploads()
 
-    def upload(self, p, state: HostState) -> None:
-        """Queue bucket ``p``'s new params from ``state``'s staging into the flat buffer,
-        then its all-gather; its event goes to ``ready``."""
+    def upload(self, p, state: HostState | None, gather: bool = True, after=None):
+        """Queue bucket ``p``'s new params from ``state``'s staging into the flat buffer
+        (None: they are there already), then its all-gather (unless not ``gather``); its
+        event goes to ``ready`` and is returned. ``after``: see ``streams.copy_up``."""
         lo, hi = p.bucket.chunk_range(self.dp_rank)
-        src = state.master_form.upload_source[p.lo : p.lo + p.n]
-        gather = None if self.after_upload is None else (lambda: self.after_upload(p.bucket))
+        dst = src = None
+        if state is not None:
+            dst, src = self.flat[lo:hi], state.master_form.upload_source[p.lo : p.lo + p.n]
+            self.bytes_up += p.n * self.flat.element_size()
+        then = None
+        if gather and self.after_upload is not None:
+            then = lambda: self.after_upload(p.bucket)  # noqa: E731
+        if dst is None and then is None:
+            return self.ready.get(p.bucket.index)
         with self.phase("publish: copy up + clone"):
-            self._last_up = self.streams.copy_up(self.flat[lo:hi], src, then=gather)
+            self._last_up = self.streams.copy_up(dst, src, then=then, after=after)
         self.ready[p.bucket.index] = self._last_up
-        self.bytes_up += p.n * self.flat.element_size()
+        return self._last_up
 
     def publish(self) -> None:
         """Every bucket's params up from the live state (after a DPU join or a load)."""

@@ -10,10 +10,13 @@
   gradient buffer meanwhile.
 - ``Overlapped`` (``--overlap-cpu-optimizer``): each host bucket is stepped on the host
   worker as soon as its gradient is final, speculatively (no clipping, no overflow, the
-  param groups' hyperparameters as they are then), into the second state copy. At the
-  step the real global norm is known: if the real step is the speculated one the copies
-  swap (bitwise the synchronous step); otherwise (clipping, or an LR changed since) the
-  step is recomputed from the committed copy; an fp16 overflow drops the speculation.
+  param groups' hyperparameters as they are then), into the second state copy, and its
+  new params go up at once (backward reads no weight of a bucket whose gradient is
+  final). At the step the real global norm is known: if the real step is the speculated
+  one the copies swap (bitwise the synchronous step) and only the all-gathers remain;
+  otherwise (clipping, or an LR changed since) the step is recomputed from the committed
+  copy and goes up again; an fp16 overflow drops the speculation and puts the committed
+  params back.
 A schedule uses the sides' public faces only (``side.py``) and the optimizer's
 ``publish``; it holds its own thread, events and second copies.
 """
@@ -112,8 +115,10 @@ class Overlapped(Synchronous):
     def begin(self, step_count: int, scale: float) -> None:
         self.scale, self._spans, self._done, self._spec = scale, [], set(), None
 
-    def work(self, b):
-        """The worker's job once bucket ``b``'s gradient is final: its speculative step."""
+    def work(self, b, landed=None):
+        """The worker's job once bucket ``b``'s gradient is final: its speculative step, and
+        its new params up behind ``landed`` (its copy down's event: that copy followed the
+        backward kernels that read the bucket's weights, and none reads them after)."""
         piece = self.host.by_bucket.get(b.index)
         if piece is None:  # an empty chunk: nothing to step
             return lambda: None
@@ -128,6 +133,7 @@ class Overlapped(Synchronous):
                 self.host.step_piece(piece, self._spec, live, spare, self.host.adam_grads)
             except Exception as e:  # raised by the step's wait, named
                 raise RuntimeError(f"the speculative CPU Adam of bucket {b.index} failed") from e
+            spare.uploaded = self.host.upload(piece, spare, gather=False, after=landed)
             self._spans.append((t0, time.perf_counter()))
             self._done.add(b.index)
 
@@ -148,10 +154,15 @@ class Overlapped(Synchronous):
             self._wait_ms, self._waited = (time.perf_counter() - t0) * 1e3, True
 
     def skip(self) -> None:
-        """fp16 overflow: the spare copy is dropped (the next step overwrites it); params
-        the speculation wrote in place are put back from the committed master."""
+        """fp16 overflow: the spare copy is dropped (the next step overwrites it); the
+        params the speculation wrote in place or sent up are put back from the committed
+        state."""
         self._wait()
         self.host.restore_params()
+        self.host.open_uploads()
+        for p in self.host.pieces:
+            self.host.upload(p, self.host.states[0], gather=False)
+        self.host.mark_uploaded()
         self._report(replayed=False, replay_ms=0.0)
 
     def step(self, hyper, step_count: int) -> None:
@@ -166,10 +177,12 @@ class Overlapped(Synchronous):
         replayed = hyper != self._spec
         t0 = time.perf_counter()
         new, old = self.host.states
+        if replayed:  # the replay rewrites the staging the speculation's copies up read
+            self.host.streams.wait(new.uploaded)
         for p in self.host.pieces:
             if replayed:  # from the old copy (now the spare) with the real hyperparameters
                 self.host.step_piece(p, hyper, old, new, self.host.adam_grads)
-            self.host.upload(p, new)
+            self.host.upload(p, new if replayed else None)  # committed: only the gathers
         self._report(replayed, (time.perf_counter() - t0) * 1e3 if replayed else 0.0)
         self.steps += 1
         self.replays += replayed

@@ -43,10 +43,13 @@ class HostStreams:
         """The copies up that follow overwrite what the compute stream queued so far reads
         (the last backward's weights): they wait for it."""
 
-    def copy_up(self, dst: torch.Tensor, src: torch.Tensor, then=None):
+    def copy_up(self, dst: torch.Tensor, src: torch.Tensor, then=None, after=None):
         """Queue ``dst.copy_(src)`` (host -> device) and ``then()`` (a bucket's all-gather,
-        or None) behind it; returns the event that marks both done (None: they are)."""
-        dst.copy_(src)
+        or None) behind it; returns the event that marks both done (None: they are).
+        ``after``: an event (a copy down's) that orders the copy instead of
+        ``open_uploads``: the last readers of ``dst`` came before it."""
+        if dst is not None:
+            dst.copy_(src)
         if then is not None:
             then()
         return None
@@ -103,9 +106,12 @@ class CudaStreams(HostStreams):
     def open_uploads(self) -> None:
         self.up.wait_stream(self.cuda.current_stream())
 
-    def copy_up(self, dst, src, then=None):
+    def copy_up(self, dst, src, then=None, after=None):
         with self.cuda.stream(self.up):
-            dst.copy_(src, non_blocking=True)  # pinned source: no allocator hand-back
+            if after is not None:
+                self.up.wait_event(after)
+            if dst is not None:  # None: only ``then`` (the gather of a bucket already up)
+                dst.copy_(src, non_blocking=True)  # pinned source: no allocator hand-back
             if then is not None:
                 then()  # NCCL waits for this stream: the gather starts when the copy is done
             done = self.cuda.Event(blocking=True)

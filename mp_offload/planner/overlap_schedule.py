@@ -15,7 +15,8 @@ over the last backward of ``bwd`` seconds:
   landed     a FIFO on the copy stream after it is reduced: its chunk's copy down (host
              buckets; the device share's chunks stay on the device)
   stepped    a FIFO on the host worker after it landed: its last accumulation (the host
-             sum of k > 1 micro-batches) and its CPU Adam
+             sum of k > 1 micro-batches) and its CPU Adam; its new params go up then
+             (``ends``: when, for planner/publish.py)
 
 Exposed: the worker's end minus the end of backward. Hidden: the worker's seconds before
 the end of backward. The worker *keeps up* when it is idle as the last host gradient
@@ -46,6 +47,7 @@ class Overlap:
     exposed: float  # seconds after the end of backward until the worker is done
     hidden: float  # seconds of host work done before the end of backward
     keeps_up: bool  # the worker is idle when the last host gradient lands
+    ends: tuple[float, ...] = ()  # each host bucket's step done, from the end of backward
 
 
 def buckets(chunks, device_from: int, reduce_s: float, down_s, work_s) -> Buckets:
@@ -80,7 +82,8 @@ def schedule(b: Buckets, bwd: float) -> Overlap:
     end = max(bwd, reduced, landed)  # the end of backward: every chunk landed
     hidden = sum(max(0.0, min(z, end) - a) for a, z in steps)
     exposed = max(0.0, worker - end)
-    return Overlap(exposed, hidden, last_land is None or idle_at_last)
+    ends = tuple(z - end for _, z in steps)
+    return Overlap(exposed, hidden, last_land is None or idle_at_last, ends)
 
 
 def keeping_up_backward(b: Buckets, bwd: float) -> float:

@@ -7,16 +7,19 @@ is rounded and all-gathered on the compute stream before the forward. So the for
 behind the copies, not after them: the step is longer only where a copy or a gather falls
 behind the forward. Per bucket j in forward order (the layout's reverse):
 
-  up_j      = max(up_{j-1}, ready_j) + copy_j     the copies up, one after another
+  up_j      = max(up_{j-1}, ready_j) + copy_j     the copies up, one after another (in
+                                                  backward order for the overlap's worker)
   gather_j  = max(gather_{j-1}, up_j) + ag_j      the all-gathers, one FIFO (NCCL's stream)
   forward_j = max(forward_{j-1}, gather_j) + f_j  the forward over the bucket's layers
 
 from forward_0 = ``start`` (the compute stream is free for the forward: the device share's
 Adam, publish and gathers done, the training thread back) and gather_0 = ``gathers_from``
-(the device share's gathers, first in the FIFO). ``ready_j``: when bucket j's new params
-are on the host. The forward's work is taken as even over the parameters, as backward's
-is in overlap_schedule.py. The delay is forward_last - start - the forward's seconds: the
-sum of the forward's waits.
+(the device share's gathers, first in the FIFO, or when the step issues the gathers).
+``ready_j``: when host bucket j's new params are on the host (before 0, the end of
+backward, for the overlap's speculative steps, whose copies leave during backward). The
+forward's work is taken as even over the parameters, as backward's is in
+overlap_schedule.py. The delay is forward_last - start - the forward's seconds: the sum
+of the forward's waits.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class Bucket:
     forward: float
     gather: float
     copy: float | None
-    elements: int  # this rank's chunk of it (a host bucket's share of the CPU Adam)
+    elements: int  # this rank's chunk of it
 
 
 def forward_order(chunks, device_from: int, forward: float, gather: float, copy_s: float):
@@ -48,16 +51,22 @@ def forward_order(chunks, device_from: int, forward: float, gather: float, copy_
     return out
 
 
-def forward_delay(buckets, ready, start: float, gathers_from: float = 0.0) -> float:
+def forward_delay(buckets, ready, start: float, gathers_from: float = 0.0,
+                  backward_order: bool = False) -> float:  # fmt: skip
     """Seconds the next forward ends later than if every param were in place at ``start``.
-    ``ready(elements)``: when the host buckets' new params up to that many elements (in
-    forward order) exist; the device share's gathers end at ``gathers_from``."""
-    up, gathered, f, host_done, waited = 0.0, gathers_from, start, 0, 0.0
+    ``ready``: when each host bucket's new params exist, in forward order; the copies go up
+    one after another in that order (``backward_order``: in the reverse one, as the
+    overlap's worker steps them), the gathers in forward order from ``gathers_from``."""
+    host = [b for b in buckets if b.copy is not None]
+    landed, t = [0.0] * len(host), float("-inf")
+    for i in reversed(range(len(host))) if backward_order else range(len(host)):
+        t = max(t, ready[i]) + host[i].copy
+        landed[i] = t
+    gathered, f, waited, j = gathers_from, start, 0.0, 0
     for b in buckets:
         if b.copy is not None:
-            host_done += b.elements
-            up = max(up, ready(host_done)) + b.copy
-            gathered = max(gathered, up) + b.gather
+            gathered = max(gathered, landed[j]) + b.gather
+            j += 1
             waited += max(0.0, gathered - f)  # the forward reached the bucket before it
             f = max(f, gathered)
         f += b.forward
@@ -67,3 +76,14 @@ def forward_delay(buckets, ready, start: float, gathers_from: float = 0.0) -> fl
 def device_gathers(buckets) -> float:
     """The device share's all-gathers: on the compute stream, before the forward."""
     return sum(b.gather for b in buckets if b.copy is None)
+
+
+def host_ready_in_turn(buckets, total: float) -> list[float]:
+    """Each host bucket's new params, in forward order, when a CPU Adam of ``total``
+    seconds steps them one after another in that order (the synchronous step)."""
+    host = [b.elements for b in buckets if b.copy is not None]
+    n, done, out = sum(host) or 1, 0, []
+    for e in host:
+        done += e
+        out.append(total * done / n)
+    return out

@@ -77,7 +77,7 @@ from ..ops.traffic import accumulate_arrays, adam_arrays, bytes_per_element, pub
 from ..optimizer.base import DEFAULT_BUCKET_SIZE
 from ..optimizer.split import split_buckets
 from .overlap_schedule import Overlap, buckets, keeping_up_backward, schedule
-from .publish import device_gathers, forward_delay, forward_order
+from .publish import device_gathers, forward_delay, forward_order, host_ready_in_turn
 from .shapes import spec_rank_shapes
 
 
@@ -305,32 +305,31 @@ def _offload_terms(
     return grad_exposed, accumulate, acc_last, adam_host, adam_device, up, ov, hide_bwd, streamed
 
 
-def _schedules(pub, H: float, D: float, under: float, left: float, beside: bool):
+def _schedules(pub, H: float, D: float, under: float, ov: Overlap, beside: bool):
     """Seconds after backward (and the norm) of each schedule's optimizer and publish, and
     the synchronous and the overlapped step's waits for the copies up: ``pub`` the buckets
     in forward order (planner/publish.py), ``H``/``D`` the CPU and the device share's
-    Adam, ``under`` the forward/backward DPU's host step runs behind, ``left`` what the
-    overlap's worker leaves after backward, ``beside``: the device share's Adam runs beside
-    that (the host's norm is the device's), else after it."""
+    Adam, ``under`` the forward/backward DPU's host step runs behind, ``ov`` the overlap's
+    worker (what it leaves after backward; each bucket's speculative step, whose params go
+    up then), ``beside``: the device share's Adam runs beside what the worker leaves (the
+    host's norm is the device's), else after it."""
     ag_dev = device_gathers(pub)
     # synchronous: the device share's Adam, publish and gathers first, beside the CPU Adam,
     # which steps the host buckets in forward order, each copied up behind its piece
     start = max(H, D + ag_dev)
-    pub_sync = forward_delay(pub, lambda x: H * x / (_host_elements(pub) or 1), start, D + ag_dev)
+    pub_sync = forward_delay(pub, host_ready_in_turn(pub, H), start, D + ag_dev)
     sync = start + pub_sync
     # DPU: the join waits for what forward/backward did not hide; then the device share's
     # publish and gathers, the copies up, and the device share's Adam before the forward
     dpu = max(0.0, H - under) + ag_dev + D
-    dpu += forward_delay(pub, lambda x: 0.0, ag_dev + D, ag_dev)
-    # overlap: the worker's leftover beside (or before) the device share's Adam, then the
-    # copies up, ready when the worker is done
+    dpu += forward_delay(pub, [0.0] * len(pub), ag_dev + D, ag_dev)
+    # overlap: the worker's leftover beside (or before) the device share's Adam; each host
+    # bucket went up as its speculative step ended (the worker's order is backward's); the
+    # gathers are issued at the step
+    left = ov.exposed
     start = max(left, D + ag_dev) if beside else left + D + ag_dev
-    pub_ov = forward_delay(pub, lambda x: left, start, D + ag_dev if beside else start)
+    pub_ov = forward_delay(pub, list(reversed(ov.ends)), start, start, backward_order=True)
     return sync, dpu, start + pub_ov, pub_sync, pub_ov
-
-
-def _host_elements(pub) -> int:
-    return sum(b.elements for b in pub if b.copy is not None)
 
 
 def _dp_link_gbs(gpus: int, machine: Machine) -> float:
@@ -412,7 +411,7 @@ def step_time(
     )  # fmt: skip
     before = work + norm
     sync, dpu, overlap, pub_sync, pub_ov = _schedules(
-        pub, adam_host, adam_device, k * fb, ov.exposed, k == 1 or accumulate_on_device
+        pub, adam_host, adam_device, k * fb, ov, k == 1 or accumulate_on_device
     )
     sync, dpu, overlap = before + sync, before + dpu, before - acc_last + overlap
     if mode != "offload":
