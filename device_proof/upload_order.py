@@ -17,6 +17,12 @@ record their order: the order is the same one the GPU relies on.
 
 **The broken variant** (``drop_upload_events``) loses the optimizer's upload events, as if
 the wait were removed: the check must then report FAIL.
+
+**The forward's waits** (``optimizer/param_waits.py``): the copies up run on their own
+stream and each module's forward waits for its own buckets. A DPU run whose forward does
+not wait (its hooks emptied) reads, on a GPU whose upload stream sleeps first, the weights
+before their copies land: its losses leave the reference's. A figure (on the CPU the copies
+are done when they return, so nothing can differ there).
 """
 
 from __future__ import annotations
@@ -32,8 +38,11 @@ STEPS = 4
 DELAY_S = 0.05  # the GPU stream's sleep before each burst of uploads
 
 
-def dpu_run(sec: Section, steps: int = STEPS, broken: bool = False) -> dict:
-    """D (DPU from step 1) against R (synchronous, fed D's parameters), under the ledger."""
+def dpu_run(sec: Section, steps: int = STEPS, broken: bool = False,
+            no_forward_waits: bool = False) -> dict:  # fmt: skip
+    """D (DPU from step 1) against R (synchronous, fed D's parameters), under the ledger;
+    ``no_forward_waits``: D's forward does not wait for its uploads (its reads here wait
+    for the whole device instead)."""
     built = {}
     delay = DELAY_S if sec.device.startswith("cuda") else 0.0
     ledger = CopyLedger(sec.device, delay_s=delay, drop_upload_events=broken)
@@ -45,6 +54,9 @@ def dpu_run(sec: Section, steps: int = STEPS, broken: bool = False) -> dict:
         )  # fmt: skip
         built[name] = (m, opt)
     (dm, dopt), (rm, ropt) = built["dpu"], built["ref"]
+    if no_forward_waits:
+        dopt.waits.wait_for = lambda buckets: None  # the hooks and params_ready wait for nothing
+        dopt.params_ready = _whole_device
     ref_params = [toy.flat_params(rm)]  # R's after step 0, 1, ...
     out = dict(losses=[], published=[], ref_losses=[])
     if True:  # the ledger sees D's copies, events and host writes as they happen
@@ -96,6 +108,18 @@ def sync_order(sec: Section):
     yield _order_line("upload_order.sync", ledger)
 
 
+def _whole_device() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def without_forward_waits(sec: Section):
+    """The forward's waits removed: on a GPU the losses leave the reference's."""
+    run = dpu_run(sec, no_forward_waits=True)
+    differ = sum(a != b for a, b in zip(run["losses"], run["ref_losses"]))
+    yield fig("upload_order.without_forward_waits.losses_differ", differ, "GPU: > 0 likely")
+
+
 def broken_variant(sec: Section):
     """The check is run on an optimizer with the upload wait removed: it must say FAIL."""
     run = dpu_run(sec, broken=True)
@@ -106,4 +130,4 @@ def broken_variant(sec: Section):
     yield fig("upload_order.without_the_wait.steps_corrupted", differ, "GPU: > 0 likely")
 
 
-TASKS = (dpu_delayed, sync_order, broken_variant)
+TASKS = (dpu_delayed, sync_order, broken_variant, without_forward_waits)

@@ -10,7 +10,8 @@
 #                    F=1 (bitwise where the arithmetic is the same); DPU "delayed" (after
 #                    step t its parameters are a synchronous reference's after t-1); the
 #                    host Adam never rewrites a staging before its uploads' wait, and a
-#                    deliberately broken optimizer (the wait removed) is caught
+#                    deliberately broken optimizer (the wait removed) is caught; a forward
+#                    without its per-bucket upload waits (a figure: its losses differ)
 #   3. speed         figures beside the throughput model: step time of each mode, PCIe GB/s
 #                    each way and bytes per parameter from the copies themselves, CPU Adam
 #                    GB/s, the share of host time the overlap hides, the D2H overlap share
