@@ -11,6 +11,8 @@ import sys
 
 from helpers import ROOT, tiny_model_flags
 
+from mp_offload.runtime.distributed import without_launcher
+
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
 # vocabulary 96 (NullTokenizer: 97 ids with its EOD)
 TINY = tiny_model_flags() + [
@@ -24,23 +26,12 @@ TINY = tiny_model_flags() + [
     "1",
 ]
 ERROR = "pretrain_gpt.py: error: "
-LAUNCHER_ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_USE_AGENT_STORE",
-)
 
 
 def pretrain_env(**extra) -> dict:
     """This environment less a launcher's variables (a test under torchrun must not hand
     them on), one thread, no warnings, the CPU; plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env = without_launcher(os.environ)
     return dict(env, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MP_OFFLOAD_DEVICE="cpu", **extra)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from mp_offload.runtime.distributed import without_launcher  # noqa: E402 (after the path)
 
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
 MODEL = [
@@ -45,19 +46,6 @@ MODEL = [
 ]
 TINY = MODEL + ["--mock-data", "--vocab-size", "96", "--train-iters", "2"]
 DATA = MODEL + ["--train-iters", "2", "--tokenizer-type", "NullTokenizer", "--vocab-size", "96"]
-LAUNCHER_ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_USE_AGENT_STORE",
-    "GROUP_RANK",
-    "ROLE_RANK",
-)
 
 
 @dataclass
@@ -104,7 +92,7 @@ def free_port() -> int:
 
 
 def environment(extra: dict) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env = without_launcher(os.environ)
     return dict(
         env,
         OMP_NUM_THREADS="1",

@@ -238,6 +238,20 @@ def _wait_for_master(addr: str, port: int, deadline: float, announce) -> None:
         time.sleep(0.2)
 
 
+# What torchrun sets in each rank's environment: a process that starts another run (a
+# test, a tool) removes them, or the child would join its parent's job.
+LAUNCHER_ENV = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE",
+    "GROUP_RANK", "ROLE_RANK",
+)  # fmt: skip
+
+
+def without_launcher(env) -> dict:
+    """``env`` less torchrun's variables (``LAUNCHER_ENV``)."""
+    return {k: v for k, v in env.items() if k not in LAUNCHER_ENV}
+
+
 def _rendezvous(rank: int, world: int, timeout: timedelta):
     """The store of this attempt once all ``world`` ranks have joined it.
 
